@@ -1,0 +1,24 @@
+# Two entry points (README): `make demo` and `make test`. Both create .venv on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.fxtrain-installed
+
+.PHONY: demo test bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/fxtrain demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(VENV)/bin/fxtrain bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info

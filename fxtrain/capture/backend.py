@@ -1,0 +1,43 @@
+"""The dynamo backend: receives each graph dynamo captures, runs our passes, hands it to an executor."""
+from __future__ import annotations
+
+import logging
+from typing import Callable, List
+
+import torch
+import torch.fx
+
+from ..options import Options
+from ..passes import run_passes
+from ..runtime import compile_graph
+from .info import CaptureInfo, GraphRecord
+
+logger = logging.getLogger("fxtrain")
+
+
+def current_mode(training: bool) -> str:
+    if not torch.is_grad_enabled():
+        return "no_grad"
+    return "train" if training else "eval"
+
+
+class Backend:
+    """One per TrainModule: owns the CaptureInfo that capture fills in."""
+
+    def __init__(self, info: CaptureInfo, options: Options, training: Callable[[], bool]) -> None:
+        self.info = info
+        self.options = options
+        self.training = training
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: List[object]) -> Callable[..., object]:
+        # No try/except here: dynamo restarts analysis by raising through its backend, and a real
+        # failure must reach TrainModule, which applies the fallback policy.
+        record = GraphRecord(index=len(self.info.records), mode=current_mode(self.training()), dynamo_graph=gm)
+        record.optimizations = run_passes(gm, example_inputs, self.options)
+        compiled = compile_graph(gm, example_inputs, self.options.executor, record)
+        self.info.records.append(record)
+        self.info.graphs += 1
+        self.info.optimizations.update(record.optimizations)
+        logger.info("captured graph %d (%s): %d nodes, executor %s", record.index, record.mode,
+                    len(gm.graph.nodes), self.options.executor)
+        return compiled

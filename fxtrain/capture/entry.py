@@ -1,0 +1,26 @@
+"""A dynamo entry point of its own for every TrainModule.
+
+Dynamo keeps its cache of captured graphs on the code object of the function it compiles. If all
+TrainModules shared one entry function, two models (or two instances of one model class) would
+evict each other and hit the recompile limit; copying the code object gives each its own cache.
+"""
+from __future__ import annotations
+
+import itertools
+import types
+from typing import Any, Callable
+
+import torch
+
+_counter = itertools.count()
+
+
+def _entry(module, args, kwargs):
+    return module(*args, **kwargs)
+
+
+def make_entry(backend: Callable[..., Any], dynamic: bool, fullgraph: bool) -> Callable[..., Any]:
+    name = f"fxtrain_capture_{next(_counter)}"
+    code = _entry.__code__.replace(co_name=name, co_qualname=name)
+    fn = types.FunctionType(code, _entry.__globals__, name)
+    return torch.compile(fn, backend=backend, dynamic=True if dynamic else False, fullgraph=fullgraph)

@@ -1,0 +1,48 @@
+"""What capture did, in a form a user can read and a test can assert on."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch.fx
+
+
+@dataclass
+class GraphRecord:
+    """One captured graph: the dynamo-level graph and the aten forward/backward graphs made from it."""
+
+    index: int
+    mode: str                                   # "train" | "eval" | "no_grad"
+    dynamo_graph: torch.fx.GraphModule
+    forward_graph: Optional[torch.fx.GraphModule] = None
+    backward_graph: Optional[torch.fx.GraphModule] = None
+    optimizations: Dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class CaptureInfo:
+    """Summary returned by ``TrainModule.capture_info()``.
+
+    ``graphs`` counts captures: a forward graph and its backward graph are one capture; a model
+    that breaks into k+1 pieces in one call counts k+1 graphs and k breaks.
+    """
+
+    graphs: int = 0
+    graph_breaks: int = 0
+    python_ops: List[str] = field(default_factory=list)
+    optimizations: Dict[str, str] = field(default_factory=dict)
+    fallback_reason: Optional[str] = None
+    executor: str = "eager"
+    break_reasons: List[str] = field(default_factory=list)
+    records: List[GraphRecord] = field(default_factory=list, repr=False)
+
+    def __str__(self) -> str:
+        lines = [f"graphs captured: {self.graphs}", f"graph breaks:    {self.graph_breaks}",
+                 f"executor:        {self.executor}",
+                 f"fallback:        {self.fallback_reason or 'no'}",
+                 f"python ops:      {', '.join(self.python_ops) or '-'}"]
+        for name, why in self.optimizations.items():
+            lines.append(f"  {name:<22} {why}")
+        for reason in self.break_reasons:
+            lines.append(f"  break: {reason}")
+        return "\n".join(lines)

@@ -1,0 +1,44 @@
+"""Inspect a call's inputs: reject what cannot work with a clear message, and summarise the schema.
+
+The schema (structure, dtypes, ranks, requires_grad, exact scalar types) tells TrainModule whether a
+call may trigger a capture, so that only those calls pay for the safety net of the eager fallback.
+"""
+from __future__ import annotations
+
+from typing import Any, Hashable, Optional, Tuple
+
+import torch
+
+_SCALARS = (bool, int, float, complex, str, bytes, type(None))
+
+
+def _is_numpy(x: Any) -> bool:
+    return type(x).__module__ == "numpy" and type(x).__name__ in ("ndarray", "matrix")
+
+
+def schema(value: Any, path: str, device: Optional[torch.device]) -> Hashable:
+    """Hashable summary of one input; raises TypeError/ValueError for inputs that cannot work."""
+    if isinstance(value, torch.Tensor):
+        if device is not None and value.device != device and value.dim() > 0:
+            raise ValueError(
+                f"fxtrain.TrainModule: input {path} is on device '{value.device}' but the module's "
+                f"parameters are on '{device}'; move the input with .to('{device}') (or the module with .to()).")
+        return ("T", value.dtype, value.dim(), value.requires_grad, value.device.type, value.layout)
+    if _is_numpy(value):
+        raise TypeError(f"fxtrain.TrainModule: input {path} is a numpy array; pass a torch.Tensor "
+                        f"(torch.from_numpy(x).to(device)) instead.")
+    if isinstance(value, (bool, str, bytes, type(None))):
+        return (type(value), value)
+    if isinstance(value, (int, float, complex)):
+        return (type(value),)
+    if isinstance(value, dict):
+        return (type(value), tuple((k, schema(v, f"{path}[{k!r}]", device)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return (type(value), tuple(schema(v, f"{path}[{i}]", device) for i, v in enumerate(value)))
+    # Any other object (a cache, a config, an enum): dynamo guards on it itself.
+    return (type(value), id(value))
+
+
+def call_schema(args: Tuple[Any, ...], kwargs: dict, device: Optional[torch.device]) -> Hashable:
+    return (tuple(schema(a, f"args[{i}]", device) for i, a in enumerate(args)),
+            tuple((k, schema(v, f"kwargs[{k!r}]", device)) for k, v in kwargs.items()))

@@ -1,0 +1,33 @@
+"""Whether fxtrain is capturing a graph right now.
+
+Dynamo evaluates ``torch.compiler.is_compiling()`` as a constant True while it traces and it is
+False at run time, so user code guarded by ``is_capturing()`` is left out of the graph without a
+guard that would force a recapture. fxtrain's own non-dynamo traces (fake-tensor runs) set the
+flag explicitly.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Iterator
+
+import torch
+
+_local = threading.local()
+
+
+def is_capturing() -> bool:
+    """True while fxtrain captures a graph: skip collectives, logging or anything not to be traced."""
+    if torch.compiler.is_compiling():
+        return True
+    return getattr(_local, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def capturing() -> Iterator[None]:
+    """Mark a region where fxtrain traces user code outside dynamo (e.g. on fake tensors)."""
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1

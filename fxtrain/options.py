@@ -1,0 +1,118 @@
+"""User-facing options: one dataclass, overridable by ``FXTRAIN_<FIELD>`` environment variables.
+
+Environment variables win over values passed in code so that a run can be re-configured (for
+example ``FXTRAIN_FALLBACK=raise`` in CI) without touching the training script.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import typing
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, Mapping, Optional
+
+logger = logging.getLogger("fxtrain")
+
+ENV_PREFIX = "FXTRAIN_"
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+@dataclass
+class Options:
+    """Every knob of fxtrain. The README table is generated from these fields (``fxtrain options``)."""
+
+    executor: str = field(default="eager", metadata={
+        "choices": ("eager", "inductor"),
+        "help": "What runs the captured aten graphs: 'eager' (aten ops one by one; fast first step) "
+                "or 'inductor' (generated kernels; slow first step)."})
+    fallback: str = field(default="eager", metadata={
+        "choices": ("eager", "raise"),
+        "help": "When capture fails: warn once and run the model eagerly, or raise."})
+    dynamic: bool = field(default=True, metadata={
+        "help": "Capture with symbolic sizes so a new batch size or sequence length does not recapture."})
+    fullgraph: bool = field(default=False, metadata={
+        "help": "Treat any graph break as a capture failure (then `fallback` decides)."})
+    recompile_limit: int = field(default=64, metadata={
+        "help": "Captures allowed for one TrainModule before it stops capturing new input schemas."})
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            if choices and value not in choices:
+                raise ValueError(f"fxtrain.Options.{f.name}={value!r}: expected one of {list(choices)}")
+        if self.recompile_limit < 1:
+            raise ValueError(f"fxtrain.Options.recompile_limit must be >= 1, got {self.recompile_limit}")
+
+    def with_env(self, environ: Optional[Mapping[str, str]] = None) -> "Options":
+        """Return a copy with every ``FXTRAIN_<FIELD>`` variable applied on top of these values."""
+        environ = os.environ if environ is None else environ
+        known = {ENV_PREFIX + f.name.upper(): f for f in fields(self)}
+        unknown = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in known
+                         and k not in _NON_OPTION_ENV)
+        if unknown:
+            logger.warning("ignoring unknown fxtrain environment variable(s) %s; known: %s",
+                           unknown, sorted(known))
+        updates: Dict[str, Any] = {}
+        for name, f in known.items():
+            if name in environ:
+                updates[f.name] = _parse(name, environ[name], _field_type(f))
+        return dataclasses.replace(self, **updates)
+
+    def as_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# Environment variables fxtrain reads that are not Options fields.
+_NON_OPTION_ENV = {"FXTRAIN_LOG_LEVEL"}
+
+
+def _field_type(f: dataclasses.Field) -> Any:
+    hints = typing.get_type_hints(Options)
+    return hints[f.name]
+
+
+def _parse(name: str, raw: str, typ: Any) -> Any:
+    """Parse one environment value into the field's type, failing with the variable's name."""
+    optional = typing.get_origin(typ) is typing.Union and type(None) in typing.get_args(typ)
+    if optional:
+        if raw.strip().lower() in ("", "none"):
+            return None
+        typ = next(a for a in typing.get_args(typ) if a is not type(None))
+    try:
+        if typ is bool:
+            low = raw.strip().lower()
+            if low in _TRUE:
+                return True
+            if low in _FALSE:
+                return False
+            raise ValueError("expected one of 1/0, true/false, yes/no, on/off")
+        if typ is int:
+            return int(raw)
+        if typ is float:
+            return float(raw)
+        return raw
+    except ValueError as e:
+        raise ValueError(f"environment variable {name}={raw!r} is not a valid {typ.__name__}: {e}") from None
+
+
+def resolve(options: Optional[Options]) -> Options:
+    """Effective options: the given (or default) values with the environment applied on top."""
+    if options is not None and not isinstance(options, Options):
+        raise TypeError(f"options must be fxtrain.Options, got {type(options).__name__}")
+    effective = (options or Options()).with_env()
+    logger.info("fxtrain options: %s", ", ".join(f"{k}={v!r}" for k, v in effective.as_dict().items()))
+    return effective
+
+
+def options_table() -> str:
+    """Markdown table of every option, its environment variable and default (used for the README)."""
+    rows = ["| option | env var | default | meaning |", "|---|---|---|---|"]
+    for f in fields(Options):
+        choices = f.metadata.get("choices")
+        meaning = f.metadata.get("help", "") + (f" One of {', '.join(choices)}." if choices else "")
+        rows.append(f"| `{f.name}` | `{ENV_PREFIX}{f.name.upper()}` | `{f.default!r}` | {meaning} |")
+    return "\n".join(rows)

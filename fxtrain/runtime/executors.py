@@ -1,0 +1,61 @@
+"""Executors: what turns a captured dynamo graph into something that runs forward and backward.
+
+"eager" splits the graph with AOTAutograd into aten forward/backward graphs and runs them op by op
+(no code generation, so the first step costs little more than eager PyTorch). "inductor" hands the
+graph to torch's code generator: faster kernels on some workloads, tens of seconds on the first step.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List
+
+import torch
+import torch.fx
+from functorch.compile import default_partition, make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+
+from ..capture.info import GraphRecord
+from .absent_grads import AbsentGradBackward
+
+Compiled = Callable[..., object]
+
+
+def _compile_eager(gm: torch.fx.GraphModule, example_inputs: List[object], record: GraphRecord) -> Compiled:
+    backward: List[AbsentGradBackward] = []
+
+    def forward_compiler(fw: torch.fx.GraphModule, _inputs: List[object]) -> Compiled:
+        record.forward_graph = fw
+        run = make_boxed_func(fw.forward)
+        # Read after the step (absent_grads.release_materialization), when the backward exists.
+        run.fxtrain_accepts_none = lambda: bool(backward) and backward[0].accepts_none
+        return run
+
+    def backward_compiler(bw: torch.fx.GraphModule, _inputs: List[object]) -> Compiled:
+        record.backward_graph = bw
+        backward.append(AbsentGradBackward(bw))
+        return backward[-1].boxed()
+
+    # default_partition saves what the backward needs instead of recomputing it: recomputation only
+    # pays when a code generator fuses it away, which this executor does not do.
+    compiler = aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler,
+                            inference_compiler=forward_compiler, partition_fn=default_partition)
+    return compiler(gm, example_inputs)
+
+
+def _compile_inductor(gm: torch.fx.GraphModule, example_inputs: List[object], record: GraphRecord) -> Compiled:
+    from torch._inductor.compile_fx import compile_fx
+    return compile_fx(gm, example_inputs)
+
+
+EXECUTORS: Dict[str, Callable[[torch.fx.GraphModule, List[object], GraphRecord], Compiled]] = {
+    "eager": _compile_eager,
+    "inductor": _compile_inductor,
+}
+
+
+def compile_graph(gm: torch.fx.GraphModule, example_inputs: List[object], executor: str,
+                  record: GraphRecord) -> Compiled:
+    try:
+        build = EXECUTORS[executor]
+    except KeyError:
+        raise ValueError(f"unknown executor {executor!r}; available: {sorted(EXECUTORS)}") from None
+    return build(gm, example_inputs, record)
