@@ -86,8 +86,10 @@ class TrainModule(nn.Module):
         snapshot = self._snapshot_buffers() if may_capture and self._options.fallback == "eager" else None
         graphs_before, breaks_before = self._info.graphs, _graph_break_total()
         try:
+            # specialize_float: float scalars in model code (scales, eps) otherwise make dynamo
+            # restart its analysis once, which doubles the first step's capture time.
             with torch._dynamo.config.patch(recompile_limit=self._options.recompile_limit,
-                                            fail_on_recompile_limit_hit=True):
+                                            fail_on_recompile_limit_hit=True, specialize_float=True):
                 out = self._compiled(self.module, args, kwargs)
         except Exception as exc:
             if not (may_capture or self._info.graphs != graphs_before
