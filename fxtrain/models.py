@@ -40,7 +40,9 @@ def roberta_cls(hidden: int = 64, layers: int = 2, heads: int = 2, vocab: int = 
     from transformers import RobertaConfig, RobertaForSequenceClassification
     cfg = RobertaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                         intermediate_size=4 * hidden, max_position_embeddings=514, pad_token_id=1,
-                        num_labels=labels)
+                        num_labels=labels, problem_type="single_label_classification")
+    # problem_type set up front: left None, the model writes it on its first call, and that change
+    # of its own config makes any capture (ours or torch.compile's) recapture once.
     return RobertaForSequenceClassification(_no_dropout(cfg))
 
 

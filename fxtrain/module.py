@@ -14,6 +14,7 @@ from .capture.backend import Backend, current_mode
 from .capture.entry import make_entry
 from .capture.info import CaptureInfo
 from .capture.inputs import call_schema
+from .capture.settings import dynamo_settings
 from .options import Options, resolve
 from .runtime.absent_grads import release_materialization
 
@@ -63,7 +64,10 @@ class TrainModule(nn.Module):
         self._options = resolve(options)
         self._info = CaptureInfo(executor=self._options.executor)
         self._backend = Backend(self._info, self._options, lambda: self.training)
-        self._compiled = make_entry(self._backend, self._options.dynamic, self._options.fullgraph)
+        # One entry (so one dynamo cache) per mode: train and eval are captured separately even
+        # for models whose code never reads `self.training`.
+        self._compiled = {mode: make_entry(self._backend, self._options.dynamic, self._options.fullgraph)
+                          for mode in (True, False)}
         self._seen: Set[Hashable] = set()
         self._device: Optional[torch.device] = None
         self._device_known = False
@@ -86,11 +90,8 @@ class TrainModule(nn.Module):
         snapshot = self._snapshot_buffers() if may_capture and self._options.fallback == "eager" else None
         graphs_before, breaks_before = self._info.graphs, _graph_break_total()
         try:
-            # specialize_float: float scalars in model code (scales, eps) otherwise make dynamo
-            # restart its analysis once, which doubles the first step's capture time.
-            with torch._dynamo.config.patch(recompile_limit=self._options.recompile_limit,
-                                            fail_on_recompile_limit_hit=True, specialize_float=True):
-                out = self._compiled(self.module, args, kwargs)
+            with torch._dynamo.config.patch(dynamo_settings(self._options)):
+                out = self._compiled[self.training](self.module, args, kwargs)
         except Exception as exc:
             if not (may_capture or self._info.graphs != graphs_before
                     or isinstance(exc, torch._dynamo.exc.TorchDynamoException)):

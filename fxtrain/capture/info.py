@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch.fx
 
@@ -16,6 +16,7 @@ class GraphRecord:
     dynamo_graph: torch.fx.GraphModule
     forward_graph: Optional[torch.fx.GraphModule] = None
     backward_graph: Optional[torch.fx.GraphModule] = None
+    backward_runner: Optional[Any] = None       # runtime object running backward_graph (executor's)
     optimizations: Dict[str, str] = field(default_factory=dict)
 
 

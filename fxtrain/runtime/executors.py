@@ -32,6 +32,7 @@ def _compile_eager(gm: torch.fx.GraphModule, example_inputs: List[object], recor
     def backward_compiler(bw: torch.fx.GraphModule, _inputs: List[object]) -> Compiled:
         record.backward_graph = bw
         backward.append(AbsentGradBackward(bw))
+        record.backward_runner = backward[-1]
         return backward[-1].boxed()
 
     # default_partition saves what the backward needs instead of recomputing it: recomputation only
