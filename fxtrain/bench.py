@@ -1,0 +1,181 @@
+"""Benchmark harness behind every performance claim: modes interleaved step by step in one process.
+
+The machines this runs on are shared and noisy, so absolute times drift; ratios between modes that
+ran in the same steps, in rotating order, do not. Every mode trains its own identical copy of the
+model (same seed) with AdamW on the same batches, so the loss columns double as a parity check.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+from tqdm import tqdm
+
+from . import models
+from .options import Options
+from .report import format_table
+
+logger = logging.getLogger("fxtrain")
+
+MODES = ("eager", "compile", "fxtrain", "fxtrain:eager", "fxtrain:inductor")
+
+
+@dataclass
+class BenchConfig:
+    model: str = "bert-mlm"
+    batch: int = 16
+    seq: int = 128
+    padding: float = 0.54
+    label_density: float = 0.07
+    padding_side: str = "right"
+    labels_at_end: Optional[float] = None
+    steps: int = 5
+    warmup: int = 1
+    modes: Sequence[str] = ("eager", "compile", "fxtrain")
+    lr: float = 1e-4
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.modes if m not in MODES]
+        if unknown:
+            raise ValueError(f"unknown mode(s) {unknown}; available: {', '.join(MODES)}")
+        if self.steps < 1 or self.warmup < 0:
+            raise ValueError("steps must be >= 1 and warmup >= 0")
+        if self.model not in models.PRESETS:
+            raise ValueError(f"unknown model {self.model!r}; built-in models: {', '.join(sorted(models.PRESETS))}")
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    first_step_s: float = 0.0
+    step_s: List[float] = field(default_factory=list)
+    losses: List[float] = field(default_factory=list)
+
+    @property
+    def median_ms(self) -> float:
+        return 1000 * statistics.median(self.step_s)
+
+    @property
+    def min_ms(self) -> float:
+        return 1000 * min(self.step_s)
+
+
+@dataclass
+class BenchResult:
+    config: BenchConfig
+    results: Dict[str, ModeResult]
+    densities: Dict[str, float]
+
+    def ratio(self, mode: str, baseline: str) -> Optional[float]:
+        if mode not in self.results or baseline not in self.results:
+            return None
+        return self.results[baseline].median_ms / self.results[mode].median_ms
+
+    def max_loss_diff(self, mode: str, baseline: str = "eager") -> Optional[float]:
+        if baseline not in self.results:
+            return None
+        a, b = self.results[mode].losses, self.results[baseline].losses
+        return max(abs(x - y) for x, y in zip(a, b))
+
+    def table(self) -> str:
+        headers = ["mode", "first step s", "median ms", "min ms", "vs eager", "vs compile", "max |loss - eager|"]
+        rows = []
+        for name, r in self.results.items():
+            vs_eager, vs_compile, diff = self.ratio(name, "eager"), self.ratio(name, "compile"), self.max_loss_diff(name)
+            rows.append([name, r.first_step_s, r.median_ms, r.min_ms,
+                         f"{vs_eager:.2f}x" if vs_eager else "-", f"{vs_compile:.2f}x" if vs_compile else "-",
+                         f"{diff:.2e}" if diff is not None else "-"])
+        c = self.config
+        title = (f"{c.model}: batch {c.batch} x seq {c.seq}, padding {self.densities['padding']:.0%}, "
+                 f"labelled {self.densities['labelled']:.1%}; {c.steps} timed steps after {c.warmup} warm-up, "
+                 f"modes interleaved")
+        return title + "\n" + format_table(headers, rows)
+
+    def to_json(self) -> Dict[str, Any]:
+        return {
+            "config": dataclasses.asdict(self.config) | {"modes": list(self.config.modes)},
+            "densities": self.densities,
+            "torch": torch.__version__,
+            "modes": {name: {"first_step_s": r.first_step_s, "median_ms": r.median_ms, "min_ms": r.min_ms,
+                             "step_s": r.step_s, "losses": r.losses, "vs_eager": self.ratio(name, "eager"),
+                             "vs_compile": self.ratio(name, "compile"),
+                             "max_loss_diff_vs_eager": self.max_loss_diff(name)}
+                      for name, r in self.results.items()},
+        }
+
+
+def _wrap(mode: str, model: torch.nn.Module) -> Callable[..., Any]:
+    """The callable a mode trains: the model itself, torch.compile of it, or a TrainModule."""
+    from .module import TrainModule
+
+    if mode == "eager":
+        return model
+    if mode == "compile":
+        return torch.compile(model)
+    executor = mode.split(":", 1)[1] if ":" in mode else None
+    options = Options() if executor is None else Options(executor=executor)
+    return TrainModule(model, options)
+
+
+def _step(fn: Callable[..., Any], opt: torch.optim.Optimizer, batch: Dict[str, torch.Tensor]) -> float:
+    out = fn(**batch)
+    loss = out["loss"] if isinstance(out, dict) else out.loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(loss.detach())
+
+
+def run_benchmark(config: BenchConfig, progress: bool = True) -> BenchResult:
+    base = models.build(config.model, seed=config.seed)
+    preset = models.PRESETS[config.model]
+    g = torch.Generator().manual_seed(config.seed)
+    n_batches = 1 + config.warmup + config.steps
+    batches = [models.synthetic_batch(preset.kind, config.batch, config.seq, preset.vocab, padding=config.padding,
+                                      label_density=config.label_density, pad_id=preset.pad_id,
+                                      padding_side=config.padding_side, labels_at_end=config.labels_at_end,
+                                      generator=g) for _ in range(n_batches)]
+    mask = torch.stack([b["attention_mask"] for b in batches])
+    labels = torch.stack([b["labels"] for b in batches]) if preset.kind != "cls" else None
+    densities = {"padding": 1 - mask.float().mean().item(),
+                 "labelled": (labels != -100).float().mean().item() if labels is not None else 1.0}
+
+    runs: Dict[str, Any] = {}
+    results = {m: ModeResult(m) for m in config.modes}
+    for mode in config.modes:
+        model = copy.deepcopy(base)
+        runs[mode] = (_wrap(mode, model), torch.optim.AdamW(model.parameters(), lr=config.lr))
+
+    total = len(config.modes) * n_batches
+    with tqdm(total=total, desc=f"bench {config.model}", disable=not progress, unit="step") as bar:
+        for i, batch in enumerate(batches):
+            order = list(config.modes)
+            k = i % len(order)
+            order = order[k:] + order[:k]  # rotate so no mode always runs right after another
+            for mode in order:
+                fn, opt = runs[mode]
+                t0 = time.perf_counter()
+                loss = _step(fn, opt, batch)
+                dt = time.perf_counter() - t0
+                r = results[mode]
+                r.losses.append(loss)
+                if i == 0:
+                    r.first_step_s = dt
+                elif i > config.warmup:
+                    r.step_s.append(dt)
+                bar.set_postfix_str(f"{mode} {dt * 1000:.0f} ms")
+                bar.update()
+    return BenchResult(config, results, densities)
+
+
+def write_json(result: BenchResult, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(result.to_json(), f, indent=2)

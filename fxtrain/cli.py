@@ -1,0 +1,108 @@
+"""`fxtrain` command line: each subcommand is a pair of functions registered in COMMANDS."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Callable, Dict, List, Optional, Tuple
+
+from .options import options_table
+
+Command = Tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int], str]
+
+
+def _bench_args(p: argparse.ArgumentParser, steps: int) -> None:
+    from .models import PRESETS
+    p.add_argument("--model", default="bert-mlm", choices=sorted(PRESETS))
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--padding", type=float, default=0.54, help="fraction of positions that are padding")
+    p.add_argument("--label-density", type=float, default=0.07, help="fraction of positions with a label (MLM)")
+    p.add_argument("--padding-side", choices=("right", "left"), default="right")
+    p.add_argument("--labels-at-end", type=float, default=None,
+                   help="causal LM: only the last FRACTION of each sequence carries labels")
+    p.add_argument("--steps", type=int, default=steps, help="timed steps per mode")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps after the first")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _config(args: argparse.Namespace, modes: List[str]):
+    from .bench import BenchConfig
+    return BenchConfig(model=args.model, batch=args.batch, seq=args.seq, padding=args.padding,
+                       label_density=args.label_density, padding_side=args.padding_side,
+                       labels_at_end=args.labels_at_end, steps=args.steps, warmup=args.warmup,
+                       modes=tuple(modes), seed=args.seed)
+
+
+def _run_and_print(args: argparse.Namespace, modes: List[str]) -> int:
+    from .bench import run_benchmark, write_json
+    result = run_benchmark(_config(args, modes), progress=not args.no_progress)
+    print(result.table())
+    if args.json:
+        write_json(result, args.json)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _demo_args(p: argparse.ArgumentParser) -> None:
+    _bench_args(p, steps=4)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    return _run_and_print(args, ["eager", "fxtrain"])
+
+
+def _bench_cmd_args(p: argparse.ArgumentParser) -> None:
+    from .bench import MODES
+    _bench_args(p, steps=5)
+    p.add_argument("--modes", default="eager,compile,fxtrain",
+                   help=f"comma-separated, from: {', '.join(MODES)}")
+
+
+def _bench(args: argparse.Namespace) -> int:
+    return _run_and_print(args, [m.strip() for m in args.modes.split(",") if m.strip()])
+
+
+def _options_args(p: argparse.ArgumentParser) -> None:
+    pass
+
+
+def _options(args: argparse.Namespace) -> int:
+    print(options_table())
+    return 0
+
+
+# Subcommand -> (add its arguments, run it, one-line help). Later features register here.
+COMMANDS: Dict[str, Command] = {
+    "demo": (_demo_args, _demo, "train the DESIGN §7 BERT-MLM with eager and with fxtrain side by side"),
+    "bench": (_bench_cmd_args, _bench, "eager vs torch.compile vs fxtrain, interleaved in one process"),
+    "options": (_options_args, _options, "print every option with its environment variable and default"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fxtrain", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO on the fxtrain logger")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (configure, _, help) in COMMANDS.items():
+        configure(sub.add_parser(name, help=help, description=help))
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = "INFO" if args.verbose else os.environ.get("FXTRAIN_LOG_LEVEL", "WARNING")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("fxtrain").setLevel(level.upper())
+    try:
+        return COMMANDS[args.command][1](args)
+    except ValueError as e:  # bad arguments that argparse could not see: one line, no traceback
+        print(f"fxtrain {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""The command line runs end to end on a tiny model and reports real, consistent numbers."""
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fxtrain import cli
+from fxtrain.options import Options
+
+TINY = ["--model", "bert-tiny", "--batch", "4", "--seq", "16", "--steps", "2", "--warmup", "0", "--no-progress"]
+
+
+def test_bench_json_has_every_mode_with_parity(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert cli.main(["bench", *TINY, "--modes", "eager,fxtrain,fxtrain:eager", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert set(data["modes"]) == {"eager", "fxtrain", "fxtrain:eager"}
+    for name, m in data["modes"].items():
+        assert len(m["step_s"]) == 2 and all(t > 0 for t in m["step_s"]) and m["first_step_s"] > 0
+        assert len(m["losses"]) == 3
+        assert m["max_loss_diff_vs_eager"] < 1e-4, name
+    assert 0.4 < data["densities"]["padding"] < 0.7
+    printed = capsys.readouterr().out
+    assert "vs eager" in printed and "fxtrain:eager" in printed
+
+
+def test_demo_prints_side_by_side_table(capsys):
+    assert cli.main(["demo", *TINY]) == 0
+    printed = capsys.readouterr().out
+    lines = [l for l in printed.splitlines() if l.startswith(("eager", "fxtrain"))]
+    assert [l.split()[0] for l in lines] == ["eager", "fxtrain"]
+
+
+def test_options_lists_every_field(capsys):
+    assert cli.main(["options"]) == 0
+    printed = capsys.readouterr().out
+    for f in dataclasses.fields(Options):
+        assert f"FXTRAIN_{f.name.upper()}" in printed
+
+
+def test_bad_mode_is_a_one_line_error(capsys):
+    assert cli.main(["bench", *TINY, "--modes", "eager,turbo"]) == 2
+    assert "unknown mode" in capsys.readouterr().err
+
+
+def test_console_script_runs():
+    exe = os.path.join(os.path.dirname(sys.executable), "fxtrain")
+    done = subprocess.run([exe, "options"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "FXTRAIN_EXECUTOR" in done.stdout
+    with pytest.raises(SystemExit):
+        cli.main(["no-such-command"])
