@@ -371,3 +371,36 @@ def test_inductor_executor_matches_eager():
     batches = [dict(x=torch.randn(b, 8), y=torch.randint(0, 4, (b,))) for b in (4, 6)]
     train_parity(tm, ref, batches, lambda out, _: out[0])
     assert tm.capture_info().executor == "inductor"
+
+
+def test_backend_failure_falls_back_with_root_cause(monkeypatch):
+    import fxtrain.capture.backend as backend
+
+    def broken(*_a, **_k):
+        raise NotImplementedError("executor cannot handle aten.frobnicate")
+
+    monkeypatch.setattr(backend, "compile_graph", broken)
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(MLP(), fallback="eager")
+    x = torch.randn(3, 8)
+    with pytest.warns(fxtrain.FallbackWarning, match="aten.frobnicate"):
+        _close(tm(x), ref(x))
+    assert "NotImplementedError: executor cannot handle aten.frobnicate" == tm.capture_info().fallback_reason
+    _close(tm(x), ref(x))  # stays eager, no second warning needed
+    tm2, _ = wrap_pair(MLP(), fallback="raise")
+    with pytest.raises(fxtrain.CaptureError, match="aten.frobnicate"):
+        tm2(x)
+
+
+def test_recompile_limit_goes_through_fallback_policy():
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(MLP(), fallback="raise", recompile_limit=1)
+    x = torch.randn(3, 8)
+    _close(tm(x), ref(x))
+    with pytest.raises(fxtrain.CaptureError):
+        tm(x.double().float().requires_grad_())  # a new requires_grad pattern needs a second capture
+    tm2, ref2 = wrap_pair(MLP(), fallback="eager", recompile_limit=1)
+    tm2(x)
+    with pytest.warns(fxtrain.FallbackWarning):
+        xr = torch.randn(3, 8, requires_grad=True)
+        _close(tm2(xr), ref2(xr))
