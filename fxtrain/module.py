@@ -1,6 +1,7 @@
 """TrainModule: the one-line wrapper that runs a module's training step from captured graphs."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 from typing import Any, Dict, Hashable, Iterator, Mapping, Optional, Set, Tuple
@@ -16,6 +17,7 @@ from .capture.info import CaptureInfo
 from .capture.inputs import call_schema
 from .capture.settings import dynamo_settings
 from .options import Options, resolve
+from .pythonop import routing
 from .runtime.absent_grads import release_materialization
 
 logger = logging.getLogger("fxtrain")
@@ -90,7 +92,7 @@ class TrainModule(nn.Module):
         snapshot = self._snapshot_buffers() if may_capture and self._options.fallback == "eager" else None
         graphs_before, breaks_before = self._info.graphs, _graph_break_total()
         try:
-            with torch._dynamo.config.patch(dynamo_settings(self._options)):
+            with torch._dynamo.config.patch(dynamo_settings(self._options)), self._routing():
                 out = self._compiled[self.training](self.module, args, kwargs)
         except Exception as exc:
             if not (may_capture or self._info.graphs != graphs_before
@@ -109,6 +111,15 @@ class TrainModule(nn.Module):
         if torch.is_grad_enabled():
             release_materialization(out)
         return out
+
+    def _routing(self) -> Any:
+        if not self._options.custom_autograd:
+            return contextlib.nullcontext()
+        return routing(self._record_python_op)
+
+    def _record_python_op(self, name: str) -> None:
+        if name not in self._info.python_ops:
+            self._info.python_ops.append(name)
 
     def _after_capture_failure(self, exc: Exception, snapshot: Optional[Dict[str, torch.Tensor]],
                                args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:

@@ -35,6 +35,9 @@ class Options:
         "help": "Capture with symbolic sizes so a new batch size or sequence length does not recapture."})
     fullgraph: bool = field(default=False, metadata={
         "help": "Treat any graph break as a capture failure (then `fallback` decides)."})
+    custom_autograd: bool = field(default=True, metadata={
+        "help": "Keep each custom torch.autograd.Function as an opaque PythonOp running the user's own "
+                "forward and backward; False lets dynamo trace (inline) it instead."})
     recompile_limit: int = field(default=64, metadata={
         "help": "Captures allowed for one TrainModule before it stops capturing new input schemas."})
 

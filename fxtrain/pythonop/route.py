@@ -1,0 +1,149 @@
+"""Routing ``Function.apply`` to the PythonOp pair while fxtrain captures.
+
+Dynamo turns every ``torch.autograd.Function`` subclass into an ``AutogradFunctionVariable`` and
+handles ``.apply`` in its ``call_apply``, where it would inline the user's forward (breaking the graph
+on numpy, ``.item()`` and the like) and rebuild a backward of its own. While a TrainModule captures
+with ``custom_autograd=True`` we answer ``call_apply`` ourselves, for every Function class, including
+ones defined later or inside functions: the call becomes one ``fxtrain::python_op`` node whose key
+points at a CallSpec (registry.py). Outside fxtrain's captures dynamo behaves exactly as before.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from typing import Any, Callable, Iterator, List, Optional, Sequence
+
+import torch
+from torch._dynamo.variables.misc import AutogradFunctionVariable
+
+from . import op as _op  # noqa: F401  (registers the torch.library ops)
+from ..capture.state import capturing
+from .registry import CONSTANT, TENSOR, CallSpec, qualified_name, register
+
+logger = logging.getLogger("fxtrain")
+
+_state = threading.local()
+_original_call_apply = AutogradFunctionVariable.call_apply
+
+
+class _Unsupported(Exception):
+    """This call cannot be a PythonOp; dynamo's own handling takes it (and says why if it fails)."""
+
+
+@contextlib.contextmanager
+def routing(on_python_op: Callable[[str], None]) -> Iterator[None]:
+    """Route Function.apply to PythonOps for dynamo traces started inside this block."""
+    previous = getattr(_state, "sink", None)
+    _state.sink = on_python_op
+    try:
+        yield
+    finally:
+        _state.sink = previous
+
+
+def _constant(vt: Any) -> Any:
+    try:
+        return vt.as_python_constant()
+    except Exception:
+        pass
+    for attr in ("value", "module"):
+        value = getattr(vt, attr, None)
+        if value is not None and not isinstance(value, torch.Tensor):
+            return value
+    raise _Unsupported(f"argument of kind {type(vt).__name__} has no Python value at capture time")
+
+
+def _example(vt: Any) -> torch.Tensor:
+    return vt.as_proxy().node.meta["example_value"]
+
+
+def _shape_fn(fn_cls: type, template: List[Any], out_kinds: List[Any], single: bool):
+    """Fake outputs for given fake inputs: ``infer_shape`` if the Function has one, else its fake run."""
+    infer = getattr(fn_cls, "infer_shape", None)
+
+    def run(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        args = [tensors[v] if kind == TENSOR else v for kind, v in template]
+        with capturing():
+            if infer is not None:
+                result = infer(*args)
+            else:
+                with torch.no_grad():
+                    result = fn_cls.apply(*args)
+        results = (result,) if single or isinstance(result, torch.Tensor) else tuple(result)
+        return [results[i] for i, (kind, _) in enumerate(out_kinds) if kind == TENSOR]
+
+    return run
+
+
+def _build_spec(tx: Any, fn_cls: type, args: List[Any]) -> tuple:
+    template, tensor_vts = [], []
+    for vt in args:
+        if vt.is_tensor():
+            template.append((TENSOR, len(tensor_vts)))
+            tensor_vts.append(vt)
+        else:
+            template.append((CONSTANT, _constant(vt)))
+    if not tensor_vts:
+        raise _Unsupported("no tensor argument")
+    fakes = [_example(vt) for vt in tensor_vts]
+    record = torch.is_grad_enabled() and any(f.requires_grad for f in fakes)
+    differentiable = [bool(record and f.requires_grad and (f.is_floating_point() or f.is_complex())) for f in fakes]
+    # Output structure from a fake run (or infer_shape): which outputs are tensors, which constants.
+    fake_mode = tx.output.fake_mode
+    infer = getattr(fn_cls, "infer_shape", None)
+    with fake_mode, torch.enable_grad(), capturing():
+        inputs = [f.detach().requires_grad_(d) for f, d in zip(fakes, differentiable)]
+        call_args = [inputs[v] if kind == TENSOR else v for kind, v in template]
+        try:
+            result = infer(*call_args) if infer is not None else fn_cls.apply(*call_args)
+        except Exception as e:
+            raise _Unsupported(f"its forward cannot run on fake tensors ({type(e).__name__}: {e}) and it "
+                               f"has no infer_shape static method") from e
+    single = not isinstance(result, tuple)
+    results = (result,) if single else result
+    outputs, n = [], 0
+    for r in results:
+        if isinstance(r, torch.Tensor):
+            outputs.append((TENSOR, n)); n += 1
+        elif r is None or isinstance(r, (bool, int, float, str)):
+            outputs.append((CONSTANT, r))
+        else:
+            raise _Unsupported(f"output of type {type(r).__name__}")
+    if n == 0:
+        raise _Unsupported("no tensor output")
+    grad_meta = [(f.dim(), f.dtype, f.device) for f, d in zip(fakes, differentiable) if d]
+    spec = CallSpec(fn_cls=fn_cls, template=template, outputs=outputs, single=single,
+                    differentiable=differentiable, record=record,
+                    shape_fn=_shape_fn(fn_cls, template, outputs, single), grad_meta=grad_meta)
+    return spec, tensor_vts
+
+
+def _make_call(key: int, outputs: List[Any], single: bool) -> Callable[..., Any]:
+    def fxtrain_python_op(*tensors: torch.Tensor) -> Any:
+        outs = torch.ops.fxtrain.python_op(key, list(tensors))
+        values = tuple(outs[v] if kind == TENSOR else v for kind, v in outputs)
+        return values[0] if single else values
+    return fxtrain_python_op
+
+
+def _call_apply(self: AutogradFunctionVariable, tx: Any, args: list, kwargs: dict) -> Any:
+    sink: Optional[Callable[[str], None]] = getattr(_state, "sink", None)
+    if sink is None or kwargs:
+        return _original_call_apply(self, tx, args, kwargs)
+    from torch._dynamo.variables import VariableTracker
+    try:
+        spec, tensor_vts = _build_spec(tx, self.fn_cls, list(args))
+    except _Unsupported as why:
+        logger.warning("fxtrain: %s is traced by dynamo, not kept as a PythonOp: %s",
+                       qualified_name(self.fn_cls), why)
+        return _original_call_apply(self, tx, args, kwargs)
+    key = register(spec)
+    sink(spec.name)
+    call = _make_call(key, spec.outputs, spec.single)
+    return VariableTracker.build(tx, call).call_function(tx, tensor_vts, {})
+
+
+def install() -> None:
+    """Install the routing hook once (it does nothing outside ``routing()`` blocks)."""
+    AutogradFunctionVariable.call_apply = _call_apply

@@ -1,0 +1,411 @@
+"""Custom autograd.Functions run intact inside one graph as PythonOps; eager PyTorch is the oracle."""
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import fxtrain
+from fxtrain.pythonop.op import POOL
+from utils import assert_grads_equal, wrap_pair
+
+
+def _close(a, b):
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+class Host(nn.Module):
+    """A linear layer whose output goes through ``fn(h, *extra)``; loss = sum of tensor outputs."""
+
+    def __init__(self, fn, *extra, reduce=None):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.fn, self.extra, self.reduce = fn, extra, reduce
+
+    def forward(self, x):
+        out = self.fn(self.lin(x), *self.extra)
+        if self.reduce is not None:
+            return self.reduce(out)
+        outs = out if isinstance(out, tuple) else (out,)
+        return sum(o.float().sum() for o in outs if isinstance(o, torch.Tensor) and o.is_floating_point())
+
+
+def _parity(model, batches=(3, 5, 2), **options):
+    tm, ref = wrap_pair(model, **options)
+    for b in batches:
+        x = torch.randn(b, 4)
+        out, r = tm(x), ref(x)
+        _close(out, r)
+        out.backward(); r.backward()
+        assert_grads_equal(tm.module, ref)
+        tm.zero_grad(); ref.zero_grad()
+    return tm
+
+
+# ------------------------------------------------------------------ one graph, identity, args
+class NumpySquare(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return torch.from_numpy(np.square(x.detach().numpy()))
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 2 * x * g
+
+    @staticmethod
+    def infer_shape(x):
+        return torch.empty_like(x)
+
+
+class ItemScale(torch.autograd.Function):
+    """Leaves torch with .item(): not traceable, no infer_shape: shaped by its example run is not
+    available at capture, so it carries infer_shape too."""
+
+    @staticmethod
+    def forward(ctx, x):
+        s = float(x.abs().max().item())
+        ctx.s = s
+        return x / s
+
+    @staticmethod
+    def backward(ctx, g):
+        return g / ctx.s
+
+    @staticmethod
+    def infer_shape(x):
+        return torch.empty_like(x)
+
+
+def test_functions_leaving_torch_stay_in_one_graph():
+    model = Host(lambda h: ItemScale.apply(NumpySquare.apply(h)))
+    tm = _parity(model)
+    info = tm.capture_info()
+    assert (info.graphs, info.graph_breaks) == (1, 0)
+    assert info.python_ops == [f"{__name__}.NumpySquare", f"{__name__}.ItemScale"]
+    nodes = [n for n in info.records[0].forward_graph.graph.nodes if "python_op" in str(n.target)]
+    assert len(nodes) == 2
+    assert any("python_op_backward" in str(n.target) for n in info.records[0].backward_graph.graph.nodes)
+    assert not POOL
+
+
+def _make_scale(factor):
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * factor
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * factor
+    return Scale
+
+
+def test_same_name_in_different_scopes_never_confused():
+    A, B = _make_scale(2.0), _make_scale(-3.0)
+    assert A.__qualname__ == B.__qualname__
+    model = Host(lambda h: A.apply(h) + B.apply(h))
+    tm = _parity(model)
+    assert tm.capture_info().python_ops == [f"{__name__}._make_scale.<locals>.Scale"]
+
+
+class Recorder(torch.autograd.Function):
+    seen = []
+
+    @staticmethod
+    def forward(ctx, a, x, f, b, i, tup, s, none, lst, dct, mod):
+        Recorder.seen.append((a, f, b, i, tup, s, none, lst, dct, mod))
+        ctx.f = f
+        return x * f if b else x
+
+    @staticmethod
+    def backward(ctx, g):
+        return (None, g * ctx.f) + (None,) * 9
+
+
+def test_non_tensor_arguments_keep_exact_values_types_and_identity():
+    lst, dct, sub = [1, 2], {"k": "v"}, nn.Identity()
+    f = 0.1234567890123456789  # not representable in float32
+    model = Host(lambda h: Recorder.apply(7, h, f, True, 3, (1.5, 2.5), "name", None, lst, dct, sub))
+    Recorder.seen.clear()
+    _parity(model, batches=(3,))
+    a, f2, b, i, tup, s, none, lst2, dct2, mod = Recorder.seen[-1]
+    assert type(a) is int and a == 7 and type(f2) is float and f2 == f and b is True and type(i) is int
+    assert type(tup) is tuple and tup == (1.5, 2.5) and all(type(v) is float for v in tup)
+    assert s == "name" and none is None and lst2 is lst and dct2 is dct and mod is sub
+
+
+class TensorsAnywhere(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, k, x, w, y):
+        ctx.save_for_backward(x, w, y)
+        return x * w + y * k
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w, y = ctx.saved_tensors
+        return None, g * w, (g * x).sum(0), g * 2.0
+
+
+def test_tensor_arguments_at_any_position():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.w = nn.Linear(4, 4), nn.Parameter(torch.randn(4))
+
+        def forward(self, x):
+            h = self.lin(x)
+            return TensorsAnywhere.apply(2.0, h, self.w, h.tanh()).sum()
+
+    _parity(M())
+
+
+# ------------------------------------------------------------------------------ outputs
+class MultiOut(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        idx = x.argmax(-1)
+        ctx.mark_non_differentiable(idx)
+        ctx.save_for_backward(x)
+        return x.sin(), x.cos(), idx
+
+    @staticmethod
+    def backward(ctx, ga, gb, gidx):
+        (x,) = ctx.saved_tensors
+        return ga * x.cos() - gb * x.sin()
+
+
+def test_multiple_outputs_integer_output_and_non_differentiable():
+    def use(h):
+        a, b, idx = MultiOut.apply(h)
+        assert idx.dtype == torch.int64 and not idx.requires_grad
+        return a * 2 + b + idx.unsqueeze(-1).float()
+    _parity(Host(use, reduce=lambda o: o.sum()))
+
+
+class Passthrough(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, how):
+        ctx.shape = x.shape
+        if how == "self":
+            return x
+        if how == "detach":
+            return x.detach()
+        return x.view(-1)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.reshape(ctx.shape) * 3, None
+
+
+@pytest.mark.parametrize("how", ["self", "detach", "view"])
+def test_output_aliasing_an_input(how):
+    _parity(Host(lambda h: Passthrough.apply(h, how) * h.sum(), reduce=lambda o: o.sum()))
+
+
+class NeedsGrad(torch.autograd.Function):
+    seen = []
+
+    @staticmethod
+    def forward(ctx, x, y):
+        return x * y
+
+    @staticmethod
+    def backward(ctx, g):
+        NeedsGrad.seen.append(tuple(ctx.needs_input_grad))
+        return g if ctx.needs_input_grad[0] else None, g if ctx.needs_input_grad[1] else None
+
+
+def test_needs_input_grad_matches_eager():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return NeedsGrad.apply(self.lin(x), x).sum()
+
+    NeedsGrad.seen.clear()
+    tm, ref = wrap_pair(M())
+    x = torch.randn(3, 4)
+    tm(x).backward(); ref(x).backward()
+    assert NeedsGrad.seen == [(True, False), (True, False)]
+    assert_grads_equal(tm.module, ref)
+
+
+class Materialize(torch.autograd.Function):
+    seen = []
+
+    @staticmethod
+    def forward(ctx, x, materialize):
+        ctx.set_materialize_grads(materialize)
+        return x * 2, x * 3
+
+    @staticmethod
+    def backward(ctx, ga, gb):
+        Materialize.seen.append((ga is None, gb is None))
+        total = ga * 2 if ga is not None else 0
+        return total + (gb * 3 if gb is not None else 0), None
+
+
+@pytest.mark.parametrize("materialize", [False, True])
+def test_materialize_grads(materialize):
+    Materialize.seen.clear()
+    _parity(Host(lambda h: Materialize.apply(h, materialize)[0], reduce=lambda o: o.sum()), batches=(3,))
+    expected = (False, not materialize)
+    assert Materialize.seen == [expected, expected]  # fxtrain's call and eager's call saw the same
+
+
+class NewStyle(torch.autograd.Function):
+    @staticmethod
+    def forward(x, k):
+        return x * k
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.k = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.k, None
+
+
+class OnceDiff(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.exp()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * x.exp()
+
+
+def test_setup_context_and_once_differentiable():
+    _parity(Host(lambda h: OnceDiff.apply(NewStyle.apply(h, 0.5))))
+
+
+def test_same_function_twice_on_shared_input_and_output_not_a_model_output():
+    def use(h):
+        a = OnceDiff.apply(h)
+        b = OnceDiff.apply(h)     # same Function, same input
+        _unused = NewStyle.apply(h, 2.0)  # its output is never a model output nor used
+        return a * b
+    tm = _parity(Host(use, reduce=lambda o: o.mean()))
+    assert not POOL
+
+
+def test_two_forwards_before_one_backward():
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(Host(lambda h: OnceDiff.apply(h)))
+    x1, x2 = torch.randn(3, 4), torch.randn(5, 4)
+    (tm(x1) + tm(x2)).backward()
+    (ref(x1) + ref(x2)).backward()
+    assert_grads_equal(tm.module, ref)
+    assert not POOL
+
+
+class ParamStorage(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w, x):
+        return w.detach()  # the parameter's own storage
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def test_function_returning_parameter_storage_accumulates_without_zero_grad():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4))
+
+        def forward(self, x):
+            return (ParamStorage.apply(self.w, x) * x).sum()
+
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(M())
+    for b in (2, 3, 4):  # no zero_grad: gradients accumulate
+        x = torch.randn(b, 4)
+        tm(x).backward(); ref(x).backward()
+        _close(tm.module.w.grad, ref.w.grad)
+
+
+class NonDiff(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return (x > 0).float()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("NonDiff has no gradient")
+
+
+def test_non_differentiable_function_whose_backward_raises():
+    def use(h):
+        return h * NonDiff.apply(h.detach())
+    _parity(Host(use, reduce=lambda o: o.sum()))
+    # and when the gradient does flow into it, the user's error surfaces as in eager
+    tm, ref = wrap_pair(Host(lambda h: NonDiff.apply(h), reduce=lambda o: o.sum()))
+    x = torch.randn(2, 4)
+    with pytest.raises(RuntimeError, match="NonDiff has no gradient"):
+        ref(x).backward()
+    with pytest.raises(RuntimeError, match="NonDiff has no gradient"):
+        tm(x).backward()
+
+
+def test_eval_and_no_grad():
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(Host(lambda h: NumpySquare.apply(h)))
+    tm.eval(); ref.eval()
+    x = torch.randn(3, 4)
+    _close(tm(x), ref(x))
+    with torch.no_grad():
+        _close(tm(x), ref(x))
+    assert not POOL
+    assert tm.capture_info().python_ops == [f"{__name__}.NumpySquare"]
+
+
+class PureTorch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.tanh()
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * 5.0 * (1 - x.tanh() ** 2)  # deliberately not the true derivative: must be honoured
+
+
+@pytest.mark.parametrize("custom_autograd", [True, False])
+def test_user_backward_honoured_with_and_without_pythonop(custom_autograd):
+    tm = _parity(Host(lambda h: PureTorch.apply(h)), custom_autograd=custom_autograd)
+    assert tm.capture_info().python_ops == ([f"{__name__}.PureTorch"] if custom_autograd else [])
+    assert tm.capture_info().graphs == 1  # dynamic batch: shaped by its fake run, no recapture
+
+
+def test_is_capturing_seen_by_function_during_capture_only():
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            seen.append(fxtrain.is_capturing())
+            return x * 1.0
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    tm, _ = wrap_pair(Host(lambda h: Probe.apply(h)))
+    tm(torch.randn(2, 4)).backward()
+    seen.clear()
+    tm(torch.randn(3, 4)).backward()
+    assert seen == [False]  # the real run is not a capture
+    assert not fxtrain.is_capturing()
