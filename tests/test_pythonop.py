@@ -409,3 +409,60 @@ def test_is_capturing_seen_by_function_during_capture_only():
     tm(torch.randn(3, 4)).backward()
     assert seen == [False]  # the real run is not a capture
     assert not fxtrain.is_capturing()
+
+
+class NumpyDoubleInPlace(torch.autograd.Function):
+    """In place through numpy, ctx.mark_dirty: not traceable, so it must be a PythonOp."""
+
+    @staticmethod
+    def forward(ctx, x):
+        arr = x.detach().numpy()
+        arr *= 2.0
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+    @staticmethod
+    def infer_shape(x):
+        return x
+
+
+class TorchDoubleInPlace(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        x.mul_(2)
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+@pytest.mark.parametrize("fn", [TorchDoubleInPlace, NumpyDoubleInPlace])
+def test_mark_dirty_in_place_update(fn):
+    tm = _parity(Host(lambda h: fn.apply(h.clone()) * 3, reduce=lambda o: o.sum()))
+    assert tm.capture_info().python_ops == [f"{__name__}.{fn.__name__}"]
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_torch_utils_checkpoint(reentrant):
+    import torch.utils.checkpoint as cp
+
+    def use(h):
+        return cp.checkpoint(lambda t: OnceDiff.apply(t.tanh()) * 2, h, use_reentrant=reentrant)
+    tm = _parity(Host(use, reduce=lambda o: o.sum()))
+    assert tm.capture_info().graph_breaks == 0
+
+
+def test_pool_entry_freed_when_no_backward_comes():
+    import gc
+    tm, _ = wrap_pair(Host(lambda h: OnceDiff.apply(h)))
+    out = tm(torch.randn(3, 4))
+    assert len(POOL) == 1  # waiting for a backward
+    del out
+    gc.collect()
+    assert not POOL

@@ -27,6 +27,19 @@ POOL: Dict[int, Tuple[List[torch.Tensor], List[torch.Tensor]]] = {}
 _HOST = torch.device("cpu")
 
 
+class _Copy(torch.autograd.Function):
+    """A recorded copy. Inside a custom op the dispatcher skips autograd, so a plain ``clone()``
+    would not be differentiable; a Function's apply records its node regardless."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return g
+
+
 def _forget(handle: int) -> None:
     POOL.pop(handle, None)
 
@@ -42,9 +55,12 @@ def python_op(key: int, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
     if spec.record:
         with torch.enable_grad():
             inputs = [t.detach().requires_grad_(d) for t, d in zip(tensors, spec.differentiable)]
-            result = spec.fn_cls.apply(*spec.arguments(inputs))
+            # A Function that modifies and returns its input (ctx.mark_dirty) gets non-leaf copies:
+            # autograd forbids in-place updates of leaves, and the op itself must stay functional.
+            work = [_Copy.apply(i) if spec.copy_inputs and d else i for i, d in zip(inputs, spec.differentiable)]
+            result = spec.fn_cls.apply(*spec.arguments(work))
     else:
-        inputs = list(tensors)
+        inputs = [t.clone() if spec.copy_inputs else t for t in tensors]
         with torch.no_grad():
             result = spec.fn_cls.apply(*spec.arguments(inputs))
     results = (result,) if spec.single else tuple(result)

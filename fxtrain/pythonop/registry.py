@@ -35,6 +35,7 @@ class CallSpec:
     single: bool
     differentiable: List[bool]          # per tensor input: may receive a gradient
     record: bool                        # capture happened with grad enabled: keep ctx for backward
+    copy_inputs: bool                   # forward returns an input (ctx.mark_dirty, or `return x`)
     shape_fn: Callable[[Sequence[torch.Tensor]], List[torch.Tensor]]
     grad_meta: List[Tuple[int, torch.dtype, torch.device]]   # (rank, dtype, device) per differentiable input
     name: str = field(init=False)

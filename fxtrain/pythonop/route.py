@@ -93,7 +93,9 @@ def _build_spec(tx: Any, fn_cls: type, args: List[Any]) -> tuple:
     fake_mode = tx.output.fake_mode
     infer = getattr(fn_cls, "infer_shape", None)
     with fake_mode, torch.enable_grad(), capturing():
-        inputs = [f.detach().requires_grad_(d) for f, d in zip(fakes, differentiable)]
+        # Non-leaf copies, as eager's inputs usually are: an in-place Function (ctx.mark_dirty)
+        # may not modify a leaf that requires grad.
+        inputs = [f.detach().requires_grad_(d) * 1 if d else f.detach() for f, d in zip(fakes, differentiable)]
         call_args = [inputs[v] if kind == TENSOR else v for kind, v in template]
         try:
             result = infer(*call_args) if infer is not None else fn_cls.apply(*call_args)
@@ -101,6 +103,7 @@ def _build_spec(tx: Any, fn_cls: type, args: List[Any]) -> tuple:
             raise _Unsupported(f"its forward cannot run on fake tensors ({type(e).__name__}: {e}) and it "
                                f"has no infer_shape static method") from e
     single = not isinstance(result, tuple)
+    copy_inputs = any(r is i for r in ((result,) if single else result) for i in inputs)
     results = (result,) if single else result
     outputs, n = [], 0
     for r in results:
@@ -114,7 +117,7 @@ def _build_spec(tx: Any, fn_cls: type, args: List[Any]) -> tuple:
         raise _Unsupported("no tensor output")
     grad_meta = [(f.dim(), f.dtype, f.device) for f, d in zip(fakes, differentiable) if d]
     spec = CallSpec(fn_cls=fn_cls, template=template, outputs=outputs, single=single,
-                    differentiable=differentiable, record=record,
+                    differentiable=differentiable, record=record, copy_inputs=copy_inputs,
                     shape_fn=_shape_fn(fn_cls, template, outputs, single), grad_meta=grad_meta)
     return spec, tensor_vts
 
