@@ -13,6 +13,7 @@ from torch._dynamo.utils import counters
 
 from .capture.backend import Backend, current_mode
 from .capture.entry import make_entry
+from .capture.state import in_fake_run
 from .capture.info import CaptureInfo
 from .capture.inputs import call_schema
 from .capture.settings import dynamo_settings
@@ -84,7 +85,7 @@ class TrainModule(nn.Module):
         return self._info
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._eager:
+        if self._eager or in_fake_run():
             return self.module(*args, **kwargs)
         key = (call_schema(args, kwargs, self._module_device()), current_mode(self.training),
                torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))

@@ -31,3 +31,8 @@ def capturing() -> Iterator[None]:
         yield
     finally:
         _local.depth -= 1
+
+
+def in_fake_run() -> bool:
+    """True inside fxtrain's own fake-tensor runs (not dynamo): nested TrainModules run eagerly there."""
+    return getattr(_local, "depth", 0) > 0 and not torch.compiler.is_compiling()
