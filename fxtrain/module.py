@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import warnings
 from typing import Any, Dict, Hashable, Iterator, Mapping, Optional, Set, Tuple
@@ -22,6 +23,7 @@ from .pythonop import routing
 from .runtime.absent_grads import release_materialization
 
 logger = logging.getLogger("fxtrain")
+_instances = itertools.count()
 
 
 class CaptureError(RuntimeError):
@@ -66,7 +68,8 @@ class TrainModule(nn.Module):
         self.module = module
         self._options = resolve(options)
         self._info = CaptureInfo(executor=self._options.executor)
-        self._backend = Backend(self._info, self._options, lambda: self.training)
+        self._backend = Backend(self._info, self._options, lambda: self.training,
+                               f"{type(module).__name__}-{next(_instances)}")
         # One entry (so one dynamo cache) per mode: train and eval are captured separately even
         # for models whose code never reads `self.training`.
         self._compiled = {mode: make_entry(self._backend, self._options.dynamic, self._options.fullgraph)

@@ -38,6 +38,9 @@ class Options:
     custom_autograd: bool = field(default=True, metadata={
         "help": "Keep each custom torch.autograd.Function as an opaque PythonOp running the user's own "
                 "forward and backward; False lets dynamo trace (inline) it instead."})
+    save_graphs_dir: Optional[str] = field(default=None, metadata={
+        "help": "Write every captured graph here (dynamo, aten forward and backward as readable FX code, "
+                "with the optimizations and PythonOps), one folder per capture, for debugging."})
     recompile_limit: int = field(default=64, metadata={
         "help": "Captures allowed for one TrainModule before it stops capturing new input schemas."})
 

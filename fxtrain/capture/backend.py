@@ -10,6 +10,7 @@ import torch.fx
 from ..options import Options
 from ..passes import run_passes
 from ..runtime import compile_graph
+from .dump import dump_capture
 from .info import CaptureInfo, GraphRecord
 
 logger = logging.getLogger("fxtrain")
@@ -24,8 +25,10 @@ def current_mode(training: bool) -> str:
 class Backend:
     """One per TrainModule: owns the CaptureInfo that capture fills in."""
 
-    def __init__(self, info: CaptureInfo, options: Options, training: Callable[[], bool]) -> None:
+    def __init__(self, info: CaptureInfo, options: Options, training: Callable[[], bool],
+                 owner: str = "model") -> None:
         self.info = info
+        self.owner = owner
         self.options = options
         self.training = training
 
@@ -38,6 +41,8 @@ class Backend:
         self.info.records.append(record)
         self.info.graphs += 1
         self.info.optimizations.update(record.optimizations)
+        if self.options.save_graphs_dir:
+            dump_capture(self.options.save_graphs_dir, self.owner, self.info, record)
         logger.info("captured graph %d (%s): %d nodes, executor %s", record.index, record.mode,
                     len(gm.graph.nodes), self.options.executor)
         return compiled
