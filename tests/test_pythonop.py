@@ -412,7 +412,7 @@ def test_is_capturing_seen_by_function_during_capture_only():
 
 
 class NumpyDoubleInPlace(torch.autograd.Function):
-    """In place through numpy, ctx.mark_dirty: not traceable, so it must be a PythonOp."""
+    """In place through numpy, ctx.mark_dirty: not traceable by torch."""
 
     @staticmethod
     def forward(ctx, x):
@@ -442,10 +442,110 @@ class TorchDoubleInPlace(torch.autograd.Function):
         return g * 2
 
 
-@pytest.mark.parametrize("fn", [TorchDoubleInPlace, NumpyDoubleInPlace])
-def test_mark_dirty_in_place_update(fn):
-    tm = _parity(Host(lambda h: fn.apply(h.clone()) * 3, reduce=lambda o: o.sum()))
-    assert tm.capture_info().python_ops == [f"{__name__}.{fn.__name__}"]
+def test_mark_dirty_keeps_in_place_semantics():
+    """The updated input is used after apply: a functional op would give a wrong answer, so the
+    Function is left to dynamo, which keeps in-place semantics."""
+    def use(h):
+        h = h.clone()
+        y = TorchDoubleInPlace.apply(h)
+        return y * 3 + h  # h was doubled in place
+    tm = _parity(Host(use, reduce=lambda o: o.sum()))
+    assert tm.capture_info().python_ops == []
+
+
+def test_untraceable_mark_dirty_still_matches_eager():
+    """Not a PythonOp (a functional op cannot update its input in place): dynamo's handling, exact."""
+    def use(h):
+        h = h.clone()
+        y = NumpyDoubleInPlace.apply(h)
+        return y * 3 + h
+    tm = _parity(Host(use, reduce=lambda o: o.sum()))
+    assert tm.capture_info().python_ops == []
+
+
+class SideEffect(torch.autograd.Function):
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        if not fxtrain.is_capturing():  # fxtrain's capture runs forward on fake tensors too
+            SideEffect.calls += 1
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+def test_function_called_for_its_side_effect_runs_every_step():
+    def use(h):
+        SideEffect.apply(h)  # output unused
+        return h
+    SideEffect.calls = 0
+    _parity(Host(use, reduce=lambda o: o.sum()), batches=(3, 4, 5))
+    assert SideEffect.calls == 6  # three steps, fxtrain and eager each
+
+
+class NonDiffFloat(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        y = x.round()
+        ctx.mark_non_differentiable(y)
+        return x * 2, y
+
+    @staticmethod
+    def backward(ctx, g, gy):
+        return g * 2
+
+
+def test_non_differentiable_float_output_does_not_require_grad():
+    seen = []
+
+    def use(h):
+        a, y = NonDiffFloat.apply(h)
+        seen.append(y.requires_grad)
+        return a + y
+    _parity(Host(use, reduce=lambda o: o.sum()), batches=(3,))
+    x = torch.randn(2, 4)
+    tm = fxtrain.TrainModule(Host(lambda h: NonDiffFloat.apply(h)[1], reduce=lambda o: o), fxtrain.Options(fallback="raise"))
+    assert tm(x).requires_grad is False
+
+
+class Cfg:
+    def __init__(self, k):
+        self.k = k
+
+
+class UsesCfg(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cfg, items):
+        ctx.k = cfg.k
+        if not fxtrain.is_capturing():
+            items.append(1)
+        return x * cfg.k
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.k, None, None
+
+
+def test_reference_arguments_are_the_users_objects_and_guarded():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.cfg, self.items = nn.Linear(4, 4), Cfg(2.0), []
+
+        def forward(self, x):
+            return UsesCfg.apply(self.lin(x), self.cfg, self.items).sum()
+
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(M())
+    x = torch.randn(3, 4)
+    _close(tm(x), ref(x))
+    assert tm.module.items == [1] and ref.items == [1]  # the very list object, appended once per real run
+    tm.module.cfg = Cfg(5.0)
+    ref.cfg = Cfg(5.0)
+    _close(tm(x), ref(x))  # a replaced object is seen (the capture is guarded on its identity)
 
 
 @pytest.mark.parametrize("reentrant", [True, False])
@@ -460,9 +560,31 @@ def test_torch_utils_checkpoint(reentrant):
 
 def test_pool_entry_freed_when_no_backward_comes():
     import gc
+    gc.collect()
+    before = len(POOL)
     tm, _ = wrap_pair(Host(lambda h: OnceDiff.apply(h)))
     out = tm(torch.randn(3, 4))
-    assert len(POOL) == 1  # waiting for a backward
+    assert len(POOL) == before + 1  # waiting for a backward
     del out
     gc.collect()
-    assert not POOL
+    assert len(POOL) == before
+
+
+def test_returned_but_undifferentiated_output_arrives_as_none():
+    """The Function's second output is a model output nobody differentiates: None, as in eager."""
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            a, b = Materialize.apply(self.lin(x), False)
+            return a.sum(), b
+
+    Materialize.seen.clear()
+    tm, ref = wrap_pair(M())
+    x = torch.randn(3, 4)
+    tm(x)[0].backward()
+    ref(x)[0].backward()
+    assert Materialize.seen == [(False, True), (False, True)]
+    assert_grads_equal(tm.module, ref)

@@ -11,33 +11,42 @@ entry goes when the backward ran or when the handle tensor is freed (no backward
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from .registry import SPECS, TENSOR
+from .registry import CONSTANT, SPECS
 
 _lock = threading.Lock()
 _handles = itertools.count(1)
 POOL: Dict[int, Tuple[List[torch.Tensor], List[torch.Tensor]]] = {}
-# The handle is host-side bookkeeping read with int(): keeping it on the host avoids a device sync.
-_HOST = torch.device("cpu")
+_C = torch._C
+_AUTOGRAD_KEYS = (_C.DispatchKey.AutogradFunctionality, _C.DispatchKey.AutogradOther,
+                  _C.DispatchKey.AutogradNestedTensor, _C.DispatchKey.ADInplaceOrView)
 
 
-class _Copy(torch.autograd.Function):
-    """A recorded copy. Inside a custom op the dispatcher skips autograd, so a plain ``clone()``
-    would not be differentiable; a Function's apply records its node regardless."""
+def _handle_device(tensors: Sequence[torch.Tensor]) -> torch.device:
+    # The handle follows the data (reading it back with int() costs a sync on an accelerator).
+    return tensors[0].device
 
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.clone()
 
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-        return g
+@contextlib.contextmanager
+def _autograd_dispatch() -> Iterator[None]:
+    """Run user code with autograd dispatch on, as in eager.
+
+    A custom op's implementation runs below the autograd layer of the dispatcher, where no op
+    records a gradient even with grad enabled; the user's backward may rely on autograd (recompute
+    then ``torch.autograd.grad``), and we record the forward ourselves.
+    """
+    exclude = _C._dispatch_tls_local_exclude_set()
+    for key in _AUTOGRAD_KEYS:
+        exclude = exclude.remove(key)
+    with _C._ForceDispatchKeyGuard(_C._dispatch_tls_local_include_set(), exclude):
+        yield
 
 
 def _forget(handle: int) -> None:
@@ -53,18 +62,19 @@ def _shares_storage(t: torch.Tensor, inputs: Sequence[torch.Tensor]) -> bool:
 def python_op(key: int, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
     spec = SPECS[key]
     if spec.record:
-        with torch.enable_grad():
+        with torch.enable_grad(), _autograd_dispatch():
             inputs = [t.detach().requires_grad_(d) for t, d in zip(tensors, spec.differentiable)]
-            # A Function that modifies and returns its input (ctx.mark_dirty) gets non-leaf copies:
-            # autograd forbids in-place updates of leaves, and the op itself must stay functional.
-            work = [_Copy.apply(i) if spec.copy_inputs and d else i for i, d in zip(inputs, spec.differentiable)]
-            result = spec.fn_cls.apply(*spec.arguments(work))
+            result = spec.fn_cls.apply(*spec.arguments(inputs))
     else:
-        inputs = [t.clone() if spec.copy_inputs else t for t in tensors]
+        inputs = list(tensors)
         with torch.no_grad():
             result = spec.fn_cls.apply(*spec.arguments(inputs))
     results = (result,) if spec.single else tuple(result)
-    outs = [results[i] for i, (kind, _) in enumerate(spec.outputs) if kind == TENSOR]
+    outs = [results[i] for i, (kind, _) in enumerate(spec.outputs) if kind != CONSTANT]
+    if any(o is i for o in outs for i in inputs):  # apply hands back an input only when marked dirty
+        raise RuntimeError(f"fxtrain: {spec.name} modifies an input in place (ctx.mark_dirty), which a PythonOp "
+                           f"cannot reproduce; make its forward traceable by torch (it then is traced with "
+                           f"in-place semantics) or use Options(custom_autograd=False)")
     # A custom op may not return its inputs or views of them: copy only those.
     returned = [o.detach().clone() if _shares_storage(o, tensors) else o.detach() for o in outs]
     handle_id = 0
@@ -72,7 +82,7 @@ def python_op(key: int, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
         with _lock:
             handle_id = next(_handles)
         POOL[handle_id] = (inputs, outs)
-    handle = torch.tensor(handle_id, dtype=torch.int64, device=_HOST)
+    handle = torch.tensor(handle_id, dtype=torch.int64, device=_handle_device(tensors))
     if handle_id:
         weakref.finalize(handle, _forget, handle_id)
     return returned + [handle]
@@ -82,14 +92,16 @@ def python_op(key: int, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
 def _python_op_fake(key: int, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
     spec = SPECS[key]
     outs = spec.shape_fn(tensors)
-    return [torch.empty_like(o) for o in outs] + [torch.empty((), dtype=torch.int64, device=_HOST)]
+    return [torch.empty_like(o) for o in outs] + [torch.empty((), dtype=torch.int64, device=_handle_device(tensors))]
 
 
 @torch.library.custom_op("fxtrain::python_op_backward", mutates_args=())
 def python_op_backward(key: int, handle: torch.Tensor, grads: List[Optional[torch.Tensor]],
                        sizes: List[int]) -> List[torch.Tensor]:
     spec = SPECS[key]
-    entry = POOL.pop(int(handle), None)
+    # backward(retain_graph=True) may run this node again: keep the forward state for it.
+    keep = torch._C._autograd._get_current_graph_task_keep_graph()
+    entry = POOL.get(int(handle)) if keep else POOL.pop(int(handle), None)
     if entry is None:
         raise RuntimeError(f"fxtrain: the forward state of {spec.name} is gone: was backward called twice "
                            f"on a graph that was not retained?")
@@ -98,7 +110,7 @@ def python_op_backward(key: int, handle: torch.Tensor, grads: List[Optional[torc
     wanted = [i for i, d in zip(inputs, spec.differentiable) if d]
     result: List[Optional[torch.Tensor]] = [None] * len(wanted)
     if pairs and wanted:
-        with torch.enable_grad():
+        with torch.enable_grad(), _autograd_dispatch():
             result = list(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
                                               allow_unused=True))
     given = [g for g in grads if g is not None]
@@ -143,3 +155,8 @@ def _backward(ctx: Any, grads: List[Optional[torch.Tensor]]) -> Tuple[None, List
 
 
 python_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# Never dead code: a Function may be called for its side effects alone, as in eager.
+torch.fx.node.has_side_effect(torch.ops.fxtrain.python_op.default)
+torch.fx.node.has_side_effect(torch.ops.fxtrain.python_op_backward.default)

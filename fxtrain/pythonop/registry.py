@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 import torch
 
 TENSOR = "tensor"
+DETACHED = "detached"   # a tensor output that is not differentiable
 CONSTANT = "constant"
 
 
@@ -29,13 +30,12 @@ class CallSpec:
     fn_cls: type
     # One entry per positional argument of apply: (TENSOR, index into the tensor list) or (CONSTANT, value).
     template: List[Tuple[str, Any]]
-    # Per output of apply: (TENSOR, index into the op's outputs) or (CONSTANT, value); `single` when
+    # Per output of apply: (TENSOR or DETACHED, index into the op's outputs) or (CONSTANT, value); `single` when
     # apply returned one object rather than a tuple.
     outputs: List[Tuple[str, Any]]
     single: bool
     differentiable: List[bool]          # per tensor input: may receive a gradient
     record: bool                        # capture happened with grad enabled: keep ctx for backward
-    copy_inputs: bool                   # forward returns an input (ctx.mark_dirty, or `return x`)
     shape_fn: Callable[[Sequence[torch.Tensor]], List[torch.Tensor]]
     grad_meta: List[Tuple[int, torch.dtype, torch.device]]   # (rank, dtype, device) per differentiable input
     name: str = field(init=False)

@@ -19,7 +19,7 @@ from torch._dynamo.variables.misc import AutogradFunctionVariable
 
 from . import op as _op  # noqa: F401  (registers the torch.library ops)
 from ..capture.state import capturing
-from .registry import CONSTANT, TENSOR, CallSpec, qualified_name, register
+from .registry import CONSTANT, DETACHED, TENSOR, CallSpec, qualified_name, register
 
 logger = logging.getLogger("fxtrain")
 
@@ -42,16 +42,35 @@ def routing(on_python_op: Callable[[str], None]) -> Iterator[None]:
         _state.sink = previous
 
 
-def _constant(vt: Any) -> Any:
-    try:
-        return vt.as_python_constant()
-    except Exception:
-        pass
-    for attr in ("value", "module"):
-        value = getattr(vt, attr, None)
-        if value is not None and not isinstance(value, torch.Tensor):
-            return value
-    raise _Unsupported(f"argument of kind {type(vt).__name__} has no Python value at capture time")
+def _is_exact(value: Any) -> bool:
+    if value is None or type(value) in (bool, int, float, complex, str):
+        return True
+    return type(value) is tuple and all(_is_exact(v) for v in value)
+
+
+def _argument(tx: Any, vt: Any) -> Any:
+    """The Python value of a non-tensor argument: exact scalars by value, anything else by reference.
+
+    A reference must be the user's very object (not dynamo's reconstruction of it), so it is read
+    from its source and the capture is guarded on its identity: replacing ``model.cfg`` after
+    capture recaptures instead of silently running with the old object.
+    """
+    if vt.is_python_constant():
+        try:
+            value = vt.as_python_constant()
+        except Exception:
+            value = None
+        else:
+            if _is_exact(value):
+                return value
+    source = getattr(vt, "source", None)
+    if source is None:
+        raise _Unsupported(f"a {type(vt).__name__} argument created inside the traced code has no "
+                           f"object to pass by reference")
+    from torch._dynamo.guards import GuardBuilder, install_guard
+    value = tx.output.resolve_source_value(source)
+    install_guard(source.make_guard(GuardBuilder.ID_MATCH))
+    return value
 
 
 def _example(vt: Any) -> torch.Tensor:
@@ -71,7 +90,7 @@ def _shape_fn(fn_cls: type, template: List[Any], out_kinds: List[Any], single: b
                 with torch.no_grad():
                     result = fn_cls.apply(*args)
         results = (result,) if single or isinstance(result, torch.Tensor) else tuple(result)
-        return [results[i] for i, (kind, _) in enumerate(out_kinds) if kind == TENSOR]
+        return [results[i] for i, (kind, _) in enumerate(out_kinds) if kind in (TENSOR, DETACHED)]
 
     return run
 
@@ -83,7 +102,7 @@ def _build_spec(tx: Any, fn_cls: type, args: List[Any]) -> tuple:
             template.append((TENSOR, len(tensor_vts)))
             tensor_vts.append(vt)
         else:
-            template.append((CONSTANT, _constant(vt)))
+            template.append((CONSTANT, _argument(tx, vt)))
     if not tensor_vts:
         raise _Unsupported("no tensor argument")
     fakes = [_example(vt) for vt in tensor_vts]
@@ -103,12 +122,19 @@ def _build_spec(tx: Any, fn_cls: type, args: List[Any]) -> tuple:
             raise _Unsupported(f"its forward cannot run on fake tensors ({type(e).__name__}: {e}) and it "
                                f"has no infer_shape static method") from e
     single = not isinstance(result, tuple)
-    copy_inputs = any(r is i for r in ((result,) if single else result) for i in inputs)
+    for r in ((result,) if single else result):
+        # apply returns the very input object only for inputs marked dirty (ctx.mark_dirty).
+        if isinstance(r, torch.Tensor) and any(r is i for i in inputs):
+            # Eager updates the caller's tensor in place; an opaque functional op cannot, so leave
+            # the Function to dynamo, which keeps in-place semantics.
+            raise _Unsupported("it modifies an input in place (ctx.mark_dirty)")
     results = (result,) if single else result
     outputs, n = [], 0
     for r in results:
         if isinstance(r, torch.Tensor):
-            outputs.append((TENSOR, n)); n += 1
+            # ctx.mark_non_differentiable (or an integer output): detached in the graph, as in eager.
+            detach = record and infer is None and not r.requires_grad
+            outputs.append((DETACHED if detach else TENSOR, n)); n += 1
         elif r is None or isinstance(r, (bool, int, float, str)):
             outputs.append((CONSTANT, r))
         else:
@@ -117,7 +143,7 @@ def _build_spec(tx: Any, fn_cls: type, args: List[Any]) -> tuple:
         raise _Unsupported("no tensor output")
     grad_meta = [(f.dim(), f.dtype, f.device) for f, d in zip(fakes, differentiable) if d]
     spec = CallSpec(fn_cls=fn_cls, template=template, outputs=outputs, single=single,
-                    differentiable=differentiable, record=record, copy_inputs=copy_inputs,
+                    differentiable=differentiable, record=record,
                     shape_fn=_shape_fn(fn_cls, template, outputs, single), grad_meta=grad_meta)
     return spec, tensor_vts
 
@@ -125,7 +151,8 @@ def _build_spec(tx: Any, fn_cls: type, args: List[Any]) -> tuple:
 def _make_call(key: int, outputs: List[Any], single: bool) -> Callable[..., Any]:
     def fxtrain_python_op(*tensors: torch.Tensor) -> Any:
         outs = torch.ops.fxtrain.python_op(key, list(tensors))
-        values = tuple(outs[v] if kind == TENSOR else v for kind, v in outputs)
+        values = tuple(outs[v] if kind == TENSOR else outs[v].detach() if kind == DETACHED else v
+                       for kind, v in outputs)
         return values[0] if single else values
     return fxtrain_python_op
 

@@ -23,6 +23,14 @@ logger = logging.getLogger("fxtrain")
 _ADDS = (torch.ops.aten.add.Tensor,)
 
 
+def _python_op_backward() -> Any:
+    import fxtrain.pythonop.op  # noqa: F401  (registers the op)
+    return torch.ops.fxtrain.python_op_backward.default
+
+
+_ACCEPT_NONE = {_python_op_backward()}
+
+
 def _meta(node: torch.fx.Node) -> Any:
     return node.meta.get("val")
 
@@ -77,6 +85,10 @@ def _eliminate(gm: torch.fx.GraphModule, absent: Sequence[int]) -> Tuple[torch.f
                         break
             if node in env:
                 continue
+        if node.target in _ACCEPT_NONE:
+            # A PythonOp's backward takes Tensor?[]: the absent gradient arrives as None, as in eager.
+            env[node] = graph.node_copy(node, lambda n: None if n in absent_nodes else env[n])
+            continue
         env[node] = graph.node_copy(node, lambda n: env[n])
     new_gm = torch.fx.GraphModule(gm, graph)
     new_placeholders = [n for n in new_gm.graph.nodes if n.op == "placeholder"]
