@@ -38,6 +38,22 @@ class Options:
     custom_autograd: bool = field(default=True, metadata={
         "help": "Keep each custom torch.autograd.Function as an opaque PythonOp running the user's own "
                 "forward and backward; False lets dynamo trace (inline) it instead."})
+    label_sparsity: str = field(default="auto", metadata={
+        "choices": ("auto", "on", "off"),
+        "help": "Compute the LM head (and what feeds only it) for labelled positions only; 'auto' turns it "
+                "on when the label density of the capturing batch is below `sparsity_threshold`."})
+    padding_elimination: str = field(default="auto", metadata={
+        "choices": ("auto", "on", "off"),
+        "help": "Run token-wise work (projections, FFN, LayerNorm) on non-padding tokens only; 'auto' turns "
+                "it on when the token density of the capturing batch is below `sparsity_threshold`."})
+    upstream_slicing: str = field(default="auto", metadata={
+        "choices": ("auto", "on", "off"),
+        "help": "When the model keeps only some rows (e.g. `h[:, 0]` for a classifier), compute the last "
+                "layers' token-wise work for those rows only."})
+    sparsity_threshold: float = field(default=0.9, metadata={
+        "help": "Density (labelled or non-padding fraction) below which an 'auto' sparsity pass turns on."})
+    log_density: bool = field(default=False, metadata={
+        "help": "Log the label and token density of every batch at INFO (the inspector watching)."})
     save_graphs_dir: Optional[str] = field(default=None, metadata={
         "help": "Write every captured graph here (dynamo, aten forward and backward as readable FX code, "
                 "with the optimizations and PythonOps), one folder per capture, for debugging."})
@@ -50,6 +66,8 @@ class Options:
             value = getattr(self, f.name)
             if choices and value not in choices:
                 raise ValueError(f"fxtrain.Options.{f.name}={value!r}: expected one of {list(choices)}")
+        if not 0.0 <= self.sparsity_threshold <= 1.0:
+            raise ValueError(f"fxtrain.Options.sparsity_threshold must be within [0, 1], got {self.sparsity_threshold}")
         if self.recompile_limit < 1:
             raise ValueError(f"fxtrain.Options.recompile_limit must be >= 1, got {self.recompile_limit}")
 

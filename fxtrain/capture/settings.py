@@ -30,4 +30,7 @@ def dynamo_settings(options: Options) -> Dict[str, Any]:
         # which doubles the first step's capture time.
         specialize_float=True,
         ignore_logging_functions=logging_functions(),
+        # Sparsity passes select rows with nonzero(): a size known only at run time, which the
+        # shape environment must accept (and user code calling nonzero then stays in the graph).
+        capture_dynamic_output_shape_ops=True,
     )

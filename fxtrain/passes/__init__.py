@@ -5,36 +5,29 @@ autograd like any other torch code and the backward graph shrinks with the forwa
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Dict, List, Sequence
+from typing import Dict, List, Sequence
 
 import torch.fx
 
 from ..options import Options
+from .base import Pass, PassReport
+from .label_sparsity import label_sparsity
 
-
-@dataclass
-class PassReport:
-    name: str
-    applied: bool
-    reason: str
-
-    def __str__(self) -> str:
-        return f"{'on' if self.applied else 'off'}: {self.reason}"
-
-
-Pass = Callable[[torch.fx.GraphModule, Sequence[object], Options], PassReport]
-
-# Filled in the order the passes must run; empty until the FLOP-reduction passes land.
-PASSES: List[Pass] = []
+# In the order they must run.
+PASSES: List[Pass] = [label_sparsity]
 
 
 def run_passes(gm: torch.fx.GraphModule, example_inputs: Sequence[object], options: Options) -> Dict[str, str]:
     reports: Dict[str, str] = {}
+    changed = False
     for p in PASSES:
         report = p(gm, example_inputs, options)
         reports[report.name] = str(report)
-    if PASSES:
+        changed |= report.applied
+    if changed:
         gm.graph.lint()
         gm.recompile()
     return reports
+
+
+__all__ = ["PASSES", "Pass", "PassReport", "run_passes"]

@@ -32,10 +32,11 @@ _ACCEPT_NONE = {_python_op_backward()}
 
 
 def _meta(node: torch.fx.Node) -> Any:
-    return node.meta.get("val")
+    # "val" on AOTAutograd's graphs, "example_value" on dynamo's.
+    return node.meta.get("val", node.meta.get("example_value"))
 
 
-class _ShapeSolver:
+class ShapeSolver:
     """Evaluates symbolic tangent shapes from the concrete sizes of the other backward inputs."""
 
     def __init__(self, placeholders: Sequence[torch.fx.Node]) -> None:
@@ -103,7 +104,7 @@ class AbsentGradBackward:
         self.gm = gm
         self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.tangents = [i for i, n in enumerate(self.placeholders) if n.name.startswith("tangents")]
-        self.solver = _ShapeSolver(self.placeholders)
+        self.solver = ShapeSolver(self.placeholders)
         # None is only safe to accept where zeros can be rebuilt if a specialisation needs them.
         self.accepts_none = all(
             isinstance(_meta(self.placeholders[i]), torch.Tensor)
@@ -141,11 +142,14 @@ class AbsentGradBackward:
 
 def release_materialization(outputs: Any) -> None:
     """Let our AOT nodes receive ``None`` for outputs that get no gradient (see module docstring)."""
+    from .deferred import DeferredTensor
     stack = [outputs]
     seen = set()
     while stack:
         x = stack.pop()
         if isinstance(x, torch.Tensor):
+            if isinstance(x, DeferredTensor):
+                continue  # reading its grad_fn would compute it; its inputs are outputs seen here
             fn = x.grad_fn
             for _ in range(3):  # outputs AOT regenerates as views hang one or two nodes below
                 if fn is None or id(fn) in seen:

@@ -1,0 +1,144 @@
+"""Label sparsity: compute the LM head only for the positions whose label is not ignored.
+
+An MLM batch labels ~15% of its positions (7% in DESIGN §7), yet eager PyTorch projects every
+position to the vocabulary and lets ``cross_entropy(ignore_index=-100)`` throw most rows away. The
+loss only reads the labelled rows, and every op of a transformer's head (dense, activation,
+LayerNorm, decoder, the last layer's FFN and residuals) computes a row from the same row alone, so
+the pass selects the labelled rows where the head starts (``rows.find_region``) and replays the head
+on them (``rows.replay_on_rows``). The loss is the same sum over the same rows, so loss and
+gradients equal eager's up to float reassociation.
+
+The full logits, when the model also returns them, become a ``DeferredTensor``: computed in full on
+first use, never when the training loop reads only the loss.
+"""
+from __future__ import annotations
+
+import inspect
+import operator
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from ..options import Options
+from ..runtime.deferred import DeferredPlan
+from .base import PassReport
+from .density import density_reason, source_example
+from .rows import copy_subgraph, erase_dead, find_region, replay_on_rows, value
+
+NAME = "label_sparsity"
+_CE_SIGNATURE = inspect.signature(F.cross_entropy)
+# Ops a label tensor goes through on its way to the loss (flattening, label shifting, device moves).
+_LABEL_METHODS = {"view", "reshape", "contiguous", "to", "long", "flatten"}
+_LABEL_FUNCTIONS = {torch._C._nn.pad, F.pad, operator.getitem, torch.reshape, torch.flatten}
+
+
+def _cross_entropy_args(node: torch.fx.Node) -> Optional[inspect.BoundArguments]:
+    if node.op != "call_function" or node.target is not F.cross_entropy:
+        return None
+    try:
+        bound = _CE_SIGNATURE.bind(*node.args, **node.kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    return bound
+
+
+def _why_not(bound: inspect.BoundArguments) -> Optional[str]:
+    a = bound.arguments
+    x, t = value(a["input"]), value(a["target"])
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        return "the loss input is not [rows, classes]"
+    if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.is_floating_point():
+        return "the loss target is not one class index per row"
+    if a["reduction"] not in ("mean", "sum") or a["size_average"] is not None or a["reduce"] is not None:
+        return f"reduction {a['reduction']!r} keeps every row"
+    if not isinstance(a["ignore_index"], int):
+        return "ignore_index is not a constant"
+    w = value(a["weight"])
+    if isinstance(w, torch.Tensor) and w.dim() != 1:
+        return "class weights are not one per class"
+    return None
+
+
+def _label_source(node: Any) -> Optional[torch.Tensor]:
+    """The real label tensor the target comes from (at capture time), if it is a model input."""
+    while isinstance(node, torch.fx.Node) and node.op != "placeholder":
+        if not ((node.op == "call_method" and node.target in _LABEL_METHODS)
+                or (node.op == "call_function" and node.target in _LABEL_FUNCTIONS)):
+            return None
+        node = node.args[0]
+    return source_example(node)
+
+
+def label_sparsity(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: Options) -> PassReport:
+    if options.label_sparsity == "off":
+        return PassReport(NAME, False, "off by option")
+    losses = [(n, b) for n in gm.graph.nodes for b in [_cross_entropy_args(n)] if b is not None]
+    if not losses:
+        return PassReport(NAME, False, "no cross_entropy in the graph")
+    reasons: List[str] = []
+    applied = False
+    for node, bound in losses:
+        ok, why = _rewrite(gm, node, bound, options)
+        applied |= ok
+        reasons.append(why)
+    return PassReport(NAME, applied, "; ".join(reasons))
+
+
+def _rewrite(gm: torch.fx.GraphModule, ce: torch.fx.Node, bound: inspect.BoundArguments,
+             options: Options) -> Tuple[bool, str]:
+    blocked = _why_not(bound)
+    if blocked:
+        return False, blocked
+    x, target, ignore = bound.arguments["input"], bound.arguments["target"], bound.arguments["ignore_index"]
+    labels = _label_source(target)
+    density = None if labels is None else float((labels != ignore).float().mean()) if labels.numel() else 0.0
+    decision = density_reason("label density", density, options.label_sparsity, options.sparsity_threshold)
+    if not decision[0]:
+        return decision
+    region = find_region(gm, x, 1, {ce})
+    if not region.heavy_ops():
+        return False, "no linear layer computes the logits row by row"
+    if region.outputs and "fxtrain_deferred" in gm.meta:
+        return False, "another rewrite already defers this graph's outputs"
+    graph = gm.graph
+    with graph.inserting_before(ce):
+        valid = graph.call_function(torch.ne, (target, ignore))
+        index = graph.call_method("view", (graph.call_function(torch.nonzero, (valid,)), -1))
+    rows = replay_on_rows(gm, region, index, insert_before=ce)
+    with graph.inserting_before(ce):
+        picked = graph.call_function(torch.index_select, (target, 0, index))
+        args = dict(bound.arguments, input=rows[x], target=picked)
+        loss = graph.call_function(F.cross_entropy, (), args)
+    loss.meta = dict(ce.meta)
+    ce.replace_all_uses_with(loss)
+    deferred = ""
+    if region.outputs:
+        gm.meta["fxtrain_deferred"] = _defer(gm, region)
+        deferred = "; the logits it also returns are computed on first use"
+    erase_dead(gm, [ce] + list(region.lead))
+    ops = region.heavy_ops()
+    return True, f"{decision[1]}: {ops} matmul(s) run on labelled rows only{deferred}"
+
+
+def _defer(gm: torch.fx.GraphModule, region: Any) -> DeferredPlan:
+    """Move the region's graph outputs out of the graph (see runtime/deferred.py)."""
+    graph = gm.graph
+    output = next(n for n in graph.nodes if n.op == "output")
+    outs = list(output.args[0])
+    sub, inputs = copy_subgraph(gm, region.outputs, set(region.lead))
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    plan_inputs, extra = [], []
+    for node in inputs:
+        if node.op == "placeholder":
+            plan_inputs.append(("arg", placeholders.index(node)))
+        else:
+            plan_inputs.append(("extra", len(extra)))
+            extra.append(node)
+    direct = [o for o in outs if o not in region.outputs]
+    deferred = [(i, region.outputs.index(o), value(o)) for i, o in enumerate(outs) if o in region.outputs]
+    output.args = (tuple(direct + extra),)
+    return DeferredPlan(gm=sub, n_direct=len(direct), inputs=plan_inputs, deferred=deferred,
+                        placeholders=placeholders)

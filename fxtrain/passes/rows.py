@@ -1,0 +1,332 @@
+"""Row analysis of dynamo-level FX graphs: which ops treat the leading dims as independent rows.
+
+A tensor of shape ``lead + features`` is a stack of rows when every op between it and some consumer
+computes each output row from the same input row alone (linear layers, LayerNorm, activations,
+residual adds of other row tensors, views that only regroup the leading dims). Then a consumer
+that needs only some rows (a loss whose labels are mostly ignored, a classifier that reads token 0)
+lets every such op run on those rows alone. The passes built on this (label sparsity, upstream
+slicing) share two steps: :func:`find_region` grows the set of ops that can run on selected rows,
+upstream from a seed; :func:`replay_on_rows` rebuilds that region on ``[K, *features]`` tensors.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+Node = torch.fx.Node
+
+# Ops that act on each element, or broadcast an operand that has no leading dims.
+_ELEMENTWISE_FUNCTIONS = {
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow,
+    torch.add, torch.sub, torch.mul, torch.div, torch.neg, torch.pow, torch.tanh, torch.sigmoid,
+    torch.relu, torch.rsqrt, torch.exp, torch.erf, torch.where,
+    F.relu, F.gelu, F.silu, F.tanh, F.sigmoid, F.dropout, torch._C._nn.gelu, torch._C._nn.silu,
+}
+_ELEMENTWISE_METHODS = {
+    "add", "sub", "mul", "div", "neg", "pow", "tanh", "sigmoid", "relu", "rsqrt", "exp", "erf",
+    "float", "half", "bfloat16", "double", "to", "type_as", "contiguous", "clone",
+}
+_LINEAR_FUNCTIONS = {torch._C._nn.linear, F.linear}
+_MATMUL_FUNCTIONS = {torch.matmul, operator.matmul}
+_SOFTMAX_FUNCTIONS = {F.softmax, F.log_softmax, torch.softmax, torch.log_softmax}
+_SOFTMAX_METHODS = {"softmax", "log_softmax"}
+_REDUCE_FUNCTIONS = {torch.mean, torch.sum}
+_REDUCE_METHODS = {"mean", "sum"}
+_VIEW_METHODS = {"view", "reshape"}
+
+
+def value(node: Any) -> Any:
+    """The fake value dynamo recorded for a node (or the constant itself)."""
+    if isinstance(node, Node):
+        return node.meta.get("example_value", node.meta.get("val"))
+    return node
+
+
+def _tensor(node: Any) -> Optional[torch.Tensor]:
+    v = value(node)
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _same(a: Any, b: Any) -> bool:
+    return statically_known_true(a == b) if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt) else a == b
+
+
+def _same_shape(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+
+
+def op_name(node: Node) -> str:
+    if node.op == "call_method":
+        return str(node.target)
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def _is_identity_index(index: Any, ndim: int) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    for item in items:
+        if item is Ellipsis:
+            continue
+        if not isinstance(item, slice):
+            return False
+        if item.start not in (None, 0) or item.stop is not None or item.step not in (None, 1):
+            return False
+    return True
+
+
+def _feature_dim(dim: Any, ndim: int, lead: int) -> bool:
+    return isinstance(dim, int) and (dim % ndim) >= lead if ndim else False
+
+
+def row_inputs(node: Node, lead: int) -> Optional[List[Tuple[Node, int]]]:
+    """The inputs of ``node`` that must be row-selected when ``node``'s first ``lead`` dims are rows.
+
+    Returns a list of (input, its number of leading dims), or None when ``node`` mixes rows (or is
+    an op this analysis does not know), so that it has to be computed in full.
+    """
+    out = _tensor(node)
+    if out is None or lead < 1 or lead > out.dim():
+        return None
+    features = out.dim() - lead
+    target, args, kwargs = node.target, node.args, node.kwargs
+    if node.op == "call_function" and target in _LINEAR_FUNCTIONS:
+        x = args[0]
+        return [(x, lead)] if _rows_of(x, out.shape[:lead], lead) else None
+    if node.op == "call_function" and target is torch.addmm:
+        bias, x, w = args[:3]
+        if lead != 1 or (_tensor(bias) is not None and _tensor(bias).dim() > 1) or kwargs:
+            return None
+        return [(x, 1)] if _rows_of(x, out.shape[:1], 1) else None
+    if node.op == "call_function" and target in _MATMUL_FUNCTIONS:
+        x, w = args[:2]
+        wt = _tensor(w)
+        if wt is None or wt.dim() != 2 or features < 1:
+            return None
+        return [(x, lead)] if _rows_of(x, out.shape[:lead], lead) else None
+    if node.op == "call_function" and target is F.layer_norm:
+        shape = args[1] if len(args) > 1 else kwargs.get("normalized_shape")
+        if len(shape) > features:
+            return None
+        return [(args[0], lead)] if _rows_of(args[0], out.shape[:lead], lead) else None
+    if (node.op == "call_function" and target in _SOFTMAX_FUNCTIONS) or \
+            (node.op == "call_method" and target in _SOFTMAX_METHODS):
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        if not _feature_dim(dim, out.dim(), lead):
+            return None
+        return [(args[0], lead)] if _rows_of(args[0], out.shape[:lead], lead) else None
+    if (node.op == "call_function" and target in _REDUCE_FUNCTIONS) or \
+            (node.op == "call_method" and target in _REDUCE_METHODS):
+        x = _tensor(args[0])
+        dims = args[1] if len(args) > 1 else kwargs.get("dim")
+        dims = dims if isinstance(dims, (tuple, list)) else (dims,)
+        keep = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+        if x is None or not keep or not dims or not all(_feature_dim(d, x.dim(), lead) for d in dims):
+            return None
+        return [(args[0], lead)] if _rows_of(args[0], out.shape[:lead], lead) else None
+    if node.op == "call_method" and target in _VIEW_METHODS:
+        x = _tensor(args[0])
+        if x is None or x.dim() - features < 1:
+            return None
+        if features and not _same_shape(x.shape[x.dim() - features:], out.shape[lead:]):
+            return None
+        return [(args[0], x.dim() - features)]
+    if node.op == "call_function" and target is operator.getitem:
+        x = _tensor(args[0])
+        if x is None or x.dim() != out.dim() or not _is_identity_index(args[1], x.dim()):
+            return None
+        return [(args[0], lead)]
+    if (node.op == "call_function" and target in _ELEMENTWISE_FUNCTIONS) or \
+            (node.op == "call_method" and target in _ELEMENTWISE_METHODS):
+        found: List[Tuple[Node, int]] = []
+        for a in list(args) + list(kwargs.values()):
+            t = _tensor(a)
+            if t is None or t.dim() <= features:
+                continue  # a scalar, or broadcast over the rows: used as it is
+            a_lead = t.dim() - features
+            if not _rows_of(a, out.shape[:lead], a_lead):
+                return None  # broadcast along the rows: rows do not map one to one
+            found.append((a, a_lead))
+        return found
+    return None
+
+
+def _rows_of(x: Any, lead_shape: Sequence[Any], x_lead: int) -> bool:
+    """``x`` has exactly the given rows: its leading dims multiply to the same count, unbroadcast."""
+    t = _tensor(x)
+    if not isinstance(x, Node) or t is None or x_lead < 1 or x_lead > t.dim():
+        return False
+    if x_lead == len(lead_shape):
+        return _same_shape(t.shape[:x_lead], lead_shape)
+    a, b = 1, 1
+    for s in t.shape[:x_lead]:
+        a = a * s
+    for s in lead_shape:
+        b = b * s
+    return _same(a, b)
+
+
+@dataclass
+class Region:
+    """Ops that can run on selected rows, upstream of a seed node."""
+
+    lead: Dict[Node, int] = field(default_factory=dict)        # node in the region -> its leading dims
+    frontier: Dict[Node, int] = field(default_factory=dict)    # rows gathered from these full tensors
+    outputs: List[Node] = field(default_factory=list)          # region nodes the graph also returns
+
+    def heavy_ops(self) -> int:
+        """Ops whose cost scales with the rows times a weight: where skipping rows pays."""
+        return sum(1 for n in self.lead if n.target in _LINEAR_FUNCTIONS or n.target is torch.addmm
+                   or n.target in _MATMUL_FUNCTIONS)
+
+
+def find_region(gm: torch.fx.GraphModule, seed: Node, lead: int, allowed_users: Set[Node]) -> Region:
+    """Grow the row region upstream from ``seed`` (whose first ``lead`` dims are rows).
+
+    A node joins when it computes rows from rows and every user of it is in the region, is one of
+    ``allowed_users`` (the consumer being rewritten) or is the graph output (then the pass must
+    still return it in full: see ``Region.outputs``). Anything else that the region reads row by
+    row is the frontier: computed in full as before, then gathered.
+    """
+    region = Region()
+    wanted: Dict[Node, int] = {seed: lead}
+    conflicted: Set[Node] = set()
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    for node in reversed(list(gm.graph.nodes)):
+        if node not in wanted:
+            continue
+        n_lead = wanted[node]
+        users_ok = all(u in region.lead or u in allowed_users or u is output for u in node.users)
+        inputs = row_inputs(node, n_lead) if users_ok and node not in conflicted and node.op != "placeholder" else None
+        if inputs is None:
+            region.frontier[node] = n_lead
+            continue
+        region.lead[node] = n_lead
+        if output in node.users:
+            region.outputs.append(node)
+        for inp, in_lead in inputs:
+            if inp in wanted and wanted[inp] != in_lead:
+                conflicted.add(inp)
+            wanted[inp] = in_lead
+    return region
+
+
+def _index_select(graph: torch.fx.Graph, node: Node, lead: int, index: Node) -> Node:
+    flat = node if lead == 1 else graph.call_method("flatten", (node, 0, lead - 1))
+    return graph.call_function(torch.index_select, (flat, 0, index))
+
+
+def replay_on_rows(gm: torch.fx.GraphModule, region: Region, index: Node,
+                   insert_before: Node) -> Dict[Node, Node]:
+    """Insert, before ``insert_before``, the region's ops on ``[K, *features]`` rows picked by ``index``.
+
+    ``index`` (1-d int64) selects rows of the flattened leading dims, which every region node and
+    frontier node share (views only regroup them). Returns the map from original to row nodes.
+    """
+    graph = gm.graph
+    rows: Dict[Node, Node] = {}
+    with graph.inserting_before(insert_before):
+        for f, lead in region.frontier.items():
+            rows[f] = _index_select(graph, f, lead, index)
+        for node in gm.graph.nodes:
+            if node not in region.lead or node in rows:
+                continue
+            lead = region.lead[node]
+            if (node.op == "call_method" and node.target in _VIEW_METHODS) or \
+                    (node.op == "call_function" and node.target is operator.getitem):
+                rows[node] = rows[node.args[0]]
+                continue
+            new = graph.node_copy(node, lambda n: rows.get(n, n))
+            new.args = _shift_dims(node, new.args, lead)
+            if "dim" in new.kwargs:
+                new.kwargs = {**new.kwargs, "dim": _shift_dim(new.kwargs["dim"], node, lead)}
+            rows[node] = new
+    return rows
+
+
+def _shift_dim(dim: Any, node: Node, lead: int) -> Any:
+    """A dim of the full tensor, as a dim of its ``[K, *features]`` row form (negative: unchanged)."""
+    ndim = _tensor(node.args[0]).dim()
+    if isinstance(dim, (tuple, list)):
+        return type(dim)(_shift_dim(d, node, lead) for d in dim)
+    if isinstance(dim, int) and dim >= 0:
+        return dim - ndim
+    return dim
+
+
+def _shift_dims(node: Node, args: Tuple[Any, ...], lead: int) -> Tuple[Any, ...]:
+    target = node.target
+    reduces = (node.op == "call_function" and target in (_SOFTMAX_FUNCTIONS | _REDUCE_FUNCTIONS)) or \
+        (node.op == "call_method" and target in (_SOFTMAX_METHODS | _REDUCE_METHODS))
+    if reduces and len(args) > 1:
+        return (args[0], _shift_dim(args[1], node, lead)) + tuple(args[2:])
+    return args
+
+
+def erase_dead(gm: torch.fx.GraphModule, candidates: Sequence[Node]) -> int:
+    """Erase ``candidates`` that nothing uses any more, and the pure helpers only they used."""
+    erased = 0
+    pending = list(candidates)
+    seen: Set[Node] = set()
+    while pending:
+        node = pending.pop()
+        if node in seen or node.op in ("placeholder", "output") or node.users:
+            continue
+        if node.op == "call_method" and str(node.target).endswith("_"):
+            continue
+        seen.add(node)
+        inputs = list(node.all_input_nodes)
+        gm.graph.erase_node(node)
+        erased += 1
+        pending.extend(i for i in inputs if i.op in ("call_function", "call_method") and _pure_helper(i))
+    return erased
+
+
+def _pure_helper(node: Node) -> bool:
+    """Size arithmetic and views left behind by erased ops (never anything with side effects)."""
+    v = value(node)
+    if isinstance(v, (torch.SymInt, int, torch.Size, tuple)):
+        return True
+    return isinstance(v, torch.Tensor) and node.op in ("call_function", "call_method") and \
+        (node.target in _ELEMENTWISE_FUNCTIONS | _LINEAR_FUNCTIONS | {operator.getitem, F.layer_norm}
+         or (node.op == "call_method" and node.target in _ELEMENTWISE_METHODS | _VIEW_METHODS))
+
+
+def copy_subgraph(gm: torch.fx.GraphModule, roots: Sequence[Node], region: Set[Node]) -> Tuple[torch.fx.GraphModule, List[Node]]:
+    """A GraphModule computing ``roots`` (region nodes) in full, as the original graph did.
+
+    Its inputs are the tensors the region reads from outside and the placeholders it uses; size
+    helpers (symbolic arithmetic, ``torch.Size``) are copied along. The returned list names the
+    original node each placeholder of the copy stands for.
+    """
+    needed: Set[Node] = set()
+    stack = list(roots)
+    while stack:
+        n = stack.pop()
+        if n in needed:
+            continue
+        needed.add(n)
+        if n in region or not _is_input(n):
+            stack.extend(n.all_input_nodes)
+    graph = torch.fx.Graph()
+    env: Dict[Node, Node] = {}
+    inputs: List[Node] = []
+    for node in gm.graph.nodes:
+        if node not in needed:
+            continue
+        if node not in region and _is_input(node):
+            env[node] = graph.placeholder(node.name)
+            env[node].meta = dict(node.meta)
+            inputs.append(node)
+        else:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(tuple(env[r] for r in roots))
+    return torch.fx.GraphModule(gm, graph), inputs
+
+
+def _is_input(node: Node) -> bool:
+    return node.op == "placeholder" or isinstance(value(node), torch.Tensor)

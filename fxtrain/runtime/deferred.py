@@ -1,0 +1,121 @@
+"""Model outputs computed on first use.
+
+A rewrite such as label sparsity computes the logits only for labelled rows, yet the model still
+returns the full logits (``BertForMaskedLM`` returns loss *and* logits; most training loops read only
+the loss). Computing them anyway would undo the rewrite; dropping them would change the model's
+outputs. So the graph returns the tensors the logits are made from, and the logits slot holds a
+:class:`DeferredTensor`: shape, dtype, device and ``requires_grad`` are known at once, and the first
+real use (any torch function, ``print``, ``.item()``, autograd) runs the original ops in full, with
+autograd recording as in the forward, so values and gradients are eager's.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.fx
+from torch.utils._pytree import tree_map_only
+
+from .absent_grads import ShapeSolver
+
+# Read from the wrapper itself: metadata a deferred tensor has without computing anything.
+_METADATA = {
+    torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.is_floating_point,
+    torch.Tensor.is_complex, torch.Tensor.__len__, torch.Tensor.element_size,
+    torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
+    torch.Tensor.ndim.__get__, torch.Tensor.requires_grad.__get__, torch.Tensor.layout.__get__,
+    torch.Tensor.is_leaf.__get__,
+}
+
+
+class _Pending:
+    """The inputs of one deferred computation, run once for all outputs that share it."""
+
+    def __init__(self, gm: torch.fx.GraphModule, inputs: List[Any], grad: bool) -> None:
+        self.gm, self.inputs, self.grad = gm, inputs, grad
+        self.values: Optional[Tuple[torch.Tensor, ...]] = None
+        self.lock = threading.Lock()
+
+    def result(self, k: int) -> torch.Tensor:
+        with self.lock:
+            if self.values is None:
+                with torch.set_grad_enabled(self.grad):
+                    self.values = tuple(self.gm(*self.inputs))
+                self.inputs = []
+        return self.values[k]
+
+
+class DeferredTensor(torch.Tensor):
+    """A tensor output fxtrain has not computed yet; any use computes it (once)."""
+
+    _pending: _Pending
+    _index: int
+
+    @staticmethod
+    def __new__(cls, pending: _Pending, index: int, shape: Sequence[int], dtype: torch.dtype,
+                device: torch.device, requires_grad: bool) -> "DeferredTensor":
+        t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device,
+                                                requires_grad=requires_grad)
+        t._pending, t._index = pending, index
+        return t
+
+    def materialize(self) -> torch.Tensor:
+        return self._pending.result(self._index)
+
+    @property
+    def is_materialized(self) -> bool:
+        return self._pending.values is not None
+
+    @classmethod
+    def __torch_function__(cls, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        args, kwargs = tree_map_only(DeferredTensor, DeferredTensor.materialize, (args, kwargs))
+        return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        # Reached only by paths that skip __torch_function__ (C++ internals): same answer.
+        args, kwargs = tree_map_only(DeferredTensor, DeferredTensor.materialize, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        return repr(self.materialize())
+
+
+@dataclass
+class DeferredPlan:
+    """How a graph's outputs map back to the outputs dynamo expects.
+
+    The graph returns the directly computed outputs in order, then the ``extra`` tensors the deferred
+    computation reads. ``inputs`` says, per input of ``gm``: ("arg", index into the call's
+    arguments) or ("extra", index into the extra outputs). ``deferred`` lists, per deferred output:
+    its position among the original outputs, its index among ``gm``'s outputs, and its fake value.
+    """
+
+    gm: torch.fx.GraphModule
+    n_direct: int
+    inputs: List[Tuple[str, int]]
+    deferred: List[Tuple[int, int, torch.Tensor]]
+    placeholders: List[torch.fx.Node]
+
+
+def with_deferred(compiled: Callable[..., Any], plan: DeferredPlan) -> Callable[..., Any]:
+    solver = ShapeSolver(plan.placeholders)
+
+    def run(*args: Any) -> Any:
+        outs = compiled(*args)
+        direct, extra = list(outs[:plan.n_direct]), outs[plan.n_direct:]
+        grad = torch.is_grad_enabled()
+        pending = _Pending(plan.gm, [args[i] if kind == "arg" else extra[i] for kind, i in plan.inputs], grad)
+        for position, index, fake in plan.deferred:
+            shape = solver.solve(fake.shape, args)
+            direct.insert(position, DeferredTensor(pending, index, shape, fake.dtype, fake.device,
+                                                   grad and fake.requires_grad))
+        return type(outs)(direct) if isinstance(outs, tuple) else direct
+
+    return run
