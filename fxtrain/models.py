@@ -36,6 +36,20 @@ def roberta_mlm(hidden: int = 256, layers: int = 4, heads: int = 4, vocab: int =
     return RobertaForMaskedLM(_no_dropout(cfg))
 
 
+def distilbert_mlm(hidden: int = 256, layers: int = 4, heads: int = 4, vocab: int = 30522) -> nn.Module:
+    from transformers import DistilBertConfig, DistilBertForMaskedLM
+    cfg = DistilBertConfig(vocab_size=vocab, dim=hidden, n_layers=layers, n_heads=heads, hidden_dim=4 * hidden,
+                           pad_token_id=0)
+    return DistilBertForMaskedLM(_no_dropout(cfg))
+
+
+def electra_mlm(hidden: int = 256, layers: int = 4, heads: int = 4, vocab: int = 30522) -> nn.Module:
+    from transformers import ElectraConfig, ElectraForMaskedLM
+    cfg = ElectraConfig(vocab_size=vocab, embedding_size=hidden // 2, hidden_size=hidden, num_hidden_layers=layers,
+                        num_attention_heads=heads, intermediate_size=4 * hidden, pad_token_id=0)
+    return ElectraForMaskedLM(_no_dropout(cfg))
+
+
 def roberta_cls(hidden: int = 64, layers: int = 2, heads: int = 2, vocab: int = 1000, labels: int = 3) -> nn.Module:
     from transformers import RobertaConfig, RobertaForSequenceClassification
     cfg = RobertaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
@@ -87,12 +101,16 @@ PRESETS: Dict[str, Preset] = {
     "roberta-mlm": Preset(roberta_mlm, "mlm", 30522, 1, "RoBERTa-MLM: hidden 256, 4 layers"),
     "roberta-base": Preset(lambda: roberta_mlm(hidden=768, layers=12, heads=12, vocab=50265), "mlm", 50265, 1,
                            "RoBERTa-base dimensions"),
+    "distilbert-mlm": Preset(distilbert_mlm, "mlm", 30522, 0, "DistilBERT-MLM: hidden 256, 4 layers"),
+    "electra-mlm": Preset(electra_mlm, "mlm", 30522, 0, "ELECTRA generator MLM: hidden 256, 4 layers"),
     "gpt2": Preset(gpt2_lm, "clm", 50257, 0, "GPT-2 LM: hidden 256, 4 layers, vocab 50257"),
     "gpt2-small": Preset(lambda: gpt2_lm(hidden=768, layers=12, heads=12), "clm", 50257, 0,
                          "GPT-2 small dimensions (124M)"),
     "gpt2-tiny": Preset(lambda: gpt2_lm(hidden=64, layers=2, heads=2, vocab=1000, positions=256), "clm", 1000, 0,
                         "tiny GPT-2 for tests"),
     "llama-small": Preset(llama_lm, "clm", 32000, 0, "Llama-style LM: hidden 256, 4 layers, vocab 32000"),
+    "llama-tiny": Preset(lambda: llama_lm(hidden=64, layers=2, heads=2, vocab=1000), "clm", 1000, 0,
+                         "tiny Llama-style LM for tests"),
 }
 
 
