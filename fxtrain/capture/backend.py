@@ -9,6 +9,7 @@ import torch.fx
 
 from ..options import Options
 from ..passes import run_passes
+from ..passes.defer import META_KEY as DEFERRED_KEY
 from ..runtime import compile_graph
 from ..runtime.deferred import with_deferred
 from .dump import dump_capture
@@ -39,7 +40,7 @@ class Backend:
         record = GraphRecord(index=len(self.info.records), mode=current_mode(self.training()), dynamo_graph=gm)
         record.optimizations = run_passes(gm, example_inputs, self.options)
         compiled = compile_graph(gm, example_inputs, self.options.executor, record)
-        plan = gm.meta.pop("fxtrain_deferred", None)
+        plan = gm.meta.pop(DEFERRED_KEY, None)
         if plan is not None:
             compiled = with_deferred(compiled, plan)
         self.info.records.append(record)

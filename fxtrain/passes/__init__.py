@@ -12,9 +12,10 @@ import torch.fx
 from ..options import Options
 from .base import Pass, PassReport
 from .label_sparsity import label_sparsity
+from .upstream_slicing import upstream_slicing
 
 # In the order they must run.
-PASSES: List[Pass] = [label_sparsity]
+PASSES: List[Pass] = [label_sparsity, upstream_slicing]
 
 
 def run_passes(gm: torch.fx.GraphModule, example_inputs: Sequence[object], options: Options) -> Dict[str, str]:

@@ -22,10 +22,10 @@ import torch.fx
 import torch.nn.functional as F
 
 from ..options import Options
-from ..runtime.deferred import DeferredPlan
 from .base import PassReport
 from .density import density_reason, source_example
-from .rows import copy_subgraph, erase_dead, find_region, replay_on_rows, value
+from .defer import can_defer, defer_outputs
+from .rows import erase_dead, find_region, index_rows, replay_on_rows, value
 
 NAME = "label_sparsity"
 _CE_SIGNATURE = inspect.signature(F.cross_entropy)
@@ -101,13 +101,13 @@ def _rewrite(gm: torch.fx.GraphModule, ce: torch.fx.Node, bound: inspect.BoundAr
     region = find_region(gm, x, 1, {ce})
     if not region.heavy_ops():
         return False, "no linear layer computes the logits row by row"
-    if region.outputs and "fxtrain_deferred" in gm.meta:
+    if not can_defer(gm, region):
         return False, "another rewrite already defers this graph's outputs"
     graph = gm.graph
     with graph.inserting_before(ce):
         valid = graph.call_function(torch.ne, (target, ignore))
         index = graph.call_method("view", (graph.call_function(torch.nonzero, (valid,)), -1))
-    rows = replay_on_rows(gm, region, index, insert_before=ce)
+    rows = replay_on_rows(gm, region, index_rows(index), insert_before=ce)
     with graph.inserting_before(ce):
         picked = graph.call_function(torch.index_select, (target, 0, index))
         args = dict(bound.arguments, input=rows[x], target=picked)
@@ -116,29 +116,8 @@ def _rewrite(gm: torch.fx.GraphModule, ce: torch.fx.Node, bound: inspect.BoundAr
     ce.replace_all_uses_with(loss)
     deferred = ""
     if region.outputs:
-        gm.meta["fxtrain_deferred"] = _defer(gm, region)
+        defer_outputs(gm, region)
         deferred = "; the logits it also returns are computed on first use"
     erase_dead(gm, [ce] + list(region.lead))
     ops = region.heavy_ops()
     return True, f"{decision[1]}: {ops} matmul(s) run on labelled rows only{deferred}"
-
-
-def _defer(gm: torch.fx.GraphModule, region: Any) -> DeferredPlan:
-    """Move the region's graph outputs out of the graph (see runtime/deferred.py)."""
-    graph = gm.graph
-    output = next(n for n in graph.nodes if n.op == "output")
-    outs = list(output.args[0])
-    sub, inputs = copy_subgraph(gm, region.outputs, set(region.lead))
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    plan_inputs, extra = [], []
-    for node in inputs:
-        if node.op == "placeholder":
-            plan_inputs.append(("arg", placeholders.index(node)))
-        else:
-            plan_inputs.append(("extra", len(extra)))
-            extra.append(node)
-    direct = [o for o in outs if o not in region.outputs]
-    deferred = [(i, region.outputs.index(o), value(o)) for i, o in enumerate(outs) if o in region.outputs]
-    output.args = (tuple(direct + extra),)
-    return DeferredPlan(gm=sub, n_direct=len(direct), inputs=plan_inputs, deferred=deferred,
-                        placeholders=placeholders)

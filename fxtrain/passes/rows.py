@@ -184,13 +184,15 @@ class Region:
                    or n.target in _MATMUL_FUNCTIONS)
 
 
-def find_region(gm: torch.fx.GraphModule, seed: Node, lead: int, allowed_users: Set[Node]) -> Region:
+def find_region(gm: torch.fx.GraphModule, seed: Node, lead: int, allowed_users: Set[Node],
+                regroup: bool = True) -> Region:
     """Grow the row region upstream from ``seed`` (whose first ``lead`` dims are rows).
 
     A node joins when it computes rows from rows and every user of it is in the region, is one of
     ``allowed_users`` (the consumer being rewritten) or is the graph output (then the pass must
     still return it in full: see ``Region.outputs``). Anything else that the region reads row by
-    row is the frontier: computed in full as before, then gathered.
+    row is the frontier: computed in full as before, then gathered. With ``regroup=False`` views
+    end the region, so every region and frontier node has the seed's leading shape.
     """
     region = Region()
     wanted: Dict[Node, int] = {seed: lead}
@@ -202,6 +204,8 @@ def find_region(gm: torch.fx.GraphModule, seed: Node, lead: int, allowed_users: 
         n_lead = wanted[node]
         users_ok = all(u in region.lead or u in allowed_users or u is output for u in node.users)
         inputs = row_inputs(node, n_lead) if users_ok and node not in conflicted and node.op != "placeholder" else None
+        if inputs is not None and not regroup and node.op == "call_method" and node.target in _VIEW_METHODS:
+            inputs = None
         if inputs is None:
             region.frontier[node] = n_lead
             continue
@@ -215,23 +219,29 @@ def find_region(gm: torch.fx.GraphModule, seed: Node, lead: int, allowed_users: 
     return region
 
 
-def _index_select(graph: torch.fx.Graph, node: Node, lead: int, index: Node) -> Node:
-    flat = node if lead == 1 else graph.call_method("flatten", (node, 0, lead - 1))
-    return graph.call_function(torch.index_select, (flat, 0, index))
+Select = Callable[[torch.fx.Graph, Node, int], Node]
 
 
-def replay_on_rows(gm: torch.fx.GraphModule, region: Region, index: Node,
-                   insert_before: Node) -> Dict[Node, Node]:
-    """Insert, before ``insert_before``, the region's ops on ``[K, *features]`` rows picked by ``index``.
+def index_rows(index: Node) -> Select:
+    """Rows of the flattened leading dims picked by a 1-d int64 ``index`` node."""
+    def select(graph: torch.fx.Graph, node: Node, lead: int) -> Node:
+        flat = node if lead == 1 else graph.call_method("flatten", (node, 0, lead - 1))
+        return graph.call_function(torch.index_select, (flat, 0, index))
+    return select
 
-    ``index`` (1-d int64) selects rows of the flattened leading dims, which every region node and
-    frontier node share (views only regroup them). Returns the map from original to row nodes.
+
+def replay_on_rows(gm: torch.fx.GraphModule, region: Region, select: Select, insert_before: Node) -> Dict[Node, Node]:
+    """Insert, before ``insert_before``, the region's ops on the rows ``select`` picks.
+
+    ``select`` picks the same rows of every frontier node (region and frontier nodes share their
+    flattened leading dims: views only regroup them). Views inside the region become no-ops on the
+    picked rows. Returns the map from original nodes to their row versions.
     """
     graph = gm.graph
     rows: Dict[Node, Node] = {}
     with graph.inserting_before(insert_before):
         for f, lead in region.frontier.items():
-            rows[f] = _index_select(graph, f, lead, index)
+            rows[f] = select(graph, f, lead)
         for node in gm.graph.nodes:
             if node not in region.lead or node in rows:
                 continue
