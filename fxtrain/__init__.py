@@ -1,8 +1,9 @@
 """fxtrain: capture a PyTorch model's training step as a graph, then run, cost and split it."""
 from .capture.state import is_capturing
 from .module import CaptureError, FallbackWarning, TrainModule
+from .module_with_loss import ModuleWithLoss
 from .options import Options
 
 __version__ = "0.1.0"
 
-__all__ = ["TrainModule", "Options", "is_capturing", "CaptureError", "FallbackWarning", "__version__"]
+__all__ = ["TrainModule", "ModuleWithLoss", "Options", "is_capturing", "CaptureError", "FallbackWarning", "__version__"]

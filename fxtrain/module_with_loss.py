@@ -1,0 +1,61 @@
+"""ModuleWithLoss: bring a loss computed in the training loop into the captured graph.
+
+Loss-side rewrites (label sparsity) can only see a loss that is inside the graph. Many training
+loops call ``model(**inputs)`` and compute the loss afterwards, so the loss and the logits it reads
+live outside any capture. Wrapping model and loss together puts both in one graph.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Sequence, Tuple
+
+from torch import nn
+
+
+class ModuleWithLoss(nn.Module):
+    """``model`` followed by ``loss_fn(outputs, *targets)``, as one module to wrap in TrainModule.
+
+    The keyword arguments named in ``target_keys`` (default ``("labels",)``) are taken out of the
+    call and given to ``loss_fn`` instead of the model. When the model returns a transformers
+    ``ModelOutput`` the result is that output with ``loss`` set (what HF ``Trainer`` reads);
+    otherwise it is ``(loss, outputs)``. Parameters and state-dict names are the model's own.
+    """
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[..., Any], target_keys: Sequence[str] = ("labels",)) -> None:
+        super().__init__()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"fxtrain.ModuleWithLoss wraps a torch.nn.Module, got {type(model).__name__}")
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        self.model = model
+        self.loss_fn = loss_fn
+        self.target_keys = tuple(target_keys)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        missing = [k for k in self.target_keys if k not in kwargs]
+        if missing:
+            raise TypeError(f"fxtrain.ModuleWithLoss: missing target keyword argument(s) {missing} "
+                            f"(target_keys={list(self.target_keys)})")
+        targets = [kwargs.pop(k) for k in self.target_keys]
+        outputs = self.model(*args, **kwargs)
+        loss = self.loss_fn(outputs, *targets)
+        if _is_model_output(outputs):
+            outputs["loss"] = loss
+            return outputs
+        return loss, outputs
+
+    # Names are the model's own, so checkpoints load into the bare model (as with TrainModule).
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        return self.model.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
+        return self.model.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[Tuple[str, Any]]:
+        return self.model.named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+
+def _is_model_output(x: Any) -> bool:
+    return any(c.__name__ == "ModelOutput" for c in type(x).__mro__)
