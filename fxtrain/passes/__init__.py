@@ -12,10 +12,12 @@ import torch.fx
 from ..options import Options
 from .base import Pass, PassReport
 from .label_sparsity import label_sparsity
+from .padding_elimination import padding_elimination
 from .upstream_slicing import upstream_slicing
 
 # In the order they must run.
-PASSES: List[Pass] = [label_sparsity, upstream_slicing]
+# Padding elimination runs last: it keeps the row selections the others inserted, and checks them.
+PASSES: List[Pass] = [label_sparsity, upstream_slicing, padding_elimination]
 
 
 def run_passes(gm: torch.fx.GraphModule, example_inputs: Sequence[object], options: Options) -> Dict[str, str]:

@@ -83,11 +83,13 @@ def _feature_dim(dim: Any, ndim: int, lead: int) -> bool:
     return isinstance(dim, int) and (dim % ndim) >= lead if ndim else False
 
 
-def row_inputs(node: Node, lead: int) -> Optional[List[Tuple[Node, int]]]:
+def row_inputs(node: Node, lead: int, broadcast: Optional[Set[Node]] = None) -> Optional[List[Tuple[Node, int]]]:
     """The inputs of ``node`` that must be row-selected when ``node``'s first ``lead`` dims are rows.
 
     Returns a list of (input, its number of leading dims), or None when ``node`` mixes rows (or is
-    an op this analysis does not know), so that it has to be computed in full.
+    an op this analysis does not know), so that it has to be computed in full. An elementwise
+    operand broadcast along the rows (a ``[1, seq, hidden]`` position embedding) fails the node
+    unless ``broadcast`` is given: then it is listed and added to that set (the caller expands it).
     """
     out = _tensor(node)
     if out is None or lead < 1 or lead > out.dim():
@@ -149,7 +151,9 @@ def row_inputs(node: Node, lead: int) -> Optional[List[Tuple[Node, int]]]:
                 continue  # a scalar, or broadcast over the rows: used as it is
             a_lead = t.dim() - features
             if not _rows_of(a, out.shape[:lead], a_lead):
-                return None  # broadcast along the rows: rows do not map one to one
+                if broadcast is None or a_lead != lead or not isinstance(a, Node):
+                    return None  # broadcast along the rows: rows do not map one to one
+                broadcast.add(a)
             found.append((a, a_lead))
         return found
     return None
@@ -179,9 +183,13 @@ class Region:
     outputs: List[Node] = field(default_factory=list)          # region nodes the graph also returns
 
     def heavy_ops(self) -> int:
-        """Ops whose cost scales with the rows times a weight: where skipping rows pays."""
-        return sum(1 for n in self.lead if n.target in _LINEAR_FUNCTIONS or n.target is torch.addmm
-                   or n.target in _MATMUL_FUNCTIONS)
+        return sum(1 for n in self.lead if heavy(n))
+
+
+def heavy(node: Node) -> bool:
+    """An op whose cost scales with the rows times a weight: where skipping rows pays."""
+    return node.op == "call_function" and (node.target in _LINEAR_FUNCTIONS or node.target is torch.addmm
+                                           or node.target in _MATMUL_FUNCTIONS)
 
 
 def find_region(gm: torch.fx.GraphModule, seed: Node, lead: int, allowed_users: Set[Node],
@@ -246,16 +254,26 @@ def replay_on_rows(gm: torch.fx.GraphModule, region: Region, select: Select, ins
             if node not in region.lead or node in rows:
                 continue
             lead = region.lead[node]
-            if (node.op == "call_method" and node.target in _VIEW_METHODS) or \
-                    (node.op == "call_function" and node.target is operator.getitem):
+            if is_regroup(node):
                 rows[node] = rows[node.args[0]]
                 continue
-            new = graph.node_copy(node, lambda n: rows.get(n, n))
-            new.args = _shift_dims(node, new.args, lead)
-            if "dim" in new.kwargs:
-                new.kwargs = {**new.kwargs, "dim": _shift_dim(new.kwargs["dim"], node, lead)}
-            rows[node] = new
+            rows[node] = copy_on_rows(graph, node, rows, lead)
     return rows
+
+
+def is_regroup(node: Node) -> bool:
+    """A region op that is a no-op on flattened rows (a view of the leading dims, an identity index)."""
+    return (node.op == "call_method" and node.target in _VIEW_METHODS) or \
+        (node.op == "call_function" and node.target is operator.getitem)
+
+
+def copy_on_rows(graph: torch.fx.Graph, node: Node, rows: Dict[Node, Node], lead: int) -> Node:
+    """``node`` applied to the row forms of its inputs (dims it names are re-based on the rows)."""
+    new = graph.node_copy(node, lambda n: rows.get(n, n))
+    new.args = _shift_dims(node, new.args, lead)
+    if "dim" in new.kwargs:
+        new.kwargs = {**new.kwargs, "dim": _shift_dim(new.kwargs["dim"], node, lead)}
+    return new
 
 
 def _shift_dim(dim: Any, node: Node, lead: int) -> Any:

@@ -1,0 +1,336 @@
+"""Padding elimination: token-wise work runs on real tokens only.
+
+A batch padded to its longest sequence is half padding in DESIGN §7, and eager PyTorch runs every
+projection, FFN, LayerNorm and residual add on the padding too. Right after the embeddings this pass
+picks the real tokens (``attention_mask != 0``) as rows ``[tokens, hidden]`` and runs every op that
+computes a row from the same row alone (``rows.row_inputs``) on them: Q/K/V and output projections
+included. Only attention needs the ``[batch, seq]`` layout: its inputs are scattered back into zeros
+at the padding positions, and its output is gathered again.
+
+Why that is exact for the real tokens: a padding position reaches a real token only as an attention
+key or value, and the attention mask gives those keys weight 0 (checked on the capturing batch by
+evaluating the model's own mask). Outputs at padding positions are not computed: the model's
+returned tensors hold zeros-derived values there (they are padding; eager's values are as
+meaningless). A loss that reads a padding position (a label on a padding token) or a head that reads
+one (``h[:, 0]`` under left padding) would differ from eager: the capturing batch is checked, and
+the graph asserts it on every later batch, raising a clear error instead of a wrong number.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from ..options import Options
+from .base import PassReport
+from .density import density_reason, source_example
+from .rows import Node, _same_shape, copy_on_rows, heavy, is_regroup, op_name, row_inputs, value
+
+NAME = "padding_elimination"
+_SDPA = {torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention}
+# Ops that only move a tensor's elements around (or add nothing), between a padded tensor and attention.
+_LAYOUT_METHODS = {"view", "reshape", "transpose", "permute", "contiguous", "split", "chunk", "unflatten", "expand"}
+_ASSERT = "fxtrain padding_elimination: a label or a kept row sits on a padding position " \
+          "(attention_mask == 0), which this rewrite does not compute; use Options(padding_elimination='off')"
+
+
+def _ancestors(node: Node) -> Set[Node]:
+    seen: Set[Node] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _evaluate(gm: torch.fx.GraphModule, target: Node) -> Optional[Any]:
+    """``target``'s value on the capturing batch, computing only its ancestors (None if unknown)."""
+    needed = _ancestors(target)
+    env: Dict[Node, Any] = {}
+    for node in gm.graph.nodes:
+        if node not in needed:
+            continue
+        if node.op == "placeholder":
+            v = value(node)
+            if isinstance(v, torch.SymInt):
+                if v.node.hint is None:
+                    return None
+                env[node] = int(v.node.hint)
+                continue
+            real = source_example(node)
+            if real is None:
+                return None
+            env[node] = real
+            continue
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
+        try:
+            if node.op == "call_function":
+                env[node] = node.target(*args, **kwargs)
+            elif node.op == "call_method":
+                env[node] = getattr(args[0], node.target)(*args[1:], **kwargs)
+            else:
+                return None
+        except Exception:
+            return None
+    return env.get(target)
+
+
+def _masks_padding_keys(attn_mask: Any, tokens: torch.Tensor) -> bool:
+    """Every real query gives weight 0 to every padding key (bool False or -inf)."""
+    if not isinstance(attn_mask, torch.Tensor) or attn_mask.dim() != 4:
+        return False
+    b, s = tokens.shape
+    try:
+        m = attn_mask.expand(b, attn_mask.shape[1], s, s)
+    except RuntimeError:
+        return False
+    allowed = m if m.dtype == torch.bool else m != float("-inf")
+    real_q = tokens[:, None, :, None]
+    pad_k = ~tokens[:, None, None, :]
+    return not bool((allowed & real_q & pad_k).any())
+
+
+def _token_mask(gm: torch.fx.GraphModule, sdpas: List[Node], embeddings: List[Node]) -> Tuple[Optional[Node], Optional[Any], str]:
+    """The placeholder that marks real tokens, and how to read it: ``(node, padding_idx or None, why)``."""
+    id_shapes = [value(e.args[0]).shape for e in embeddings]
+    if sdpas:
+        masks = [n.kwargs.get("attn_mask", n.args[3] if len(n.args) > 3 else None) for n in sdpas]
+        if any(m is None for m in masks):
+            return None, None, "attention without a mask reads the padding tokens"
+        common = set.intersection(*(_ancestors(m) for m in masks))
+        candidates = [n for n in common if n.op == "placeholder" and isinstance(value(n), torch.Tensor)
+                      and value(n).dim() == 2 and not value(n).is_floating_point()
+                      and any(_same_shape(value(n).shape, s) for s in id_shapes)]
+        if len(candidates) != 1:
+            return None, None, "no single [batch, seq] attention mask input gates every attention"
+        return candidates[0], None, ""
+    for e in embeddings:
+        pad = e.args[2] if len(e.args) > 2 else e.kwargs.get("padding_idx")
+        if isinstance(pad, int) and e.args[0].op == "placeholder":
+            return e.args[0], pad, ""
+    return None, None, "no attention mask and no embedding padding_idx marks the padding"
+
+
+def _is_embedding_start(node: Node, lead_shape: Sequence[Any]) -> bool:
+    if node.op != "call_function" or node.target is not F.embedding:
+        return False
+    ids = value(node.args[0])
+    return isinstance(ids, torch.Tensor) and _same_shape(ids.shape, lead_shape)
+
+
+def _layout_to_attention(node: Node, seen: Optional[Set[Node]] = None) -> bool:
+    """``node``'s every use, through layout-only ops, ends as attention's query, key or value."""
+    seen = seen if seen is not None else set()
+    for user in node.users:
+        if user in seen:
+            continue
+        seen.add(user)
+        if user.op == "output":
+            continue  # a returned key/value cache: padding positions not computed, as for every output
+        if user.op == "call_function" and user.target in _SDPA:
+            if node not in user.args[:3]:
+                return False
+            continue
+        layout = (user.op == "call_method" and user.target in _LAYOUT_METHODS) or \
+            (user.op == "call_function" and user.target is operator.getitem and isinstance(value(node), (tuple, list))) or \
+            (user.op == "call_function" and user.target is torch.cat and all(
+                a is node or (isinstance(value(a), torch.Tensor) and value(a).numel() == 0) for a in user.args[0]))
+        if not layout or not _layout_to_attention(user, seen):
+            return False
+    return True
+
+
+class _Plan:
+    def __init__(self) -> None:
+        self.region: Dict[Node, int] = {}
+        self.frontier: Dict[Node, int] = {}
+        self.broadcast: Set[Node] = set()
+        self.consumers: List[Tuple[Node, Node, str]] = []   # (region node, consumer, kind)
+
+
+def _plan(gm: torch.fx.GraphModule, lead_shape: Sequence[Any]) -> Tuple[Optional[_Plan], str]:
+    plan = _Plan()
+    flat = 1
+    for s in lead_shape:
+        flat = flat * s
+    for node in gm.graph.nodes:
+        if _is_embedding_start(node, lead_shape):
+            plan.region[node] = len(lead_shape)
+            plan.frontier[node.args[0]] = len(lead_shape)
+            continue
+        inside = [a for a in node.all_input_nodes if a in plan.region]
+        if not inside or node.op == "output":
+            continue
+        first = inside[0]
+        features = value(first).dim() - plan.region[first]
+        out = value(node)
+        lead = out.dim() - features if isinstance(out, torch.Tensor) else 0
+        broadcast: Set[Node] = set()
+        rows = row_inputs(node, lead, broadcast) if lead >= 1 else None
+        ok = rows is not None and (lead == 1 and _same_shape([out.shape[0]], [flat])
+                                   or _same_shape(out.shape[:lead], lead_shape))
+        if ok:
+            listed = dict(rows)
+            ok = all(listed.get(a) == plan.region[a] for a in inside)
+        if not ok:
+            continue
+        plan.region[node] = lead
+        for a, a_lead in rows:
+            if a not in plan.region:
+                plan.frontier.setdefault(a, a_lead)
+        plan.broadcast |= broadcast
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    for node in plan.region:
+        for user in node.users:
+            if user in plan.region:
+                continue
+            kind = _consumer_kind(node, user, plan, output)
+            if kind is None:
+                return None, f"padding rows reach {op_name(user)} ({user.name})"
+            plan.consumers.append((node, user, kind))
+    return plan, ""
+
+
+def _consumer_kind(node: Node, user: Node, plan: _Plan, output: Node) -> Optional[str]:
+    if user is output:
+        return "output"
+    if _layout_to_attention_from(node, user):
+        return "attention"
+    lead = plan.region[node]
+    if user.op == "call_method" and user.target == "flatten" and lead == 2 and len(user.users) == 1:
+        (sel,) = user.users
+        if sel.op == "call_function" and sel.target is torch.index_select and sel.args[1] == 0:
+            return "rows"
+    if user.op == "call_function" and user.target is torch.index_select and lead == 1 and user.args[1] == 0:
+        return "rows"
+    if user.op == "call_function" and user.target is operator.getitem and lead == 2 and isinstance(user.args[1], tuple):
+        index = user.args[1]
+        if len(index) >= 2 and index[0] == slice(None) and isinstance(index[1], int):
+            return "select"
+    return None
+
+
+def _layout_to_attention_from(node: Node, user: Node) -> bool:
+    if user.op == "call_function" and user.target in _SDPA:
+        return node in user.args[:3]
+    layout = (user.op == "call_method" and user.target in _LAYOUT_METHODS)
+    return layout and _layout_to_attention(user)
+
+
+def padding_elimination(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: Options) -> PassReport:
+    if options.padding_elimination == "off":
+        return PassReport(NAME, False, "off by option")
+    graph = gm.graph
+    embeddings = [n for n in graph.nodes if n.op == "call_function" and n.target is F.embedding
+                  and isinstance(value(n.args[0]), torch.Tensor) and value(n.args[0]).dim() == 2]
+    if not embeddings:
+        return PassReport(NAME, False, "no [batch, seq] embedding lookup")
+    sdpas = [n for n in graph.nodes if n.op == "call_function" and n.target in _SDPA]
+    mask_node, pad_id, why = _token_mask(gm, sdpas, embeddings)
+    if mask_node is None:
+        return PassReport(NAME, False, why)
+    real = source_example(mask_node)
+    tokens = None if real is None else (real != (pad_id if pad_id is not None else 0))
+    density = None if tokens is None else float(tokens.float().mean())
+    on, reason = density_reason("token density", density, options.padding_elimination, options.sparsity_threshold)
+    if not on:
+        return PassReport(NAME, False, reason)
+    if tokens is None:
+        return PassReport(NAME, False, "the token mask of the capturing batch is not readable")
+    for sdpa in sdpas:
+        attn_mask = sdpa.kwargs.get("attn_mask", sdpa.args[3] if len(sdpa.args) > 3 else None)
+        if not _masks_padding_keys(_evaluate(gm, attn_mask), tokens):
+            return PassReport(NAME, False, f"the mask of {sdpa.name} lets real tokens attend to padding")
+    lead_shape = value(mask_node).shape
+    plan, why = _plan(gm, lead_shape)
+    if plan is None:
+        return PassReport(NAME, False, why)
+    matmuls = sum(1 for n in plan.region if heavy(n))
+    if not matmuls:
+        return PassReport(NAME, False, "no projection runs token by token")
+    problem = _check_capturing_batch(gm, plan, tokens)
+    if problem:
+        return PassReport(NAME, False, problem)
+    _rewrite(gm, plan, mask_node, pad_id)
+    return PassReport(NAME, True, f"{reason}: {matmuls} matmul(s) on real tokens only; outputs at padding "
+                                  f"positions are not computed")
+
+
+def _check_capturing_batch(gm: torch.fx.GraphModule, plan: _Plan, tokens: torch.Tensor) -> str:
+    flat = tokens.flatten()
+    for node, user, kind in plan.consumers:
+        if kind == "rows":
+            sel = next(iter(user.users)) if user.target == "flatten" else user
+            index = _evaluate(gm, sel.args[2])
+            if index is None or not bool(flat[index].all()):
+                return "the loss reads padding positions (labels on padding tokens)"
+        elif kind == "select":
+            j = user.args[1][1]
+            if not bool(tokens[:, j].all()):
+                return f"the model keeps position {j}, which is padding in some rows"
+    return ""
+
+
+def _rewrite(gm: torch.fx.GraphModule, plan: _Plan, mask_node: Node, pad_id: Optional[int]) -> None:
+    graph = gm.graph
+    first = next(n for n in graph.nodes if n.op != "placeholder")
+    with graph.inserting_before(first):
+        valid = graph.call_function(torch.ne, (graph.call_method("flatten", (mask_node,)), pad_id or 0))
+        index = graph.call_method("view", (graph.call_function(torch.nonzero, (valid,)), -1))
+        sizes = [graph.call_method("size", (mask_node, d)) for d in range(value(mask_node).dim())]
+        n_flat = sizes[0]
+        for s in sizes[1:]:
+            n_flat = graph.call_function(operator.mul, (n_flat, s))
+    rows: Dict[Node, Node] = {}
+
+    def gathered(node: Node, lead: int) -> Node:
+        if node not in rows:
+            src = node
+            if node in plan.broadcast:
+                feat = list(value(node).shape[lead:])
+                lead_sizes = sizes if lead == len(sizes) else [n_flat]
+                src = graph.call_method("expand", (node, *lead_sizes, *[-1] * len(feat)))
+            flat = src if lead == 1 else graph.call_method("flatten", (src, 0, lead - 1))
+            rows[node] = graph.call_function(torch.index_select, (flat, 0, index))
+        return rows[node]
+
+    for node in list(graph.nodes):
+        if node not in plan.region:
+            continue
+        lead = plan.region[node]
+        with graph.inserting_before(node):
+            for a in node.all_input_nodes:
+                if a in plan.frontier and a not in plan.region:
+                    gathered(a, plan.frontier[a])
+            if is_regroup(node):
+                rows[node] = rows[node.args[0]]
+                continue
+            rows[node] = copy_on_rows(graph, node, rows, lead)
+    repadded: Dict[Node, Node] = {}
+    for node, user, kind in plan.consumers:
+        if node not in repadded:
+            lead = plan.region[node]
+            feat = list(value(node).shape[lead:])
+            with graph.inserting_before(user):
+                zeros = graph.call_method("new_zeros", (rows[node], (n_flat, *feat)))
+                full = graph.call_method("index_copy", (zeros, 0, index, rows[node]))
+                repadded[node] = full if lead == 1 else graph.call_method("view", (full, *sizes, *feat))
+        user.replace_input_with(node, repadded[node])
+        sel = next(iter(user.users)) if kind == "rows" and user.target == "flatten" else user
+        with graph.inserting_before(sel):
+            if kind == "rows":
+                ok = graph.call_method("all", (graph.call_function(torch.index_select, (valid, 0, sel.args[2])),))
+                graph.call_function(torch._assert_async, (ok, _ASSERT))
+            elif kind == "select":
+                column = graph.call_function(operator.getitem, (graph.call_method("view", (valid, *sizes)),
+                                                                (slice(None), user.args[1][1])))
+                graph.call_function(torch._assert_async, (graph.call_method("all", (column,)), _ASSERT))
+    for node in reversed(list(graph.nodes)):
+        if node in plan.region and not node.users:
+            graph.erase_node(node)
