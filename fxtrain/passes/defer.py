@@ -3,19 +3,26 @@
 A rewrite that computes only some rows of a tensor the model also returns must still return the
 whole tensor. The graph instead returns what that tensor is made from, and the runtime hands the
 caller a ``DeferredTensor`` (runtime/deferred.py) that runs the original ops when first used.
+
+Two flavours. ``defer_outputs`` (label sparsity, upstream slicing) recomputes only the skipped head
+from activations the graph already has, so a read costs one head. ``defer_dense`` (padding
+elimination) has no such activations: every layer skipped the padding rows, so a read re-runs the
+graph's original ops from the graph's inputs. Either way a read gives eager's values everywhere.
 """
 from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch.fx
 
 from ..runtime.deferred import DeferredPlan
-from .rows import Region, copy_subgraph, value
+from .rows import Node, Region, copy_subgraph, value
 
 META_KEY = "fxtrain_deferred"
 
 
 def can_defer(gm: torch.fx.GraphModule, region: Region) -> bool:
-    """One deferred computation per graph: a second rewrite that needs one leaves its outputs alone."""
+    """One head deferral per graph: a second rewrite that needs one leaves its outputs alone."""
     return not region.outputs or META_KEY not in gm.meta
 
 
@@ -36,4 +43,78 @@ def defer_outputs(gm: torch.fx.GraphModule, region: Region) -> None:
     deferred = [(i, region.outputs.index(o), value(o)) for i, o in enumerate(outs) if o in region.outputs]
     output.args = (tuple(direct + extra),)
     gm.meta[META_KEY] = DeferredPlan(gm=sub, n_direct=len(direct), inputs=plan_inputs, deferred=deferred,
-                                     placeholders=placeholders)
+                                     placeholders=placeholders, n_outputs=len(region.outputs))
+
+
+class _DenseThenHead:
+    """Recompute some tensors from the graph inputs, then run an earlier plan's head on them."""
+
+    def __init__(self, dense: torch.fx.GraphModule, n_dense_in: int, head: Optional[Callable[..., Any]],
+                 head_inputs: List[Tuple[str, int]], dense_outputs: List[int]) -> None:
+        self.dense, self.n_dense_in, self.head = dense, n_dense_in, head
+        self.head_inputs, self.dense_outputs = head_inputs, dense_outputs
+
+    def __call__(self, *args: Any) -> Tuple[Any, ...]:
+        dense = self.dense(*args[:self.n_dense_in])
+        rest = args[self.n_dense_in:]
+        head_out: Tuple[Any, ...] = ()
+        if self.head is not None:
+            head_out = tuple(self.head(*[dense[i] if kind == "dense" else rest[i] for kind, i in self.head_inputs]))
+        return head_out + tuple(dense[i] for i in self.dense_outputs)
+
+
+def defer_dense(gm: torch.fx.GraphModule, affected: Set[Node]) -> int:
+    """Return the graph outputs in ``affected`` as deferred, recomputed from the graph's inputs.
+
+    Call before rewriting, while the graph still computes them densely. Outputs that an earlier
+    deferral reads as extras are recomputed the same way and fed to its head. Returns how many
+    outputs (or extras) were taken out of the graph.
+    """
+    graph = gm.graph
+    output = next(n for n in graph.nodes if n.op == "output")
+    outs = list(output.args[0])
+    old: Optional[DeferredPlan] = gm.meta.get(META_KEY)
+    n_direct = old.n_direct if old else len(outs)
+    direct, extras = outs[:n_direct], outs[n_direct:]
+    hit_direct = [i for i, o in enumerate(direct) if o in affected]
+    hit_extra = [j for j, o in enumerate(extras) if o in affected]
+    if not hit_direct and not hit_extra:
+        return 0
+    roots: List[Node] = []
+    for o in [direct[i] for i in hit_direct] + [extras[j] for j in hit_extra]:
+        if o not in roots:
+            roots.append(o)
+    computed = {n for n in graph.nodes if n.op != "placeholder"}
+    dense, dense_in = copy_subgraph(gm, roots, computed)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    inputs: List[Tuple[str, int]] = [("arg", placeholders.index(n)) for n in dense_in]
+
+    # Where the original (dynamo-facing) output positions of the direct outputs are.
+    n_total = n_direct + (len(old.deferred) if old else 0)
+    taken = {p for p, _, _ in old.deferred} if old else set()
+    position = [p for p in range(n_total) if p not in taken]
+
+    keep_extra = [j for j in range(len(extras)) if j not in hit_extra]
+    head_inputs: List[Tuple[str, int]] = []
+    if old is not None:
+        for kind, i in old.inputs:
+            if kind == "extra" and i in hit_extra:
+                head_inputs.append(("dense", roots.index(extras[i])))
+            elif kind == "extra":
+                head_inputs.append(("rest", len(inputs) - len(dense_in)))
+                inputs.append(("extra", keep_extra.index(i)))
+            else:
+                head_inputs.append(("rest", len(inputs) - len(dense_in)))
+                inputs.append((kind, i))
+    n_head_out = old.n_outputs if old else 0
+    deferred = list(old.deferred) if old else []
+    for k, i in enumerate(hit_direct):
+        deferred.append((position[i], n_head_out + k, value(direct[i])))
+    deferred.sort(key=lambda d: d[0])
+    fn = _DenseThenHead(dense, len(dense_in), old.gm if old else None, head_inputs,
+                        [roots.index(direct[i]) for i in hit_direct])
+    new_direct = [o for i, o in enumerate(direct) if i not in hit_direct]
+    output.args = (tuple(new_direct + [extras[j] for j in keep_extra]),)
+    gm.meta[META_KEY] = DeferredPlan(gm=fn, n_direct=len(new_direct), inputs=inputs, deferred=deferred,
+                                     placeholders=placeholders, n_outputs=n_head_out + len(hit_direct))
+    return len(hit_direct) + len(hit_extra)

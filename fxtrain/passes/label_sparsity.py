@@ -34,7 +34,7 @@ _LABEL_METHODS = {"view", "reshape", "contiguous", "to", "long", "flatten"}
 _LABEL_FUNCTIONS = {torch._C._nn.pad, F.pad, operator.getitem, torch.reshape, torch.flatten}
 
 
-def _cross_entropy_args(node: torch.fx.Node) -> Optional[inspect.BoundArguments]:
+def cross_entropy_args(node: torch.fx.Node) -> Optional[inspect.BoundArguments]:
     if node.op != "call_function" or node.target is not F.cross_entropy:
         return None
     try:
@@ -45,7 +45,7 @@ def _cross_entropy_args(node: torch.fx.Node) -> Optional[inspect.BoundArguments]
     return bound
 
 
-def _why_not(bound: inspect.BoundArguments) -> Optional[str]:
+def unsupported_cross_entropy(bound: inspect.BoundArguments) -> Optional[str]:
     a = bound.arguments
     x, t = value(a["input"]), value(a["target"])
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
@@ -75,7 +75,7 @@ def _label_source(node: Any) -> Optional[torch.Tensor]:
 def label_sparsity(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: Options) -> PassReport:
     if options.label_sparsity == "off":
         return PassReport(NAME, False, "off by option")
-    losses = [(n, b) for n in gm.graph.nodes for b in [_cross_entropy_args(n)] if b is not None]
+    losses = [(n, b) for n in gm.graph.nodes for b in [cross_entropy_args(n)] if b is not None]
     if not losses:
         return PassReport(NAME, False, "no cross_entropy in the graph")
     reasons: List[str] = []
@@ -89,7 +89,7 @@ def label_sparsity(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opti
 
 def _rewrite(gm: torch.fx.GraphModule, ce: torch.fx.Node, bound: inspect.BoundArguments,
              options: Options) -> Tuple[bool, str]:
-    blocked = _why_not(bound)
+    blocked = unsupported_cross_entropy(bound)
     if blocked:
         return False, blocked
     x, target, ignore = bound.arguments["input"], bound.arguments["target"], bound.arguments["ignore_index"]

@@ -9,9 +9,10 @@ at the padding positions, and its output is gathered again.
 
 Why that is exact for the real tokens: a padding position reaches a real token only as an attention
 key or value, and the attention mask gives those keys weight 0 (checked on the capturing batch by
-evaluating the model's own mask). Outputs at padding positions are not computed: the model's
-returned tensors hold zeros-derived values there (they are padding; eager's values are as
-meaningless). A loss that reads a padding position (a label on a padding token) or a head that reads
+evaluating the model's own mask). The model's returned tensors that hold padding positions
+(logits, hidden states, a key/value cache) are not computed in the step: they become deferred
+tensors (passes/defer.py) that re-run the original dense ops on first read, so what the caller
+sees is eager's everywhere, and a loop that reads only the loss pays nothing for them. A loss that reads a padding position (a label on a padding token) or a head that reads
 one (``h[:, 0]`` under left padding) would differ from eager: the capturing batch is checked, and
 the graph asserts it on every later batch, raising a clear error instead of a wrong number.
 """
@@ -26,6 +27,8 @@ import torch.nn.functional as F
 
 from ..options import Options
 from .base import PassReport
+from .defer import defer_dense
+from .label_sparsity import cross_entropy_args, unsupported_cross_entropy
 from .density import density_reason, source_example
 from .rows import Node, _same_shape, copy_on_rows, heavy, is_regroup, op_name, row_inputs, value
 
@@ -152,6 +155,8 @@ class _Plan:
         self.frontier: Dict[Node, int] = {}
         self.broadcast: Set[Node] = set()
         self.consumers: List[Tuple[Node, Node, str]] = []   # (region node, consumer, kind)
+        self.flat: Any = None                                # batch * seq
+        self.row_cuts: List[Node] = []  # index_select(tokens, 0, i) of padded values: real rows asserted
 
 
 def _plan(gm: torch.fx.GraphModule, lead_shape: Sequence[Any]) -> Tuple[Optional[_Plan], str]:
@@ -159,6 +164,7 @@ def _plan(gm: torch.fx.GraphModule, lead_shape: Sequence[Any]) -> Tuple[Optional
     flat = 1
     for s in lead_shape:
         flat = flat * s
+    plan.flat = flat
     for node in gm.graph.nodes:
         if _is_embedding_start(node, lead_shape):
             plan.region[node] = len(lead_shape)
@@ -185,6 +191,7 @@ def _plan(gm: torch.fx.GraphModule, lead_shape: Sequence[Any]) -> Tuple[Optional
             if a not in plan.region:
                 plan.frontier.setdefault(a, a_lead)
         plan.broadcast |= broadcast
+    _grow_upstream(plan, lead_shape)
     output = next(n for n in gm.graph.nodes if n.op == "output")
     for node in plan.region:
         for user in node.users:
@@ -197,12 +204,43 @@ def _plan(gm: torch.fx.GraphModule, lead_shape: Sequence[Any]) -> Tuple[Optional
     return plan, ""
 
 
+def _grow_upstream(plan: _Plan, lead_shape: Sequence[Any]) -> None:
+    """Pull row-wise producers that only the region reads into it (attention's output projection):
+    the row gather then happens on their input, before the matmul, not after."""
+    changed = True
+    while changed:
+        changed = False
+        for f, f_lead in list(plan.frontier.items()):
+            if f in plan.region or f.op not in ("call_function", "call_method") or not f.users \
+                    or not all(u in plan.region for u in f.users):
+                continue
+            out = value(f)
+            if not isinstance(out, torch.Tensor) or out.dim() < f_lead:
+                continue
+            want = list(lead_shape) if f_lead == len(lead_shape) else [plan.flat] if f_lead == 1 else None
+            if want is None or not _same_shape(out.shape[:f_lead], want):
+                continue
+            broadcast: Set[Node] = set()
+            rows = row_inputs(f, f_lead, broadcast)
+            if rows is None or not all(isinstance(value(a), torch.Tensor) for a, _ in rows):
+                continue
+            del plan.frontier[f]
+            plan.region[f] = f_lead
+            for a, a_lead in rows:
+                if a not in plan.region:
+                    plan.frontier.setdefault(a, a_lead)
+            plan.broadcast |= broadcast
+            changed = True
+
+
 def _consumer_kind(node: Node, user: Node, plan: _Plan, output: Node) -> Optional[str]:
     if user is output:
         return "output"
     if _layout_to_attention_from(node, user):
         return "attention"
     lead = plan.region[node]
+    if lead == 1 and _loss_on_rows(node, user):
+        return "loss"
     if user.op == "call_method" and user.target == "flatten" and lead == 2 and len(user.users) == 1:
         (sel,) = user.users
         if sel.op == "call_function" and sel.target is torch.index_select and sel.args[1] == 0:
@@ -214,6 +252,15 @@ def _consumer_kind(node: Node, user: Node, plan: _Plan, output: Node) -> Optiona
         if len(index) >= 2 and index[0] == slice(None) and isinstance(index[1], int):
             return "select"
     return None
+
+
+def _loss_on_rows(node: Node, user: Node) -> bool:
+    """``cross_entropy(node, target)`` over the flattened tokens: rows whose target is ignored add
+    nothing, so when every padding position is ignored the loss can run on the real rows alone."""
+    bound = cross_entropy_args(user)
+    if bound is None or bound.arguments["input"] is not node or unsupported_cross_entropy(bound):
+        return False
+    return not bound.arguments["label_smoothing"] and bound.arguments["target"] is not node
 
 
 def _layout_to_attention_from(node: Node, user: Node) -> bool:
@@ -254,22 +301,90 @@ def padding_elimination(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     matmuls = sum(1 for n in plan.region if heavy(n))
     if not matmuls:
         return PassReport(NAME, False, "no projection runs token by token")
+    padded = _padded_values(plan)
     problem = _check_capturing_batch(gm, plan, tokens)
     if problem:
         return PassReport(NAME, False, problem)
+    deferred = defer_dense(gm, padded)
+    _erase_unused(gm, padded)
+    plan.consumers = [c for c in plan.consumers if c[1].op != "output" and c[1] in gm.graph.nodes]
     _rewrite(gm, plan, mask_node, pad_id)
-    return PassReport(NAME, True, f"{reason}: {matmuls} matmul(s) on real tokens only; outputs at padding "
-                                  f"positions are not computed")
+    note = f"; {deferred} returned tensor(s) that hold padding positions are computed on first use" if deferred else ""
+    return PassReport(NAME, True, f"{reason}: {matmuls} matmul(s) on real tokens only{note}")
+
+
+def _erase_unused(gm: torch.fx.GraphModule, nodes: Set[Node]) -> None:
+    """Drop what only fed the outputs ``defer_dense`` took out (a returned key/value cache, say)."""
+    for node in reversed(list(gm.graph.nodes)):
+        if node in nodes and not node.users and node.op in ("call_function", "call_method") \
+                and not str(getattr(node.target, "__name__", node.target)).endswith("_"):
+            gm.graph.erase_node(node)
+
+
+def _padded_values(plan: _Plan) -> Set[Node]:
+    """Nodes whose values at padding positions the rewrite changes: all that the region reaches,
+    except through a selection of real rows, which reads exact values. Row selections
+    (``index_select(x, 0, i)`` over the flattened tokens) are recorded in ``plan.row_cuts``: that
+    ``i`` only names real tokens is checked on the capturing batch and asserted on every batch."""
+    cuts = {user for _, user, kind in plan.consumers if kind in ("select", "loss")}
+    seen: Set[Node] = set()
+    stack = list(plan.region)
+    while stack:
+        node = stack.pop()
+        if node in seen or node in cuts:
+            continue
+        if _selects_token_rows(node, plan.flat) and node.args[0] in seen:
+            if node not in plan.row_cuts:
+                plan.row_cuts.append(node)
+            continue
+        seen.add(node)
+        stack.extend(u for u in node.users if u.op != "output")
+    return seen
+
+
+def _selects_token_rows(node: Node, flat: Any) -> bool:
+    if node.op != "call_function" or node.target is not torch.index_select or node.args[1] != 0:
+        return False
+    src = node.args[0]
+    if isinstance(value(src), torch.Tensor):
+        return value(src).dim() >= 1 and _same_shape([value(src).shape[0]], [flat])
+    # Inserted by an earlier pass, without metadata: ``flatten(x, 0, k)`` of a node that has it.
+    if src.op == "call_method" and src.target == "flatten" and len(src.args) == 3 and src.args[1] == 0:
+        x = value(src.args[0])
+        if isinstance(x, torch.Tensor) and isinstance(src.args[2], int) and src.args[2] < x.dim():
+            rows = 1
+            for d in x.shape[:src.args[2] + 1]:
+                rows = rows * d
+            return _same_shape([rows], [flat])
+    return False
+
+
+def _loss_on_real_rows(graph: torch.fx.Graph, ce: Node, rows: Node, valid: Node, index: Node) -> None:
+    bound = cross_entropy_args(ce)
+    target, ignore = bound.arguments["target"], bound.arguments["ignore_index"]
+    with graph.inserting_before(ce):
+        ok = graph.call_method("all", (graph.call_function(torch.logical_or, (graph.call_function(
+            torch.eq, (target, ignore)), valid)),))
+        graph.call_function(torch._assert_async, (ok, _ASSERT))
+        picked = graph.call_function(torch.index_select, (target, 0, index))
+        loss = graph.call_function(F.cross_entropy, (), dict(bound.arguments, input=rows, target=picked))
+    loss.meta = dict(ce.meta)
+    ce.replace_all_uses_with(loss)
+    graph.erase_node(ce)
 
 
 def _check_capturing_batch(gm: torch.fx.GraphModule, plan: _Plan, tokens: torch.Tensor) -> str:
     flat = tokens.flatten()
+    for sel in plan.row_cuts:
+        index = _evaluate(gm, sel.args[2])
+        if index is None or not bool(flat[index].all()):
+            return "the loss reads padding positions (labels on padding tokens)"
     for node, user, kind in plan.consumers:
-        if kind == "rows":
-            sel = next(iter(user.users)) if user.target == "flatten" else user
-            index = _evaluate(gm, sel.args[2])
-            if index is None or not bool(flat[index].all()):
-                return "the loss reads padding positions (labels on padding tokens)"
+        if kind == "loss":
+            bound = cross_entropy_args(user)
+            target = _evaluate(gm, bound.arguments["target"])
+            if target is None or not bool(((target == bound.arguments["ignore_index"]) | flat).all()):
+                return "the loss has labels on padding positions"
         elif kind == "select":
             j = user.args[1][1]
             if not bool(tokens[:, j].all()):
@@ -314,6 +429,9 @@ def _rewrite(gm: torch.fx.GraphModule, plan: _Plan, mask_node: Node, pad_id: Opt
             rows[node] = copy_on_rows(graph, node, rows, lead)
     repadded: Dict[Node, Node] = {}
     for node, user, kind in plan.consumers:
+        if kind == "loss":
+            _loss_on_real_rows(graph, user, rows[node], valid, index)
+            continue
         if node not in repadded:
             lead = plan.region[node]
             feat = list(value(node).shape[lead:])
@@ -322,15 +440,19 @@ def _rewrite(gm: torch.fx.GraphModule, plan: _Plan, mask_node: Node, pad_id: Opt
                 full = graph.call_method("index_copy", (zeros, 0, index, rows[node]))
                 repadded[node] = full if lead == 1 else graph.call_method("view", (full, *sizes, *feat))
         user.replace_input_with(node, repadded[node])
-        sel = next(iter(user.users)) if kind == "rows" and user.target == "flatten" else user
-        with graph.inserting_before(sel):
-            if kind == "rows":
-                ok = graph.call_method("all", (graph.call_function(torch.index_select, (valid, 0, sel.args[2])),))
-                graph.call_function(torch._assert_async, (ok, _ASSERT))
-            elif kind == "select":
+        with graph.inserting_before(user):
+            if kind == "select":
                 column = graph.call_function(operator.getitem, (graph.call_method("view", (valid, *sizes)),
                                                                 (slice(None), user.args[1][1])))
                 graph.call_function(torch._assert_async, (graph.call_method("all", (column,)), _ASSERT))
+    asserted: Set[Node] = set()
+    for sel in plan.row_cuts:
+        if sel.args[2] in asserted:
+            continue
+        asserted.add(sel.args[2])
+        with graph.inserting_before(sel):
+            ok = graph.call_method("all", (graph.call_function(torch.index_select, (valid, 0, sel.args[2])),))
+            graph.call_function(torch._assert_async, (ok, _ASSERT))
     for node in reversed(list(graph.nodes)):
         if node in plan.region and not node.users:
             graph.erase_node(node)

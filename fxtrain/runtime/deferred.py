@@ -30,20 +30,38 @@ _METADATA = {
 }
 
 
-class _Pending:
-    """The inputs of one deferred computation, run once for all outputs that share it."""
+class StaleDeferredOutput(RuntimeError):
+    """A deferred output read after a tensor it is computed from was changed in place."""
 
-    def __init__(self, gm: torch.fx.GraphModule, inputs: List[Any], grad: bool) -> None:
+
+class _Pending:
+    """The inputs of one deferred computation, run once for all outputs that share it.
+
+    The computation reads the parameters as they are when it runs. ``optimizer.step()`` updates
+    them in place, so the versions seen at the forward are recorded and a later read checks them:
+    a stale read raises instead of returning values of the next step's weights.
+    """
+
+    def __init__(self, gm: Callable[..., Any], inputs: List[Any], grad: bool) -> None:
         self.gm, self.inputs, self.grad = gm, inputs, grad
+        self.versions = [(i, x._version) for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)]
         self.values: Optional[Tuple[torch.Tensor, ...]] = None
         self.lock = threading.Lock()
 
     def result(self, k: int) -> torch.Tensor:
         with self.lock:
             if self.values is None:
+                changed = [i for i, v in self.versions if self.inputs[i]._version != v]
+                if changed:
+                    shapes = ", ".join(str(tuple(self.inputs[i].shape)) for i in changed[:3])
+                    raise StaleDeferredOutput(
+                        f"fxtrain computes this model output on first use (a sparsity pass skipped it in the "
+                        f"forward), but {len(changed)} tensor(s) it is computed from (shapes {shapes}) were "
+                        f"modified in place since the forward, e.g. by optimizer.step(). Read the output "
+                        f"before the step, or turn the pass named in capture_info().optimizations off.")
                 with torch.set_grad_enabled(self.grad):
                     self.values = tuple(self.gm(*self.inputs))
-                self.inputs = []
+                self.inputs, self.versions = [], []
         return self.values[k]
 
 
@@ -97,11 +115,12 @@ class DeferredPlan:
     its position among the original outputs, its index among ``gm``'s outputs, and its fake value.
     """
 
-    gm: torch.fx.GraphModule
+    gm: Callable[..., Any]
     n_direct: int
     inputs: List[Tuple[str, int]]
     deferred: List[Tuple[int, int, torch.Tensor]]
     placeholders: List[torch.fx.Node]
+    n_outputs: int = 0
 
 
 def with_deferred(compiled: Callable[..., Any], plan: DeferredPlan) -> Callable[..., Any]:

@@ -1,0 +1,222 @@
+"""Padding elimination against eager: loss, every gradient, the returned logits and the trained
+weights equal eager's, with the pass alone and with label sparsity, and the pass really fires."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxtrain
+from fxtrain import models
+from fxtrain.runtime.deferred import DeferredTensor, StaleDeferredOutput
+from utils import assert_grads_equal, train_parity, wrap_pair
+
+SHAPES = [(4, 16), (3, 11), (5, 20)]
+STATE_ATOL = 3e-4  # AdamW magnifies rounding noise in zero-true gradients (see test_label_sparsity)
+ALONE = dict(label_sparsity="off", upstream_slicing="off")
+
+MODELS = {
+    "bert": (lambda: models.bert_mlm(hidden=32, layers=2, heads=2, vocab=1000), "mlm", 0),
+    "roberta": (lambda: models.roberta_mlm(hidden=32, layers=2, heads=2, vocab=1000), "mlm", 1),
+    "distilbert": (lambda: models.distilbert_mlm(hidden=32, layers=2, heads=2, vocab=1000), "mlm", 0),
+    "electra": (lambda: models.electra_mlm(hidden=32, layers=2, heads=2, vocab=1000), "mlm", 0),
+    "gpt2": (lambda: models.gpt2_lm(hidden=32, layers=2, heads=2, vocab=1000, positions=64), "clm", 0),
+}
+
+
+def _batches(kind, pad_id, seed, side="right", padding=0.4, shapes=SHAPES, **kw):
+    g = torch.Generator().manual_seed(seed)
+    kw.setdefault("label_density", 0.2)
+    return [models.synthetic_batch(kind, b, s, 1000, padding=padding, pad_id=pad_id, padding_side=side,
+                                   generator=g, **kw) for b, s in shapes]
+
+
+def _same_logits(out, ref_out):
+    # Padding positions included: the returned logits are recomputed densely when read.
+    assert isinstance(out.logits, DeferredTensor)
+    torch.testing.assert_close(out.logits, ref_out.logits, atol=1e-5, rtol=1e-4)
+
+
+def _why(tm, name="padding_elimination"):
+    return tm.capture_info().optimizations[name]
+
+
+def _fired(tm, name="padding_elimination"):
+    assert _why(tm, name).startswith("on:"), _why(tm, name)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("name", ["bert", "roberta", "distilbert", "electra"])
+def test_alone_on_mlm_matches_eager(name, side):
+    build, kind, pad = MODELS[name]
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(build(), **ALONE)
+    train_parity(tm, ref, _batches(kind, pad, 1, side), lambda out, _: out.loss,
+                 compare_outputs=_same_logits, state_atol=STATE_ATOL)
+    _fired(tm)
+    assert "matmul" in _why(tm) and tm.capture_info().graphs == 1
+
+
+def test_alone_on_causal_lm_matches_eager():
+    """GPT-2, right padding: the shifted-label loss runs on real rows; logits and the returned
+    key/value cache are deferred and equal eager's when read."""
+    build, kind, pad = MODELS["gpt2"]
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(build(), **ALONE)
+
+    def compare(out, ref_out):
+        _same_logits(out, ref_out)
+        k, rk = out.past_key_values.layers[0].keys, ref_out.past_key_values.layers[0].keys
+        torch.testing.assert_close(k, rk, atol=1e-5, rtol=1e-4)
+
+    train_parity(tm, ref, _batches(kind, pad, 2), lambda out, _: out.loss, compare_outputs=compare,
+                 state_atol=STATE_ATOL)
+    _fired(tm)
+
+
+def test_left_padded_causal_loss_reads_a_padding_position_so_the_pass_stays_off():
+    """With left padding, label shifting makes the last padding position predict the first real
+    token: eager's loss reads a padding row, so the pass must not fire and the result is eager's."""
+    build, kind, pad = MODELS["gpt2"]
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(build(), **ALONE)
+    train_parity(tm, ref, _batches(kind, pad, 3, "left"), lambda out, _: out.loss, state_atol=STATE_ATOL)
+    assert _why(tm) == "off: the loss has labels on padding positions"
+
+
+@pytest.mark.parametrize("name,extra", [("bert", {}), ("roberta", {}), ("gpt2", {"labels_at_end": 0.25})])
+def test_together_with_label_sparsity(name, extra):
+    build, kind, pad = MODELS[name]
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(build())
+    batches = _batches(kind, pad, 4, **extra) if kind == "clm" else _batches(kind, pad, 4, label_density=0.1)
+    train_parity(tm, ref, batches, lambda out, _: out.loss, compare_outputs=_same_logits, state_atol=STATE_ATOL)
+    _fired(tm)
+    _fired(tm, "label_sparsity")
+
+
+def test_unread_outputs_cost_nothing():
+    torch.manual_seed(0)
+    tm = fxtrain.TrainModule(MODELS["bert"][0](), fxtrain.Options(fallback="raise", **ALONE))
+    out = tm(**_batches("mlm", 0, 5)[0])
+    out.loss.backward()
+    assert isinstance(out.logits, DeferredTensor) and not out.logits.is_materialized
+    # Token-wise matmuls of the forward graph run on a run-time row count, not batch x seq.
+    fw = tm.capture_info().records[0].forward_graph
+    mms = [n for n in fw.graph.nodes if n.op == "call_function" and str(n.target) in ("aten.addmm.default", "aten.mm.default")]
+    assert mms and all(str(n.meta["val"].shape[0]).startswith("u") for n in mms)
+
+
+def test_reading_a_deferred_output_after_the_optimizer_step_raises():
+    """The deferred logits would be computed with the next step's weights: a clear error, not a
+    silently different number."""
+    torch.manual_seed(0)
+    tm = fxtrain.TrainModule(MODELS["bert"][0](), fxtrain.Options(fallback="raise", **ALONE))
+    opt = torch.optim.AdamW(tm.parameters(), lr=1e-3)
+    out = tm(**_batches("mlm", 0, 6)[0])
+    out.loss.backward()
+    opt.step()
+    with pytest.raises(StaleDeferredOutput, match="optimizer.step"):
+        out.logits.sum()
+
+
+def test_all_padding_rows_and_a_dense_batch_give_eagers_answer():
+    """Capture on a batch with an all-padding row; later a fully dense batch and another
+    all-padding row: no crash, no NaN, eager's loss and gradients."""
+    build, kind, pad = MODELS["bert"]
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(build(), **ALONE)
+    first, second = _batches(kind, pad, 7, shapes=[(4, 16), (3, 12)])
+    for b in (first, second):
+        b["input_ids"][1] = pad
+        b["attention_mask"][1] = 0
+        b["labels"][1] = -100
+    dense = _batches(kind, pad, 8, padding=0.0, shapes=[(3, 10)])[0]
+    train_parity(tm, ref, [first, dense, second], lambda out, _: out.loss, compare_outputs=_same_logits,
+                 state_atol=STATE_ATOL)
+    _fired(tm)
+
+
+def test_batch_without_labels_gives_eagers_nan():
+    build, kind, pad = MODELS["bert"]
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(build(), **ALONE)
+    first, second = _batches(kind, pad, 9, shapes=[(4, 16), (3, 12)])
+    tm(**first).loss.backward()
+    second["labels"].fill_(-100)
+    out, ref_out = tm(**second), ref(**second)
+    assert torch.isnan(ref_out.loss)
+    torch.testing.assert_close(out.loss, ref_out.loss, equal_nan=True)
+    _fired(tm)
+
+
+@pytest.mark.parametrize("mode,expect", [("auto", "off: token density 1.00"), ("on", "on:")])
+def test_dense_capturing_batch(mode, expect):
+    """No padding: 'auto' leaves the graph alone; 'on' rewrites it and is still exact."""
+    build, kind, pad = MODELS["bert"]
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(build(), label_sparsity="off", padding_elimination=mode)
+    batches = _batches(kind, pad, 10, padding=0.0)
+    train_parity(tm, ref, batches, lambda out, _: out.loss, state_atol=STATE_ATOL)
+    assert _why(tm).startswith(expect), _why(tm)
+
+
+def test_a_label_on_a_padding_token_later_raises_instead_of_a_wrong_loss():
+    build, kind, pad = MODELS["bert"]
+    torch.manual_seed(0)
+    tm = fxtrain.TrainModule(build(), fxtrain.Options(fallback="raise", **ALONE))
+    first, second = _batches(kind, pad, 11, shapes=[(4, 16), (3, 12)])
+    tm(**first).loss.backward()
+    row, col = (second["attention_mask"] == 0).nonzero()[0].tolist()
+    second["labels"][row, col] = 5
+    with pytest.raises(RuntimeError, match="padding_elimination"):
+        tm(**second).loss.item()
+
+
+def test_off_option():
+    tm = fxtrain.TrainModule(MODELS["bert"][0](), fxtrain.Options(fallback="raise", padding_elimination="off"))
+    tm(**_batches("mlm", 0, 12)[0])
+    assert _why(tm) == "off: off by option"
+
+
+class _PaddingIdxLM(nn.Module):
+    """No attention: the embedding's padding_idx is what marks padding."""
+
+    def __init__(self, vocab=100, hidden=32):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, hidden, padding_idx=0)
+        self.ffn = nn.Sequential(nn.Linear(hidden, 64), nn.GELU(), nn.Linear(64, hidden), nn.LayerNorm(hidden))
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, input_ids, labels):
+        h = self.emb(input_ids)
+        h = h + self.ffn(h)
+        logits = self.head(h)
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1)), logits
+
+
+def test_embedding_padding_idx_marks_padding():
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(_PaddingIdxLM(), **ALONE)
+    g = torch.Generator().manual_seed(13)
+    batches = []
+    for b, s in SHAPES:
+        batch = models.synthetic_batch("mlm", b, s, 100, padding=0.5, label_density=0.3, generator=g)
+        batches.append({"input_ids": batch["input_ids"], "labels": batch["labels"]})
+
+    def compare(out, ref_out):
+        torch.testing.assert_close(out[1], ref_out[1], atol=1e-5, rtol=1e-4)
+
+    train_parity(tm, ref, batches, lambda out, _: out[0], compare_outputs=compare)
+    _fired(tm)
+
+
+def test_gradients_through_the_deferred_logits():
+    """The user's own loss also reads the (deferred, dense-recomputed) logits: both paths' grads are eager's."""
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(MODELS["bert"][0](), **ALONE)
+    batch = _batches("mlm", 0, 14)[0]
+    out, ref_out = tm(**batch), ref(**batch)
+    (out.loss + out.logits.pow(2).mean()).backward()
+    (ref_out.loss + ref_out.logits.pow(2).mean()).backward()
+    assert_grads_equal(tm.module, ref)
+    _fired(tm)
