@@ -38,3 +38,33 @@ def test_plain_outputs_give_loss_and_outputs_and_missing_target_is_clear():
         mwl(x)
     with pytest.raises(TypeError, match="callable"):
         fxtrain.ModuleWithLoss(lin, "not a function")
+
+
+def test_hf_trainer_trains_a_module_with_loss_like_eager(tmp_path):
+    """The documented recipe (docs/sparsity.md): Trainer(model=TrainModule(ModuleWithLoss(...)),
+    remove_unused_columns=False). Logged losses equal eager Trainer's, and label sparsity fired."""
+    from transformers import Trainer, TrainingArguments
+
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(12):
+        b = models.synthetic_batch("mlm", 1, 16, 1000, padding=0.0, label_density=0.15, generator=g)
+        rows.append({k: v[0] for k, v in b.items()})
+
+    def train(wrap):
+        torch.manual_seed(0)
+        model = models.bert_mlm(hidden=32, layers=2, heads=2, vocab=1000)
+        wrapped = wrap(model)
+        args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=3,
+                                 logging_steps=1, report_to=[], remove_unused_columns=False, save_strategy="no",
+                                 seed=0, disable_tqdm=True)
+        trainer = Trainer(model=wrapped, args=args, train_dataset=rows)
+        trainer.train()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h], wrapped
+
+    ref_losses, _ = train(lambda m: m)
+    losses, tm = train(lambda m: fxtrain.TrainModule(fxtrain.ModuleWithLoss(m, _mlm_loss),
+                                                     fxtrain.Options(fallback="raise")))
+    assert len(losses) == 3
+    assert losses == pytest.approx(ref_losses, abs=1e-4)
+    assert tm.capture_info().optimizations["label_sparsity"].startswith("on:")

@@ -220,3 +220,17 @@ def test_gradients_through_the_deferred_logits():
     (ref_out.loss + ref_out.logits.pow(2).mean()).backward()
     assert_grads_equal(tm.module, ref)
     _fired(tm)
+
+
+def test_densities_measured_on_every_batch_and_logged(caplog):
+    """The inspector keeps watching after capture: the last batch's densities, logged on request."""
+    torch.manual_seed(0)
+    tm = fxtrain.TrainModule(MODELS["bert"][0](), fxtrain.Options(fallback="raise", log_density=True))
+    first, second = _batches("mlm", 0, 15, shapes=[(4, 16), (3, 12)])
+    tm(**first)
+    with caplog.at_level("INFO", logger="fxtrain"):
+        tm(**second)
+    density = tm.capture_info().density
+    assert density["token density"] == pytest.approx(float(second["attention_mask"].float().mean()))
+    assert density["label density"] == pytest.approx(float((second["labels"] != -100).float().mean()))
+    assert any("batch density" in r.getMessage() and "label density" in r.getMessage() for r in caplog.records)

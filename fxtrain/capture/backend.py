@@ -11,7 +11,9 @@ from ..options import Options
 from ..passes import run_passes
 from ..passes.defer import META_KEY as DEFERRED_KEY
 from ..runtime import compile_graph
+from ..passes.density import PROBES_KEY
 from ..runtime.deferred import with_deferred
+from ..runtime.density import with_density_probes
 from .dump import dump_capture
 from .info import CaptureInfo, GraphRecord
 
@@ -43,6 +45,9 @@ class Backend:
         plan = gm.meta.pop(DEFERRED_KEY, None)
         if plan is not None:
             compiled = with_deferred(compiled, plan)
+        probes = gm.meta.pop(PROBES_KEY, None)
+        if probes:
+            compiled = with_density_probes(compiled, probes, self.info.density, self.options.log_density)
         self.info.records.append(record)
         self.info.graphs += 1
         self.info.optimizations.update(record.optimizations)

@@ -35,6 +35,7 @@ class CaptureInfo:
     fallback_reason: Optional[str] = None
     executor: str = "eager"
     break_reasons: List[str] = field(default_factory=list)
+    density: Dict[str, float] = field(default_factory=dict)  # last batch: "label density", "token density"
     records: List[GraphRecord] = field(default_factory=list, repr=False)
 
     def __str__(self) -> str:
@@ -44,6 +45,8 @@ class CaptureInfo:
                  f"python ops:      {', '.join(self.python_ops) or '-'}"]
         for name, why in self.optimizations.items():
             lines.append(f"  {name:<22} {why}")
+        for what, d in self.density.items():
+            lines.append(f"  last batch {what}: {d:.3f}")
         for reason in self.break_reasons:
             lines.append(f"  break: {reason}")
         return "\n".join(lines)

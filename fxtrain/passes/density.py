@@ -6,7 +6,7 @@ batch it is compiled for without any extra step in the training loop.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.fx
@@ -36,3 +36,17 @@ def density_reason(what: str, density: Optional[float], mode: str, threshold: fl
     if density < threshold:
         return True, f"{what} {density:.2f} < {threshold}"
     return False, f"{what} {density:.2f} >= {threshold}: nothing worth skipping"
+
+
+PROBES_KEY = "fxtrain_density_probes"
+
+
+def add_probe(gm: torch.fx.GraphModule, what: str, placeholder: Any, absent: int) -> None:
+    """Remember how to measure ``what`` on later batches: the share of ``placeholder``'s elements
+    that differ from ``absent`` (the ignore index, the padding id). Read per call by the runtime, one
+    comparison over a [batch, seq] integer tensor: cheap next to the step."""
+    if isinstance(placeholder, torch.fx.Node) and placeholder.op == "placeholder":
+        index = [n for n in gm.graph.nodes if n.op == "placeholder"].index(placeholder)
+        probes: List[Tuple[str, int, int]] = gm.meta.setdefault(PROBES_KEY, [])
+        if (what, index, absent) not in probes:
+            probes.append((what, index, absent))

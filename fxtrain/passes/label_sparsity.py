@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ..options import Options
 from .base import PassReport
-from .density import density_reason, source_example
+from .density import add_probe, density_reason, source_example
 from .defer import can_defer, defer_outputs
 from .rows import erase_dead, find_region, index_rows, replay_on_rows, value
 
@@ -62,14 +62,14 @@ def unsupported_cross_entropy(bound: inspect.BoundArguments) -> Optional[str]:
     return None
 
 
-def _label_source(node: Any) -> Optional[torch.Tensor]:
-    """The real label tensor the target comes from (at capture time), if it is a model input."""
+def _label_placeholder(node: Any) -> Optional[torch.fx.Node]:
+    """The model input the loss target is made from (flattened, shifted, moved), if it is one."""
     while isinstance(node, torch.fx.Node) and node.op != "placeholder":
         if not ((node.op == "call_method" and node.target in _LABEL_METHODS)
                 or (node.op == "call_function" and node.target in _LABEL_FUNCTIONS)):
             return None
         node = node.args[0]
-    return source_example(node)
+    return node if isinstance(node, torch.fx.Node) else None
 
 
 def label_sparsity(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: Options) -> PassReport:
@@ -93,7 +93,9 @@ def _rewrite(gm: torch.fx.GraphModule, ce: torch.fx.Node, bound: inspect.BoundAr
     if blocked:
         return False, blocked
     x, target, ignore = bound.arguments["input"], bound.arguments["target"], bound.arguments["ignore_index"]
-    labels = _label_source(target)
+    source = _label_placeholder(target)
+    labels = source_example(source)
+    add_probe(gm, "label density", source, ignore)
     density = None if labels is None else float((labels != ignore).float().mean()) if labels.numel() else 0.0
     decision = density_reason("label density", density, options.label_sparsity, options.sparsity_threshold)
     if not decision[0]:

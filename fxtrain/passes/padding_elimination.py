@@ -29,7 +29,7 @@ from ..options import Options
 from .base import PassReport
 from .defer import defer_dense
 from .label_sparsity import cross_entropy_args, unsupported_cross_entropy
-from .density import density_reason, source_example
+from .density import add_probe, density_reason, source_example
 from .rows import Node, _same_shape, copy_on_rows, heavy, is_regroup, op_name, row_inputs, value
 
 NAME = "padding_elimination"
@@ -283,6 +283,7 @@ def padding_elimination(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     if mask_node is None:
         return PassReport(NAME, False, why)
     real = source_example(mask_node)
+    add_probe(gm, "token density", mask_node, pad_id if pad_id is not None else 0)
     tokens = None if real is None else (real != (pad_id if pad_id is not None else 0))
     density = None if tokens is None else float(tokens.float().mean())
     on, reason = density_reason("token density", density, options.padding_elimination, options.sparsity_threshold)
