@@ -73,6 +73,7 @@ class BenchResult:
     config: BenchConfig
     results: Dict[str, ModeResult]
     densities: Dict[str, float]
+    optimizations: Dict[str, Dict[str, str]] = field(default_factory=dict)  # fxtrain mode -> pass -> why
 
     def ratio(self, mode: str, baseline: str) -> Optional[float]:
         if mode not in self.results or baseline not in self.results:
@@ -97,12 +98,17 @@ class BenchResult:
         title = (f"{c.model}: batch {c.batch} x seq {c.seq}, padding {self.densities['padding']:.0%}, "
                  f"labelled {self.densities['labelled']:.1%}; {c.steps} timed steps after {c.warmup} warm-up, "
                  f"modes interleaved")
-        return title + "\n" + format_table(headers, rows)
+        lines = [title, format_table(headers, rows)]
+        for mode, passes in self.optimizations.items():
+            lines.append(f"{mode} passes:")
+            lines.extend(f"  {name:<20} {why}" for name, why in passes.items())
+        return "\n".join(lines)
 
     def to_json(self) -> Dict[str, Any]:
         return {
             "config": dataclasses.asdict(self.config) | {"modes": list(self.config.modes)},
             "densities": self.densities,
+            "optimizations": self.optimizations,
             "torch": torch.__version__,
             "modes": {name: {"first_step_s": r.first_step_s, "median_ms": r.median_ms, "min_ms": r.min_ms,
                              "step_s": r.step_s, "losses": r.losses, "vs_eager": self.ratio(name, "eager"),
@@ -182,7 +188,9 @@ def run_benchmark(config: BenchConfig, progress: bool = True) -> BenchResult:
                     r.step_s.append(dt)
                 bar.set_postfix_str(f"{mode} {dt * 1000:.0f} ms")
                 bar.update()
-    return BenchResult(config, results, densities)
+    optimizations = {mode: dict(fn.capture_info().optimizations) for mode, (fn, _) in runs.items()
+                     if hasattr(fn, "capture_info")}
+    return BenchResult(config, results, densities, optimizations)
 
 
 def write_json(result: BenchResult, path: str) -> None:

@@ -234,3 +234,16 @@ def test_densities_measured_on_every_batch_and_logged(caplog):
     assert density["token density"] == pytest.approx(float(second["attention_mask"].float().mean()))
     assert density["label density"] == pytest.approx(float((second["labels"] != -100).float().mean()))
     assert any("batch density" in r.getMessage() and "label density" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("padding_elimination", ["on", "off"])
+def test_tied_embedding_gradient_accumulated_in_place(padding_elimination):
+    """BERT ties the word embedding to the decoder: the backward adds the embedding rows into the
+    decoder gradient in place (with padding elimination off, padding ids reach it and padding_idx
+    rows must stay out). Gradients equal eager's either way."""
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(MODELS["bert"][0](), padding_elimination=padding_elimination)
+    assert tm.module.get_input_embeddings().weight is tm.module.get_output_embeddings().weight
+    train_parity(tm, ref, _batches("mlm", 0, 16, label_density=0.1), lambda out, _: out.loss,
+                 state_atol=STATE_ATOL)
+    assert _why(tm, "tied_embedding_grad").startswith("on:")

@@ -41,6 +41,7 @@ class Backend:
         # failure must reach TrainModule, which applies the fallback policy.
         record = GraphRecord(index=len(self.info.records), mode=current_mode(self.training()), dynamo_graph=gm)
         record.optimizations = run_passes(gm, example_inputs, self.options)
+        record.report_to = self.info.optimizations
         compiled = compile_graph(gm, example_inputs, self.options.executor, record)
         plan = gm.meta.pop(DEFERRED_KEY, None)
         if plan is not None:

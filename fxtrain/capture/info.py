@@ -18,6 +18,13 @@ class GraphRecord:
     backward_graph: Optional[torch.fx.GraphModule] = None
     backward_runner: Optional[Any] = None       # runtime object running backward_graph (executor's)
     optimizations: Dict[str, str] = field(default_factory=dict)
+    # CaptureInfo.optimizations: a backward graph may be compiled only at the first backward.
+    report_to: Optional[Dict[str, str]] = field(default=None, repr=False)
+
+    def report(self, name: str, why: str) -> None:
+        self.optimizations[name] = why
+        if self.report_to is not None:
+            self.report_to[name] = why
 
 
 @dataclass
