@@ -14,7 +14,6 @@ from functorch.compile import default_partition, make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
 from ..capture.info import GraphRecord
-from ..passes.embedding_grad import tied_embedding_grad
 from .absent_grads import AbsentGradBackward
 
 Compiled = Callable[..., object]
@@ -31,8 +30,11 @@ def _compile_eager(gm: torch.fx.GraphModule, example_inputs: List[object], recor
         return run
 
     def backward_compiler(bw: torch.fx.GraphModule, _inputs: List[object]) -> Compiled:
-        report = tied_embedding_grad(bw)
-        record.report(report.name, str(report))
+        from ..passes import BACKWARD_PASSES  # passes import the runtime: resolve at compile time
+
+        for backward_pass in BACKWARD_PASSES:
+            report = backward_pass(bw)
+            record.report(report.name, str(report))
         record.backward_graph = bw
         backward.append(AbsentGradBackward(bw))
         record.backward_runner = backward[-1]
