@@ -41,12 +41,14 @@ def cross_entropy_grad(bw: torch.fx.GraphModule) -> PassReport:
             scale = graph.call_function(aten.div.Tensor, (grad, total)) if reduction == 1 else grad
             per_row = graph.call_function(aten.mul.Tensor, (graph.call_function(
                 aten._to_copy.default, (valid,), {"dtype": lv.dtype}), scale))
+            # exp allocates the result; scaling and the target column update it in place (an
+            # out-of-place chain would cost two more passes over the logits than it saves).
             probs = graph.call_function(aten.exp.default, (output,))
-            out = graph.call_function(aten.mul.Tensor, (probs, graph.call_function(aten.unsqueeze.default, (per_row, 1))))
+            out = graph.call_function(aten.mul_.Tensor, (probs, graph.call_function(aten.unsqueeze.default, (per_row, 1))))
             column = graph.call_function(aten.unsqueeze.default, (graph.call_function(
                 aten.where.ScalarOther, (valid, target, 0)), 1))
             minus = graph.call_function(aten.unsqueeze.default, (graph.call_function(aten.neg.default, (per_row,)), 1))
-            result = graph.call_function(aten.scatter_add.default, (out, 1, column, minus))
+            result = graph.call_function(aten.scatter_add_.default, (out, 1, column, minus))
         result.meta = dict(lsm.meta)
         lsm.replace_all_uses_with(result)
         graph.erase_node(lsm)
