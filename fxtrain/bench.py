@@ -100,7 +100,7 @@ class BenchResult:
                  f"modes interleaved")
         lines = [title, format_table(headers, rows)]
         for mode, passes in self.optimizations.items():
-            lines.append(f"{mode} passes:")
+            lines.append(f"Optimizations ({mode}):")
             lines.extend(f"  {name:<20} {why}" for name, why in passes.items())
         return "\n".join(lines)
 

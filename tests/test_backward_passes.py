@@ -9,9 +9,9 @@ from utils import train_parity, wrap_pair
 
 
 class _Classifier(nn.Module):
-    def __init__(self, reduction, ignore_index, label_smoothing):
+    def __init__(self, reduction, ignore_index, label_smoothing, classes=300):
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 50))
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, classes))
         self.kw = dict(reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing)
 
     def forward(self, x, y):
@@ -25,12 +25,20 @@ def test_cross_entropy_gradient_in_one_pass(reduction, smoothing, fires):
     g = torch.Generator().manual_seed(1)
     batches = []
     for n in (12, 9, 20):
-        y = torch.randint(0, 50, (n,), generator=g)
+        y = torch.randint(0, 300, (n,), generator=g)
         y[::3] = 7  # ignored rows: their gradient must stay exactly zero
         batches.append({"x": torch.randn(n, 16, generator=g), "y": y})
     train_parity(tm, ref, batches, lambda out, _: out)
     why = tm.capture_info().optimizations["cross_entropy_grad"]
     assert why.startswith("on:" if fires else "off:"), why
+
+
+def test_few_classes_left_alone():
+    torch.manual_seed(0)
+    tm, _ = wrap_pair(_Classifier("mean", -100, 0.0, classes=10), label_sparsity="off")
+    tm(torch.randn(4, 16), torch.randint(0, 10, (4,))).backward()
+    assert tm.capture_info().optimizations["cross_entropy_grad"] == \
+        "off: fewer than 256 classes: nothing worth removing"
 
 
 def test_dense_gpt2_step():

@@ -31,9 +31,10 @@ def _batches(kind, pad_id, seed, side="right", padding=0.4, shapes=SHAPES, **kw)
 
 
 def _same_logits(out, ref_out):
-    # Padding positions included: the returned logits are recomputed densely when read.
+    # Padding positions included: the returned logits are recomputed densely when read. After the
+    # first AdamW step weights differ by STATE_ATOL-sized noise, hence the looser bound.
     assert isinstance(out.logits, DeferredTensor)
-    torch.testing.assert_close(out.logits, ref_out.logits, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out.logits, ref_out.logits, atol=1e-4, rtol=1e-4)
 
 
 def _why(tm, name="padding_elimination"):

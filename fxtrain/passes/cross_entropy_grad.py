@@ -18,11 +18,15 @@ from .base import PassReport
 
 NAME = "cross_entropy_grad"
 aten = torch.ops.aten
+# Below this many classes the one-hot fill is noise next to the rest of the step, and a rewrite that
+# only reorders roundings is not worth making (a zero-true gradient, e.g. a bias before BatchNorm,
+# would then differ from eager's rounding noise, which AdamW scales up to full steps).
+MIN_CLASSES = 256
 
 
 def cross_entropy_grad(bw: torch.fx.GraphModule) -> PassReport:
     graph = bw.graph
-    rewritten = 0
+    rewritten, skipped = 0, False
     for nll in list(graph.nodes):
         if nll.op != "call_function" or nll.target is not aten.nll_loss_backward.default or len(nll.users) != 1:
             continue
@@ -34,6 +38,9 @@ def cross_entropy_grad(bw: torch.fx.GraphModule) -> PassReport:
         lv, tv = logp.meta.get("val"), target.meta.get("val")
         if weight is not None or reduction not in (1, 2) or lv is None or tv is None or lv.dim() != 2 \
                 or tv.dim() != 1 or lsm.args[2] not in (1, -1) or lsm.args[3] != lv.dtype:
+            continue
+        if isinstance(lv.shape[1], int) and lv.shape[1] < MIN_CLASSES:
+            skipped = True
             continue
         output = lsm.args[1]  # the saved log_softmax output, what eager's kernel reads too
         with graph.inserting_before(lsm):
@@ -55,7 +62,9 @@ def cross_entropy_grad(bw: torch.fx.GraphModule) -> PassReport:
         graph.erase_node(nll)
         rewritten += 1
     if not rewritten:
-        return PassReport(NAME, False, "no unweighted log_softmax + nll_loss gradient")
+        why = f"fewer than {MIN_CLASSES} classes: nothing worth removing" if skipped \
+            else "no unweighted log_softmax + nll_loss gradient"
+        return PassReport(NAME, False, why)
     graph.lint()
     bw.recompile()
     return PassReport(NAME, True, f"{rewritten} cross-entropy gradient(s) formed in one pass over the logits")
