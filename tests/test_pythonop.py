@@ -588,3 +588,51 @@ def test_returned_but_undifferentiated_output_arrives_as_none():
     ref(x)[0].backward()
     assert Materialize.seen == [(False, True), (False, True)]
     assert_grads_equal(tm.module, ref)
+
+
+# ------------------------------------------------------------- custom_autograd=False (inlining)
+class ItemInBackward(torch.autograd.Function):
+    """Traceable forward, backward that leaves torch (``.item()``): dynamo cannot inline it whole."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * float(x.abs().max().item())
+
+
+@pytest.mark.parametrize("fn", [ItemScale, ItemInBackward], ids=["forward", "backward"])
+def test_inlining_an_untraceable_function_fails_naming_it(fn):
+    tm, ref = wrap_pair(Host(lambda h: fn.apply(h)), custom_autograd=False)
+    x = torch.randn(3, 4)
+    with pytest.raises(fxtrain.CaptureError, match=f"custom_autograd=False.*{__name__}.{fn.__qualname__}"):
+        tm(x)
+    # fallback="eager": the same reason in the warning, then eager's answer
+    tm, ref = wrap_pair(Host(lambda h: fn.apply(h)), custom_autograd=False, fallback="eager")
+    with pytest.warns(fxtrain.FallbackWarning, match=f"{__name__}.{fn.__qualname__}"):
+        out = tm(x)
+    r = ref(x)
+    _close(out, r)
+    out.backward(); r.backward()
+    assert_grads_equal(tm.module, ref)
+    assert fn.__qualname__ in tm.capture_info().fallback_reason
+
+
+def test_inline_error_only_for_fxtrain_captures():
+    """A user's own torch.compile elsewhere keeps dynamo's behaviour (graph break, eager Function)."""
+    torch.manual_seed(0)
+    tm = fxtrain.TrainModule(Host(lambda h: ItemInBackward.apply(h)), fxtrain.Options(custom_autograd=False, fallback="raise"))
+    model = Host(lambda h: ItemInBackward.apply(h))
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="eager")
+    x = torch.randn(3, 4)
+    out, r = compiled(x), ref(x)
+    _close(out, r)
+    out.backward(); r.backward()
+    assert_grads_equal(model, ref)
+    with pytest.raises(fxtrain.CaptureError, match="ItemInBackward"):
+        tm(x)

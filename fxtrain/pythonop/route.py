@@ -31,6 +31,47 @@ class _Unsupported(Exception):
     """This call cannot be a PythonOp; dynamo's own handling takes it (and says why if it fails)."""
 
 
+class InlineError(RuntimeError):
+    """``Options.custom_autograd=False`` and dynamo cannot trace this Function whole.
+
+    Dynamo would otherwise break the graph around the Function and run it eagerly: correct, but
+    the user asked for the Function inside the graph, so say which one could not be and why.
+    """
+
+
+def _fxtrain_options(tx: Any) -> Any:
+    """The Options of the TrainModule whose capture this is, or None for anyone else's torch.compile.
+
+    Read from the backend dynamo compiles for (unwrapping torch.compile's wrappers), so it needs
+    nothing from the caller and never mistakes a user's own torch.compile for an fxtrain capture.
+    """
+    from ..options import Options
+    fn = getattr(tx.output, "compiler_fn", None)
+    for _ in range(8):
+        if fn is None:
+            return None
+        options = getattr(fn, "options", None)
+        if isinstance(options, Options):
+            return options
+        fn = (getattr(fn, "_torchdynamo_orig_backend", None) or getattr(fn, "__wrapped__", None)
+              or getattr(fn, "compiler_fn", None))
+    return None
+
+
+def _inline(self: AutogradFunctionVariable, tx: Any, args: list, kwargs: dict) -> Any:
+    """Dynamo's own handling (forward traced, the user's backward traced as the backward), or an
+    error naming the Function when dynamo could only run it outside the graph."""
+    from torch._dynamo.exc import Unsupported
+    try:
+        return _original_call_apply(self, tx, args, kwargs)
+    except Unsupported as why:
+        reason = str(why).strip().splitlines()[0] if str(why).strip() else type(why).__name__
+        raise InlineError(
+            f"fxtrain: Options.custom_autograd=False, but {qualified_name(self.fn_cls)} cannot be traced "
+            f"into the graph (its forward or backward leaves torch: {reason}); keep custom_autograd=True "
+            f"to run it as a PythonOp, or make it traceable") from None
+
+
 @contextlib.contextmanager
 def routing(on_python_op: Callable[[str], None]) -> Iterator[None]:
     """Route Function.apply to PythonOps for dynamo traces started inside this block."""
@@ -159,6 +200,10 @@ def _make_call(key: int, outputs: List[Any], single: bool) -> Callable[..., Any]
 
 def _call_apply(self: AutogradFunctionVariable, tx: Any, args: list, kwargs: dict) -> Any:
     sink: Optional[Callable[[str], None]] = getattr(_state, "sink", None)
+    if sink is None:
+        options = _fxtrain_options(tx)
+        if options is not None and not options.custom_autograd:
+            return _inline(self, tx, args, kwargs)
     if sink is None or kwargs:
         return _original_call_apply(self, tx, args, kwargs)
     from torch._dynamo.variables import VariableTracker
