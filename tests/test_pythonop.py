@@ -61,8 +61,7 @@ class NumpySquare(torch.autograd.Function):
 
 
 class ItemScale(torch.autograd.Function):
-    """Leaves torch with .item(): not traceable, no infer_shape: shaped by its example run is not
-    available at capture, so it carries infer_shape too."""
+    """Leaves torch with .item(): not traceable on fake tensors; its infer_shape keeps the batch size dynamic."""
 
     @staticmethod
     def forward(ctx, x):
@@ -636,3 +635,82 @@ def test_inline_error_only_for_fxtrain_captures():
     assert_grads_equal(model, ref)
     with pytest.raises(fxtrain.CaptureError, match="ItemInBackward"):
         tm(x)
+
+
+# ------------------------------------------------------------------------------------ shapes
+class TorchRowNorm(torch.autograd.Function):
+    """Pure torch, output shape differs from the input's: shaped by its fake run."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.norm(dim=-1)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g.unsqueeze(-1) * x / x.norm(dim=-1, keepdim=True)
+
+
+class NumpyRowNorm(torch.autograd.Function):
+    """Leaves torch and has no infer_shape: shaped by its real run on the capturing batch."""
+    real_calls_while_capturing = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        norms = np.linalg.norm(x.detach().numpy(), axis=-1)  # raises on a fake tensor
+        if fxtrain.is_capturing():
+            NumpyRowNorm.real_calls_while_capturing += 1
+        return torch.from_numpy(norms).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g.unsqueeze(-1) * x / x.norm(dim=-1, keepdim=True)
+
+
+class NumpyRowNormInferred(NumpyRowNorm):
+    """The same, with infer_shape: the batch size stays symbolic."""
+
+    @staticmethod
+    def infer_shape(x):
+        return x.new_empty(x.shape[:-1])
+
+
+@pytest.mark.parametrize("fn,graphs", [(TorchRowNorm, 1), (NumpyRowNormInferred, 1), (NumpyRowNorm, 3)],
+                         ids=["fake-run", "infer_shape", "example-run"])
+def test_shapes_fake_run_infer_shape_or_example_run(fn, graphs):
+    """Batch sizes 3, 5, 3, 2: the first two ways keep one dynamic graph; the example run's shapes
+    hold for its sizes only, so each new size recaptures (and never breaks the graph)."""
+    NumpyRowNorm.real_calls_while_capturing = 0
+    tm = _parity(Host(lambda h: fn.apply(h) * h.sum(-1), reduce=lambda o: o.sum()), batches=(3, 5, 3, 2))
+    info = tm.capture_info()
+    assert info.python_ops == [f"{__name__}.{fn.__qualname__}"]
+    assert (info.graphs, info.graph_breaks) == (graphs, 0)
+    # the example run happened once per capture, and nowhere else while capturing
+    assert NumpyRowNorm.real_calls_while_capturing == (3 if fn is NumpyRowNorm else 0)
+
+
+class NumpyPositives(torch.autograd.Function):
+    """Output length depends on the data: an example run's shape cannot hold for other batches."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.from_numpy(x.detach().numpy()[x.detach().numpy() > 0].copy())
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("not needed")
+
+
+def test_example_run_shape_mismatch_is_a_clear_error():
+    tm, ref = wrap_pair(Host(lambda h: NumpyPositives.apply(h.detach()).sum() + h.sum(), reduce=lambda o: o))
+    x = torch.randn(3, 4)
+    _close(tm(x), ref(x))
+    y = x.clone()
+    y[0, :] = 0.0
+    tm.module.lin.bias.data.add_(100.0)  # all positive now: a different number of outputs
+    ref.lin.bias.data.add_(100.0)
+    with pytest.raises(RuntimeError, match=f"{__name__}.NumpyPositives returned"):
+        tm(y)

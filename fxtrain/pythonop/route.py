@@ -12,13 +12,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from typing import Any, Callable, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch._dynamo.variables.misc import AutogradFunctionVariable
 
 from . import op as _op  # noqa: F401  (registers the torch.library ops)
 from ..capture.state import capturing
+from .example import real_values
 from .registry import CONSTANT, DETACHED, TENSOR, CallSpec, qualified_name, register
 
 logger = logging.getLogger("fxtrain")
@@ -118,11 +119,15 @@ def _example(vt: Any) -> torch.Tensor:
     return vt.as_proxy().node.meta["example_value"]
 
 
-def _shape_fn(fn_cls: type, template: List[Any], out_kinds: List[Any], single: bool):
-    """Fake outputs for given fake inputs: ``infer_shape`` if the Function has one, else its fake run."""
+def _shape_fn(fn_cls: type, template: List[Any], out_kinds: List[Any], single: bool,
+              seen: Optional[List[Tuple[torch.Size, torch.dtype, torch.device]]]):
+    """Fake outputs for given fake inputs: ``infer_shape`` if the Function has one, else its fake run,
+    else the outputs its real run on the capturing call produced (sizes fixed by a guard)."""
     infer = getattr(fn_cls, "infer_shape", None)
 
     def run(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        if seen is not None:
+            return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype, device in seen]
         args = [tensors[v] if kind == TENSOR else v for kind, v in template]
         with capturing():
             if infer is not None:
@@ -134,6 +139,29 @@ def _shape_fn(fn_cls: type, template: List[Any], out_kinds: List[Any], single: b
         return [results[i] for i, (kind, _) in enumerate(out_kinds) if kind in (TENSOR, DETACHED)]
 
     return run
+
+
+def _trial(fn_cls: type, template: List[Any], values: Sequence[torch.Tensor],
+           differentiable: Sequence[bool]) -> Tuple[List[torch.Tensor], Any]:
+    """One call of the Function (or its infer_shape) to learn its output structure."""
+    infer = getattr(fn_cls, "infer_shape", None)
+    with torch.enable_grad(), capturing():
+        # Non-leaf copies, as eager's inputs usually are: an in-place Function (ctx.mark_dirty)
+        # may not modify a leaf that requires grad.
+        inputs = [f.detach().requires_grad_(d) * 1 if d else f.detach() for f, d in zip(values, differentiable)]
+        call_args = [inputs[v] if kind == TENSOR else v for kind, v in template]
+        result = infer(*call_args) if infer is not None else fn_cls.apply(*call_args)
+    return inputs, result
+
+
+def _specialise(fakes: Sequence[torch.Tensor]) -> None:
+    """Guard the capture on the argument sizes it saw: shapes learnt from one real run hold for
+    those sizes only, so another batch size recaptures instead of meeting a wrong shape."""
+    from torch.fx.experimental.symbolic_shapes import guard_int
+    for f in fakes:
+        for s in (*f.shape, *f.stride()):
+            if isinstance(s, torch.SymInt):
+                guard_int(s)
 
 
 def _build_spec(tx: Any, fn_cls: type, args: List[Any]) -> tuple:
@@ -149,19 +177,26 @@ def _build_spec(tx: Any, fn_cls: type, args: List[Any]) -> tuple:
     fakes = [_example(vt) for vt in tensor_vts]
     record = torch.is_grad_enabled() and any(f.requires_grad for f in fakes)
     differentiable = [bool(record and f.requires_grad and (f.is_floating_point() or f.is_complex())) for f in fakes]
-    # Output structure from a fake run (or infer_shape): which outputs are tensors, which constants.
-    fake_mode = tx.output.fake_mode
+    # Output structure from a fake run, infer_shape, or else one real run on the capturing batch.
     infer = getattr(fn_cls, "infer_shape", None)
-    with fake_mode, torch.enable_grad(), capturing():
-        # Non-leaf copies, as eager's inputs usually are: an in-place Function (ctx.mark_dirty)
-        # may not modify a leaf that requires grad.
-        inputs = [f.detach().requires_grad_(d) * 1 if d else f.detach() for f, d in zip(fakes, differentiable)]
-        call_args = [inputs[v] if kind == TENSOR else v for kind, v in template]
-        try:
-            result = infer(*call_args) if infer is not None else fn_cls.apply(*call_args)
-        except Exception as e:
-            raise _Unsupported(f"its forward cannot run on fake tensors ({type(e).__name__}: {e}) and it "
-                               f"has no infer_shape static method") from e
+    seen = None
+    try:
+        with tx.output.fake_mode:
+            inputs, result = _trial(fn_cls, template, fakes, differentiable)
+    except Exception as e:
+        if infer is not None:
+            raise _Unsupported(f"its infer_shape failed ({type(e).__name__}: {e})") from e
+        real = real_values([vt.as_proxy().node for vt in tensor_vts])
+        if real is None:
+            raise _Unsupported(f"its forward cannot run on fake tensors ({type(e).__name__}: {e}), it has "
+                               f"no infer_shape static method, and its arguments' real values are not "
+                               f"known at capture") from e
+        logger.info("fxtrain: %s cannot run on fake tensors (%s: %s): shaped by a real run on the "
+                    "capturing batch, for these sizes only", qualified_name(fn_cls), type(e).__name__, e)
+        _specialise(fakes)
+        inputs, result = _trial(fn_cls, template, real, differentiable)
+        seen = [(r.shape, r.dtype, r.device) for r in ((result,) if not isinstance(result, tuple) else result)
+                if isinstance(r, torch.Tensor)]
     single = not isinstance(result, tuple)
     for r in ((result,) if single else result):
         # apply returns the very input object only for inputs marked dirty (ctx.mark_dirty).
@@ -185,7 +220,8 @@ def _build_spec(tx: Any, fn_cls: type, args: List[Any]) -> tuple:
     grad_meta = [(f.dim(), f.dtype, f.device) for f, d in zip(fakes, differentiable) if d]
     spec = CallSpec(fn_cls=fn_cls, template=template, outputs=outputs, single=single,
                     differentiable=differentiable, record=record,
-                    shape_fn=_shape_fn(fn_cls, template, outputs, single), grad_meta=grad_meta)
+                    shape_fn=_shape_fn(fn_cls, template, outputs, single, seen), grad_meta=grad_meta,
+                    seen=seen)
     return spec, tensor_vts
 
 
