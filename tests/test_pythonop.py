@@ -284,17 +284,82 @@ class OnceDiff(torch.autograd.Function):
         return g * x.exp()
 
 
-def test_setup_context_and_once_differentiable():
+class NewStyleProbe(torch.autograd.Function):
+    """New-style: forward without ctx; setup_context sees inputs and output as eager gives them."""
+    seen = []
+
+    @staticmethod
+    def forward(x, k):
+        return x * k
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        NewStyleProbe.seen.append((type(inputs[1]), inputs[1], tuple(output.shape)))
+        ctx.k = inputs[1]
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * ctx.k + x * 0.5, None   # not the true derivative: the user's must be used
+
+
+def test_new_style_setup_context():
+    NewStyleProbe.seen.clear()
+    _parity(Host(lambda h: NewStyleProbe.apply(h, 0.5)), batches=(3,))
+    assert NewStyleProbe.seen[-1] == (float, 0.5, (3, 4))
+    assert NewStyleProbe.seen[-2] == NewStyleProbe.seen[-1]  # fxtrain's real run, then eager's
+
+
+class OnceDiffProbe(torch.autograd.Function):
+    grad_modes = []
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.exp()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        OnceDiffProbe.grad_modes.append(torch.is_grad_enabled())
+        (x,) = ctx.saved_tensors
+        return g * x.exp() * 3.0   # deliberately not the true derivative
+
+
+def test_once_differentiable():
+    OnceDiffProbe.grad_modes.clear()
+    _parity(Host(lambda h: OnceDiffProbe.apply(h)), batches=(3, 5))
+    assert OnceDiffProbe.grad_modes == [False] * 4  # backward ran without grad mode, as in eager
+
+
+def test_setup_context_and_once_differentiable_chained():
     _parity(Host(lambda h: OnceDiff.apply(NewStyle.apply(h, 0.5))))
 
 
-def test_same_function_twice_on_shared_input_and_output_not_a_model_output():
+def test_same_function_twice_on_a_shared_input():
     def use(h):
         a = OnceDiff.apply(h)
-        b = OnceDiff.apply(h)     # same Function, same input
-        _unused = NewStyle.apply(h, 2.0)  # its output is never a model output nor used
+        b = OnceDiff.apply(h)     # same Function, same input: two ctx, two backward calls
         return a * b
     tm = _parity(Host(use, reduce=lambda o: o.mean()))
+    info = tm.capture_info()
+    assert info.python_ops == [f"{__name__}.OnceDiff"]
+    fwd = [n for n in info.records[0].forward_graph.graph.nodes if n.target is torch.ops.fxtrain.python_op.default]
+    bwd = [n for n in info.records[0].backward_graph.graph.nodes
+           if n.target is torch.ops.fxtrain.python_op_backward.default]
+    assert len(fwd) == 2 and len(bwd) == 2
+    assert not POOL
+
+
+def test_function_output_not_a_model_output():
+    """One output feeds the loss only through another op, one is never used at all."""
+    def use(h):
+        a = OnceDiff.apply(h)                 # intermediate, not returned
+        _unused = NewStyle.apply(h, 2.0)      # never used: still runs, its ctx is freed
+        return (a * 2).sum() + h.sum()
+    tm = _parity(Host(use, reduce=lambda o: o))
+    assert tm.capture_info().python_ops == [f"{__name__}.OnceDiff", f"{__name__}.NewStyle"]
     assert not POOL
 
 
@@ -714,3 +779,92 @@ def test_example_run_shape_mismatch_is_a_clear_error():
     ref.lin.bias.data.add_(100.0)
     with pytest.raises(RuntimeError, match=f"{__name__}.NumpyPositives returned"):
         tm(y)
+
+
+# --------------------------------------------------------------------------- identity, nesting
+class Scale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2.0
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2.0
+
+
+class Outer:
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * -5.0
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * -5.0
+
+
+def test_same_name_module_level_nested_and_local_each_by_qualified_name():
+    Local = _make_scale(7.0)
+    assert Scale.__name__ == Outer.Scale.__name__ == Local.__name__
+    tm = _parity(Host(lambda h: Scale.apply(h) + Outer.Scale.apply(h) * 0.5 + Local.apply(h) * 0.25))
+    assert tm.capture_info().python_ops == [f"{__name__}.Scale", f"{__name__}.Outer.Scale",
+                                            f"{__name__}._make_scale.<locals>.Scale"]
+
+
+class ThroughInner(torch.autograd.Function):
+    """Calls ``inner`` in forward (no grad) and again in backward (recompute, then autograd.grad):
+    in the fxtrain model ``inner`` is itself a TrainModule, in eager a plain module."""
+
+    @staticmethod
+    def forward(ctx, x, inner):
+        ctx.inner = inner
+        ctx.save_for_backward(x)
+        return inner(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            xd = x.detach().requires_grad_()
+            (gx,) = torch.autograd.grad(ctx.inner(xd), xd, g)
+        return gx, None
+
+
+class InnerNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x)) * 2
+
+
+class UsesInner(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.lin, self.inner = nn.Linear(4, 4), inner
+
+    def forward(self, x):
+        return ThroughInner.apply(self.lin(x), self.inner).sum()
+
+
+def test_train_module_inside_function_forward_and_backward():
+    torch.manual_seed(0)
+    inner = InnerNet()
+    ref = UsesInner(copy.deepcopy(inner))
+    inner_tm = fxtrain.TrainModule(inner, fxtrain.Options(fallback="raise"))
+    model = UsesInner(inner_tm)
+    model.lin.load_state_dict(ref.lin.state_dict())
+    tm = fxtrain.TrainModule(model, fxtrain.Options(fallback="raise"))
+    for b in (3, 5, 2):
+        x = torch.randn(b, 4)
+        out, r = tm(x), ref(x)
+        _close(out, r)
+        out.backward(); r.backward()
+        _close(model.lin.weight.grad, ref.lin.weight.grad)
+        _close(model.lin.bias.grad, ref.lin.bias.grad)
+        tm.zero_grad(); ref.zero_grad()
+    info = tm.capture_info()
+    assert (info.graphs, info.graph_breaks, info.python_ops) == (1, 0, [f"{__name__}.ThroughInner"])
+    # the inner TrainModule really ran from its own graphs: one without grad (forward), one with (backward)
+    assert inner_tm.capture_info().graphs == 2 and inner_tm.capture_info().fallback_reason is None

@@ -129,7 +129,7 @@ def _shape_fn(fn_cls: type, template: List[Any], out_kinds: List[Any], single: b
         if seen is not None:
             return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype, device in seen]
         args = [tensors[v] if kind == TENSOR else v for kind, v in template]
-        with capturing():
+        with capturing(), _real_tensors_as_constants(torch._guards.detect_fake_mode(tensors)):
             if infer is not None:
                 result = infer(*args)
             else:
@@ -152,6 +152,21 @@ def _trial(fn_cls: type, template: List[Any], values: Sequence[torch.Tensor],
         call_args = [inputs[v] if kind == TENSOR else v for kind, v in template]
         result = infer(*call_args) if infer is not None else fn_cls.apply(*call_args)
     return inputs, result
+
+
+@contextlib.contextmanager
+def _real_tensors_as_constants(mode: Any) -> Iterator[None]:
+    """Let a fake run read real tensors the Function reaches on its own (a module's parameters,
+    a nested TrainModule, a global table) as constants; dynamo's fake mode refuses them otherwise."""
+    if mode is None:
+        yield
+        return
+    previous = mode.allow_non_fake_inputs
+    mode.allow_non_fake_inputs = True
+    try:
+        yield
+    finally:
+        mode.allow_non_fake_inputs = previous
 
 
 def _specialise(fakes: Sequence[torch.Tensor]) -> None:
@@ -181,7 +196,7 @@ def _build_spec(tx: Any, fn_cls: type, args: List[Any]) -> tuple:
     infer = getattr(fn_cls, "infer_shape", None)
     seen = None
     try:
-        with tx.output.fake_mode:
+        with tx.output.fake_mode, _real_tensors_as_constants(tx.output.fake_mode):
             inputs, result = _trial(fn_cls, template, fakes, differentiable)
     except Exception as e:
         if infer is not None:
