@@ -875,3 +875,46 @@ def test_train_module_inside_function_forward_and_backward():
     assert (info.graphs, info.graph_breaks, info.python_ops) == (1, 0, [f"{__name__}.ThroughInner"])
     # the inner TrainModule really ran from its own graphs: one without grad (forward), one with (backward)
     assert inner_tm.capture_info().graphs == 2 and inner_tm.capture_info().fallback_reason is None
+
+
+class WithIds(torch.autograd.Function):
+    """Returns the integer tensor it was given (labels riding along) next to a float result."""
+
+    @staticmethod
+    def forward(ctx, x, ids):
+        return x * 2, ids, ids + 1
+
+    seen = []
+
+    @staticmethod
+    def backward(ctx, g, gids, gids1):
+        WithIds.seen.append(tuple(None if t is None else (t.dtype, tuple(t.shape), bool(t.any()))
+                                  for t in (gids, gids1)))
+        return g * 2, None
+
+
+def test_integer_tensor_outputs_passed_through():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, ids):
+            y, same, nxt = WithIds.apply(self.lin(x), ids)
+            return (y * nxt.unsqueeze(-1)).sum(), same, nxt
+
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(M())
+    WithIds.seen.clear()
+    for b in (3, 5):
+        x, ids = torch.randn(b, 4), torch.randint(0, 9, (b,))
+        (loss, same, nxt), (rloss, rsame, rnxt) = tm(x, ids), ref(x, ids)
+        _close(loss, rloss)
+        for a, r in ((same, rsame), (nxt, rnxt)):
+            assert a.dtype == r.dtype == torch.int64 and not a.requires_grad and not r.requires_grad
+            assert torch.equal(a, r)
+        loss.backward(); rloss.backward()
+        assert_grads_equal(tm.module, ref)
+        tm.zero_grad(); ref.zero_grad()
+        assert WithIds.seen[-2] == WithIds.seen[-1]  # the backward saw what eager's saw for int outputs
+    assert tm.capture_info().python_ops == [f"{__name__}.WithIds"]
