@@ -209,7 +209,11 @@ def _build_spec(tx: Any, fn_cls: type, args: List[Any]) -> tuple:
         logger.info("fxtrain: %s cannot run on fake tensors (%s: %s): shaped by a real run on the "
                     "capturing batch, for these sizes only", qualified_name(fn_cls), type(e).__name__, e)
         _specialise(fakes)
-        inputs, result = _trial(fn_cls, template, real, differentiable)
+        try:
+            inputs, result = _trial(fn_cls, template, real, differentiable)
+        except Exception as real_error:
+            raise _Unsupported(f"its forward failed on the capturing batch ({type(real_error).__name__}: "
+                               f"{real_error})") from real_error
         seen = [(r.shape, r.dtype, r.device) for r in ((result,) if not isinstance(result, tuple) else result)
                 if isinstance(r, torch.Tensor)]
     single = not isinstance(result, tuple)
