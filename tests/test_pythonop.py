@@ -61,8 +61,7 @@ class NumpySquare(torch.autograd.Function):
 
 
 class ItemScale(torch.autograd.Function):
-    """Leaves torch with .item(): not traceable, no infer_shape: shaped by its example run is not
-    available at capture, so it carries infer_shape too."""
+    """Leaves torch with .item(): not traceable on fake tensors; its infer_shape keeps the batch size dynamic."""
 
     @staticmethod
     def forward(ctx, x):
@@ -285,17 +284,82 @@ class OnceDiff(torch.autograd.Function):
         return g * x.exp()
 
 
-def test_setup_context_and_once_differentiable():
+class NewStyleProbe(torch.autograd.Function):
+    """New-style: forward without ctx; setup_context sees inputs and output as eager gives them."""
+    seen = []
+
+    @staticmethod
+    def forward(x, k):
+        return x * k
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        NewStyleProbe.seen.append((type(inputs[1]), inputs[1], tuple(output.shape)))
+        ctx.k = inputs[1]
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * ctx.k + x * 0.5, None   # not the true derivative: the user's must be used
+
+
+def test_new_style_setup_context():
+    NewStyleProbe.seen.clear()
+    _parity(Host(lambda h: NewStyleProbe.apply(h, 0.5)), batches=(3,))
+    assert NewStyleProbe.seen[-1] == (float, 0.5, (3, 4))
+    assert NewStyleProbe.seen[-2] == NewStyleProbe.seen[-1]  # fxtrain's real run, then eager's
+
+
+class OnceDiffProbe(torch.autograd.Function):
+    grad_modes = []
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.exp()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        OnceDiffProbe.grad_modes.append(torch.is_grad_enabled())
+        (x,) = ctx.saved_tensors
+        return g * x.exp() * 3.0   # deliberately not the true derivative
+
+
+def test_once_differentiable():
+    OnceDiffProbe.grad_modes.clear()
+    _parity(Host(lambda h: OnceDiffProbe.apply(h)), batches=(3, 5))
+    assert OnceDiffProbe.grad_modes == [False] * 4  # backward ran without grad mode, as in eager
+
+
+def test_setup_context_and_once_differentiable_chained():
     _parity(Host(lambda h: OnceDiff.apply(NewStyle.apply(h, 0.5))))
 
 
-def test_same_function_twice_on_shared_input_and_output_not_a_model_output():
+def test_same_function_twice_on_a_shared_input():
     def use(h):
         a = OnceDiff.apply(h)
-        b = OnceDiff.apply(h)     # same Function, same input
-        _unused = NewStyle.apply(h, 2.0)  # its output is never a model output nor used
+        b = OnceDiff.apply(h)     # same Function, same input: two ctx, two backward calls
         return a * b
     tm = _parity(Host(use, reduce=lambda o: o.mean()))
+    info = tm.capture_info()
+    assert info.python_ops == [f"{__name__}.OnceDiff"]
+    fwd = [n for n in info.records[0].forward_graph.graph.nodes if n.target is torch.ops.fxtrain.python_op.default]
+    bwd = [n for n in info.records[0].backward_graph.graph.nodes
+           if n.target is torch.ops.fxtrain.python_op_backward.default]
+    assert len(fwd) == 2 and len(bwd) == 2
+    assert not POOL
+
+
+def test_function_output_not_a_model_output():
+    """One output feeds the loss only through another op, one is never used at all."""
+    def use(h):
+        a = OnceDiff.apply(h)                 # intermediate, not returned
+        _unused = NewStyle.apply(h, 2.0)      # never used: still runs, its ctx is freed
+        return (a * 2).sum() + h.sum()
+    tm = _parity(Host(use, reduce=lambda o: o))
+    assert tm.capture_info().python_ops == [f"{__name__}.OnceDiff", f"{__name__}.NewStyle"]
     assert not POOL
 
 
@@ -543,9 +607,16 @@ def test_reference_arguments_are_the_users_objects_and_guarded():
     x = torch.randn(3, 4)
     _close(tm(x), ref(x))
     assert tm.module.items == [1] and ref.items == [1]  # the very list object, appended once per real run
+    import gc
+    import weakref
+    old = weakref.ref(tm.module.cfg)
     tm.module.cfg = Cfg(5.0)
     ref.cfg = Cfg(5.0)
     _close(tm(x), ref(x))  # a replaced object is seen (the capture is guarded on its identity)
+    gc.collect()
+    # the first capture may still run (the old object could come back): fxtrain keeps it alive, so
+    # its id cannot be taken by another object and fool the identity guard
+    assert old() is not None and old().k == 2.0
 
 
 @pytest.mark.parametrize("reentrant", [True, False])
@@ -588,3 +659,262 @@ def test_returned_but_undifferentiated_output_arrives_as_none():
     ref(x)[0].backward()
     assert Materialize.seen == [(False, True), (False, True)]
     assert_grads_equal(tm.module, ref)
+
+
+# ------------------------------------------------------------- custom_autograd=False (inlining)
+class ItemInBackward(torch.autograd.Function):
+    """Traceable forward, backward that leaves torch (``.item()``): dynamo cannot inline it whole."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * float(x.abs().max().item())
+
+
+@pytest.mark.parametrize("fn", [ItemScale, ItemInBackward], ids=["forward", "backward"])
+def test_inlining_an_untraceable_function_fails_naming_it(fn):
+    tm, ref = wrap_pair(Host(lambda h: fn.apply(h)), custom_autograd=False)
+    x = torch.randn(3, 4)
+    with pytest.raises(fxtrain.CaptureError, match=f"custom_autograd=False.*{__name__}.{fn.__qualname__}"):
+        tm(x)
+    # fallback="eager": the same reason in the warning, then eager's answer
+    tm, ref = wrap_pair(Host(lambda h: fn.apply(h)), custom_autograd=False, fallback="eager")
+    with pytest.warns(fxtrain.FallbackWarning, match=f"{__name__}.{fn.__qualname__}"):
+        out = tm(x)
+    r = ref(x)
+    _close(out, r)
+    out.backward(); r.backward()
+    assert_grads_equal(tm.module, ref)
+    assert fn.__qualname__ in tm.capture_info().fallback_reason
+
+
+def test_inline_error_only_for_fxtrain_captures():
+    """A user's own torch.compile elsewhere keeps dynamo's behaviour (graph break, eager Function)."""
+    torch.manual_seed(0)
+    tm = fxtrain.TrainModule(Host(lambda h: ItemInBackward.apply(h)), fxtrain.Options(custom_autograd=False, fallback="raise"))
+    model = Host(lambda h: ItemInBackward.apply(h))
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="eager")
+    x = torch.randn(3, 4)
+    out, r = compiled(x), ref(x)
+    _close(out, r)
+    out.backward(); r.backward()
+    assert_grads_equal(model, ref)
+    with pytest.raises(fxtrain.CaptureError, match="ItemInBackward"):
+        tm(x)
+
+
+# ------------------------------------------------------------------------------------ shapes
+class TorchRowNorm(torch.autograd.Function):
+    """Pure torch, output shape differs from the input's: shaped by its fake run."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.norm(dim=-1)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g.unsqueeze(-1) * x / x.norm(dim=-1, keepdim=True)
+
+
+class NumpyRowNorm(torch.autograd.Function):
+    """Leaves torch and has no infer_shape: shaped by its real run on the capturing batch."""
+    real_calls_while_capturing = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        norms = np.linalg.norm(x.detach().numpy(), axis=-1)  # raises on a fake tensor
+        if fxtrain.is_capturing():
+            NumpyRowNorm.real_calls_while_capturing += 1
+        return torch.from_numpy(norms).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g.unsqueeze(-1) * x / x.norm(dim=-1, keepdim=True)
+
+
+class NumpyRowNormInferred(NumpyRowNorm):
+    """The same, with infer_shape: the batch size stays symbolic."""
+
+    @staticmethod
+    def infer_shape(x):
+        return x.new_empty(x.shape[:-1])
+
+
+@pytest.mark.parametrize("fn,graphs", [(TorchRowNorm, 1), (NumpyRowNormInferred, 1), (NumpyRowNorm, 3)],
+                         ids=["fake-run", "infer_shape", "example-run"])
+def test_shapes_fake_run_infer_shape_or_example_run(fn, graphs):
+    """Batch sizes 3, 5, 3, 2: the first two ways keep one dynamic graph; the example run's shapes
+    hold for its sizes only, so each new size recaptures (and never breaks the graph)."""
+    NumpyRowNorm.real_calls_while_capturing = 0
+    tm = _parity(Host(lambda h: fn.apply(h) * h.sum(-1), reduce=lambda o: o.sum()), batches=(3, 5, 3, 2))
+    info = tm.capture_info()
+    assert info.python_ops == [f"{__name__}.{fn.__qualname__}"]
+    assert (info.graphs, info.graph_breaks) == (graphs, 0)
+    # the example run happened once per capture, and nowhere else while capturing
+    assert NumpyRowNorm.real_calls_while_capturing == (3 if fn is NumpyRowNorm else 0)
+
+
+class NumpyPositives(torch.autograd.Function):
+    """Output length depends on the data: an example run's shape cannot hold for other batches."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.from_numpy(x.detach().numpy()[x.detach().numpy() > 0].copy())
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("not needed")
+
+
+def test_example_run_shape_mismatch_is_a_clear_error():
+    tm, ref = wrap_pair(Host(lambda h: NumpyPositives.apply(h.detach()).sum() + h.sum(), reduce=lambda o: o))
+    x = torch.randn(3, 4)
+    _close(tm(x), ref(x))
+    y = x.clone()
+    y[0, :] = 0.0
+    tm.module.lin.bias.data.add_(100.0)  # all positive now: a different number of outputs
+    ref.lin.bias.data.add_(100.0)
+    with pytest.raises(RuntimeError, match=f"{__name__}.NumpyPositives returned"):
+        tm(y)
+
+
+# --------------------------------------------------------------------------- identity, nesting
+class Scale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2.0
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2.0
+
+
+class Outer:
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * -5.0
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * -5.0
+
+
+def test_same_name_module_level_nested_and_local_each_by_qualified_name():
+    Local = _make_scale(7.0)
+    assert Scale.__name__ == Outer.Scale.__name__ == Local.__name__
+    tm = _parity(Host(lambda h: Scale.apply(h) + Outer.Scale.apply(h) * 0.5 + Local.apply(h) * 0.25))
+    assert tm.capture_info().python_ops == [f"{__name__}.Scale", f"{__name__}.Outer.Scale",
+                                            f"{__name__}._make_scale.<locals>.Scale"]
+
+
+class ThroughInner(torch.autograd.Function):
+    """Calls ``inner`` in forward (no grad) and again in backward (recompute, then autograd.grad):
+    in the fxtrain model ``inner`` is itself a TrainModule, in eager a plain module."""
+
+    @staticmethod
+    def forward(ctx, x, inner):
+        ctx.inner = inner
+        ctx.save_for_backward(x)
+        return inner(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            xd = x.detach().requires_grad_()
+            (gx,) = torch.autograd.grad(ctx.inner(xd), xd, g)
+        return gx, None
+
+
+class InnerNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x)) * 2
+
+
+class UsesInner(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.lin, self.inner = nn.Linear(4, 4), inner
+
+    def forward(self, x):
+        return ThroughInner.apply(self.lin(x), self.inner).sum()
+
+
+def test_train_module_inside_function_forward_and_backward():
+    torch.manual_seed(0)
+    inner = InnerNet()
+    ref = UsesInner(copy.deepcopy(inner))
+    inner_tm = fxtrain.TrainModule(inner, fxtrain.Options(fallback="raise"))
+    model = UsesInner(inner_tm)
+    model.lin.load_state_dict(ref.lin.state_dict())
+    tm = fxtrain.TrainModule(model, fxtrain.Options(fallback="raise"))
+    for b in (3, 5, 2):
+        x = torch.randn(b, 4)
+        out, r = tm(x), ref(x)
+        _close(out, r)
+        out.backward(); r.backward()
+        _close(model.lin.weight.grad, ref.lin.weight.grad)
+        _close(model.lin.bias.grad, ref.lin.bias.grad)
+        tm.zero_grad(); ref.zero_grad()
+    info = tm.capture_info()
+    assert (info.graphs, info.graph_breaks, info.python_ops) == (1, 0, [f"{__name__}.ThroughInner"])
+    # the inner TrainModule really ran from its own graphs: one without grad (forward), one with (backward)
+    assert inner_tm.capture_info().graphs == 2 and inner_tm.capture_info().fallback_reason is None
+
+
+class WithIds(torch.autograd.Function):
+    """Returns the integer tensor it was given (labels riding along) next to a float result."""
+
+    @staticmethod
+    def forward(ctx, x, ids):
+        return x * 2, ids, ids + 1
+
+    seen = []
+
+    @staticmethod
+    def backward(ctx, g, gids, gids1):
+        WithIds.seen.append(tuple(None if t is None else (t.dtype, tuple(t.shape), bool(t.any()))
+                                  for t in (gids, gids1)))
+        return g * 2, None
+
+
+def test_integer_tensor_outputs_passed_through():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, ids):
+            y, same, nxt = WithIds.apply(self.lin(x), ids)
+            return (y * nxt.unsqueeze(-1)).sum(), same, nxt
+
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(M())
+    WithIds.seen.clear()
+    for b in (3, 5):
+        x, ids = torch.randn(b, 4), torch.randint(0, 9, (b,))
+        (loss, same, nxt), (rloss, rsame, rnxt) = tm(x, ids), ref(x, ids)
+        _close(loss, rloss)
+        for a, r in ((same, rsame), (nxt, rnxt)):
+            assert a.dtype == r.dtype == torch.int64 and not a.requires_grad and not r.requires_grad
+            assert torch.equal(a, r)
+        loss.backward(); rloss.backward()
+        assert_grads_equal(tm.module, ref)
+        tm.zero_grad(); ref.zero_grad()
+        assert WithIds.seen[-2] == WithIds.seen[-1]  # the backward saw what eager's saw for int outputs
+    assert tm.capture_info().python_ops == [f"{__name__}.WithIds"]

@@ -34,5 +34,10 @@ def capturing() -> Iterator[None]:
 
 
 def in_fake_run() -> bool:
-    """True inside fxtrain's own fake-tensor runs (not dynamo): nested TrainModules run eagerly there."""
-    return getattr(_local, "depth", 0) > 0 and not torch.compiler.is_compiling()
+    """True inside fxtrain's own fake-tensor runs (not dynamo): nested TrainModules run eagerly there.
+
+    ``is_dynamo_compiling`` (true only in code dynamo traces), not ``is_compiling``: torch 2.13 holds
+    the latter true for the whole compile session, including our fake runs, where a nested
+    TrainModule would otherwise start a capture of its own on fake inputs.
+    """
+    return getattr(_local, "depth", 0) > 0 and not torch.compiler.is_dynamo_compiling()

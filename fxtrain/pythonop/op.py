@@ -75,6 +75,12 @@ def python_op(key: int, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
         raise RuntimeError(f"fxtrain: {spec.name} modifies an input in place (ctx.mark_dirty), which a PythonOp "
                            f"cannot reproduce; make its forward traceable by torch (it then is traced with "
                            f"in-place semantics) or use Options(custom_autograd=False)")
+    if spec.seen is not None and [(o.shape, o.dtype) for o in outs] != [(s, d) for s, d, _ in spec.seen]:
+        # Shaped by its run on the capturing batch and guarded on its input sizes: a different output
+        # shape for the same input sizes depends on data, which the graph cannot follow.
+        raise RuntimeError(f"fxtrain: {spec.name} returned {[tuple(o.shape) for o in outs]}, but at capture it "
+                           f"returned {[tuple(s) for s, _, _ in spec.seen]} for inputs of the same sizes; give "
+                           f"it an infer_shape static method or make its output shape depend on sizes only")
     # A custom op may not return its inputs or views of them: copy only those.
     returned = [o.detach().clone() if _shares_storage(o, tensors) else o.detach() for o in outs]
     handle_id = 0

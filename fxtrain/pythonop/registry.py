@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -38,6 +38,8 @@ class CallSpec:
     record: bool                        # capture happened with grad enabled: keep ctx for backward
     shape_fn: Callable[[Sequence[torch.Tensor]], List[torch.Tensor]]
     grad_meta: List[Tuple[int, torch.dtype, torch.device]]   # (rank, dtype, device) per differentiable input
+    # Tensor outputs' (shape, dtype, device) when shaped by a real run: the only shapes the graph knows.
+    seen: Optional[List[Tuple[torch.Size, torch.dtype, torch.device]]] = None
     name: str = field(init=False)
 
     def __post_init__(self) -> None:

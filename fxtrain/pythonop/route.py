@@ -12,13 +12,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from typing import Any, Callable, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch._dynamo.variables.misc import AutogradFunctionVariable
 
 from . import op as _op  # noqa: F401  (registers the torch.library ops)
 from ..capture.state import capturing
+from .example import real_values
 from .registry import CONSTANT, DETACHED, TENSOR, CallSpec, qualified_name, register
 
 logger = logging.getLogger("fxtrain")
@@ -29,6 +30,47 @@ _original_call_apply = AutogradFunctionVariable.call_apply
 
 class _Unsupported(Exception):
     """This call cannot be a PythonOp; dynamo's own handling takes it (and says why if it fails)."""
+
+
+class InlineError(RuntimeError):
+    """``Options.custom_autograd=False`` and dynamo cannot trace this Function whole.
+
+    Dynamo would otherwise break the graph around the Function and run it eagerly: correct, but
+    the user asked for the Function inside the graph, so say which one could not be and why.
+    """
+
+
+def _fxtrain_options(tx: Any) -> Any:
+    """The Options of the TrainModule whose capture this is, or None for anyone else's torch.compile.
+
+    Read from the backend dynamo compiles for (unwrapping torch.compile's wrappers), so it needs
+    nothing from the caller and never mistakes a user's own torch.compile for an fxtrain capture.
+    """
+    from ..options import Options
+    fn = getattr(tx.output, "compiler_fn", None)
+    for _ in range(8):
+        if fn is None:
+            return None
+        options = getattr(fn, "options", None)
+        if isinstance(options, Options):
+            return options
+        fn = (getattr(fn, "_torchdynamo_orig_backend", None) or getattr(fn, "__wrapped__", None)
+              or getattr(fn, "compiler_fn", None))
+    return None
+
+
+def _inline(self: AutogradFunctionVariable, tx: Any, args: list, kwargs: dict) -> Any:
+    """Dynamo's own handling (forward traced, the user's backward traced as the backward), or an
+    error naming the Function when dynamo could only run it outside the graph."""
+    from torch._dynamo.exc import Unsupported
+    try:
+        return _original_call_apply(self, tx, args, kwargs)
+    except Unsupported as why:
+        reason = str(why).strip().splitlines()[0] if str(why).strip() else type(why).__name__
+        raise InlineError(
+            f"fxtrain: Options.custom_autograd=False, but {qualified_name(self.fn_cls)} cannot be traced "
+            f"into the graph (its forward or backward leaves torch: {reason}); keep custom_autograd=True "
+            f"to run it as a PythonOp, or make it traceable") from None
 
 
 @contextlib.contextmanager
@@ -77,13 +119,17 @@ def _example(vt: Any) -> torch.Tensor:
     return vt.as_proxy().node.meta["example_value"]
 
 
-def _shape_fn(fn_cls: type, template: List[Any], out_kinds: List[Any], single: bool):
-    """Fake outputs for given fake inputs: ``infer_shape`` if the Function has one, else its fake run."""
+def _shape_fn(fn_cls: type, template: List[Any], out_kinds: List[Any], single: bool,
+              seen: Optional[List[Tuple[torch.Size, torch.dtype, torch.device]]]):
+    """Fake outputs for given fake inputs: ``infer_shape`` if the Function has one, else its fake run,
+    else the outputs its real run on the capturing call produced (sizes fixed by a guard)."""
     infer = getattr(fn_cls, "infer_shape", None)
 
     def run(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        if seen is not None:
+            return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype, device in seen]
         args = [tensors[v] if kind == TENSOR else v for kind, v in template]
-        with capturing():
+        with capturing(), _real_tensors_as_constants(torch._guards.detect_fake_mode(tensors)):
             if infer is not None:
                 result = infer(*args)
             else:
@@ -93,6 +139,44 @@ def _shape_fn(fn_cls: type, template: List[Any], out_kinds: List[Any], single: b
         return [results[i] for i, (kind, _) in enumerate(out_kinds) if kind in (TENSOR, DETACHED)]
 
     return run
+
+
+def _trial(fn_cls: type, template: List[Any], values: Sequence[torch.Tensor],
+           differentiable: Sequence[bool]) -> Tuple[List[torch.Tensor], Any]:
+    """One call of the Function (or its infer_shape) to learn its output structure."""
+    infer = getattr(fn_cls, "infer_shape", None)
+    with torch.enable_grad(), capturing():
+        # Non-leaf copies, as eager's inputs usually are: an in-place Function (ctx.mark_dirty)
+        # may not modify a leaf that requires grad.
+        inputs = [f.detach().requires_grad_(d) * 1 if d else f.detach() for f, d in zip(values, differentiable)]
+        call_args = [inputs[v] if kind == TENSOR else v for kind, v in template]
+        result = infer(*call_args) if infer is not None else fn_cls.apply(*call_args)
+    return inputs, result
+
+
+@contextlib.contextmanager
+def _real_tensors_as_constants(mode: Any) -> Iterator[None]:
+    """Let a fake run read real tensors the Function reaches on its own (a module's parameters,
+    a nested TrainModule, a global table) as constants; dynamo's fake mode refuses them otherwise."""
+    if mode is None:
+        yield
+        return
+    previous = mode.allow_non_fake_inputs
+    mode.allow_non_fake_inputs = True
+    try:
+        yield
+    finally:
+        mode.allow_non_fake_inputs = previous
+
+
+def _specialise(fakes: Sequence[torch.Tensor]) -> None:
+    """Guard the capture on the argument sizes it saw: shapes learnt from one real run hold for
+    those sizes only, so another batch size recaptures instead of meeting a wrong shape."""
+    from torch.fx.experimental.symbolic_shapes import guard_int
+    for f in fakes:
+        for s in (*f.shape, *f.stride()):
+            if isinstance(s, torch.SymInt):
+                guard_int(s)
 
 
 def _build_spec(tx: Any, fn_cls: type, args: List[Any]) -> tuple:
@@ -108,19 +192,30 @@ def _build_spec(tx: Any, fn_cls: type, args: List[Any]) -> tuple:
     fakes = [_example(vt) for vt in tensor_vts]
     record = torch.is_grad_enabled() and any(f.requires_grad for f in fakes)
     differentiable = [bool(record and f.requires_grad and (f.is_floating_point() or f.is_complex())) for f in fakes]
-    # Output structure from a fake run (or infer_shape): which outputs are tensors, which constants.
-    fake_mode = tx.output.fake_mode
+    # Output structure from a fake run, infer_shape, or else one real run on the capturing batch.
     infer = getattr(fn_cls, "infer_shape", None)
-    with fake_mode, torch.enable_grad(), capturing():
-        # Non-leaf copies, as eager's inputs usually are: an in-place Function (ctx.mark_dirty)
-        # may not modify a leaf that requires grad.
-        inputs = [f.detach().requires_grad_(d) * 1 if d else f.detach() for f, d in zip(fakes, differentiable)]
-        call_args = [inputs[v] if kind == TENSOR else v for kind, v in template]
+    seen = None
+    try:
+        with tx.output.fake_mode, _real_tensors_as_constants(tx.output.fake_mode):
+            inputs, result = _trial(fn_cls, template, fakes, differentiable)
+    except Exception as e:
+        if infer is not None:
+            raise _Unsupported(f"its infer_shape failed ({type(e).__name__}: {e})") from e
+        real = real_values([vt.as_proxy().node for vt in tensor_vts])
+        if real is None:
+            raise _Unsupported(f"its forward cannot run on fake tensors ({type(e).__name__}: {e}), it has "
+                               f"no infer_shape static method, and its arguments' real values are not "
+                               f"known at capture") from e
+        logger.info("fxtrain: %s cannot run on fake tensors (%s: %s): shaped by a real run on the "
+                    "capturing batch, for these sizes only", qualified_name(fn_cls), type(e).__name__, e)
+        _specialise(fakes)
         try:
-            result = infer(*call_args) if infer is not None else fn_cls.apply(*call_args)
-        except Exception as e:
-            raise _Unsupported(f"its forward cannot run on fake tensors ({type(e).__name__}: {e}) and it "
-                               f"has no infer_shape static method") from e
+            inputs, result = _trial(fn_cls, template, real, differentiable)
+        except Exception as real_error:
+            raise _Unsupported(f"its forward failed on the capturing batch ({type(real_error).__name__}: "
+                               f"{real_error})") from real_error
+        seen = [(r.shape, r.dtype, r.device) for r in ((result,) if not isinstance(result, tuple) else result)
+                if isinstance(r, torch.Tensor)]
     single = not isinstance(result, tuple)
     for r in ((result,) if single else result):
         # apply returns the very input object only for inputs marked dirty (ctx.mark_dirty).
@@ -144,7 +239,8 @@ def _build_spec(tx: Any, fn_cls: type, args: List[Any]) -> tuple:
     grad_meta = [(f.dim(), f.dtype, f.device) for f, d in zip(fakes, differentiable) if d]
     spec = CallSpec(fn_cls=fn_cls, template=template, outputs=outputs, single=single,
                     differentiable=differentiable, record=record,
-                    shape_fn=_shape_fn(fn_cls, template, outputs, single), grad_meta=grad_meta)
+                    shape_fn=_shape_fn(fn_cls, template, outputs, single, seen), grad_meta=grad_meta,
+                    seen=seen)
     return spec, tensor_vts
 
 
@@ -159,6 +255,10 @@ def _make_call(key: int, outputs: List[Any], single: bool) -> Callable[..., Any]
 
 def _call_apply(self: AutogradFunctionVariable, tx: Any, args: list, kwargs: dict) -> Any:
     sink: Optional[Callable[[str], None]] = getattr(_state, "sink", None)
+    if sink is None:
+        options = _fxtrain_options(tx)
+        if options is not None and not options.custom_autograd:
+            return _inline(self, tx, args, kwargs)
     if sink is None or kwargs:
         return _original_call_apply(self, tx, args, kwargs)
     from torch._dynamo.variables import VariableTracker
