@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .capture import profiling_module
-from .eager_modules import InnermostModule
+from .eager_modules import ModuleAttribution
 from .inputs import fake_values, target_device, to_fake
 from .step import OptimizerSpec, _rebuild, loss_of, optimizer_factory
 from .tracker import CostTracker, ProfileError
@@ -66,7 +66,7 @@ class Session:
         # leaves torch, the captured graph without passes stands in; see _warm_up.)
         self.eager = not optimizations
         self.tm = None if self.eager else profiling_module(model, optimizations, options)
-        self.modules: Optional[InnermostModule] = None
+        self.modules: Optional[ModuleAttribution] = None
         self.optimizer_spec = optimizer
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.fakes: Dict[str, torch.Tensor] = {}
@@ -109,7 +109,7 @@ class Session:
         from ..pythonop import op as pythonop_op
         with contextlib.ExitStack() as stack:
             if self.eager:
-                self.modules = InnermostModule(self.model)
+                self.modules = ModuleAttribution(self.model)
                 stack.enter_context(self.modules)
                 tracker.module_source = self.modules.current
             stack.enter_context(_reparametrize_module(self.model, self.fakes, tie_weights=False, strict=False))

@@ -96,6 +96,7 @@ class CostTracker(TorchDispatchMode):
         self.peak_phase = "start"
         self.peak_by_category: Dict[str, int] = {}
         self.timeline: List[Tuple[str, int]] = []
+        self.initial: Dict[str, int] = {}
         self.flops: Dict[str, int] = defaultdict(int)
         self.modules: Dict[str, ModuleCost] = defaultdict(ModuleCost)
         self.unknown: Dict[str, Unknown] = {}
@@ -153,6 +154,7 @@ class CostTracker(TorchDispatchMode):
             self.peak_by_category = {k: v for k, v in self.by_category.items() if v}
 
     def start_measuring(self) -> None:
+        self.initial = {k: v for k, v in self.by_category.items() if v}
         self.counting = True
         self.peak = self.current
         self.peak_phase = "start"
@@ -229,20 +231,30 @@ class CostTracker(TorchDispatchMode):
                     if isinstance(t, FakeTensor):
                         self.shadows.pop(t, None)
 
+    def _real_sized(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """A data-dependent op on tensors with values: run it for real, its size is the real one."""
+        flat, spec = tree_flatten((args, kwargs))
+        real_flat = []
+        for x in flat:
+            value = self._shadow_of(x) if isinstance(x, torch.Tensor) else x
+            if value is None:
+                return None
+            real_flat.append(value)
+        real_args, real_kwargs = spec.unflatten(real_flat)
+        with _disable_current_modes():
+            real = func(*real_args, **real_kwargs)
+        out = self.fake_mode.from_tensor(real)
+        self.shadows[out] = real
+        self.fractions.append(real.shape[0] / max(1, _max_rows(func, args)))
+        return out
+
     def _data_dependent(self, func: Any, args: Any, kwargs: Any) -> Any:
         """nonzero / masked_select on a tensor with no value: a hinted fraction or the maximum."""
         name = func.overloadpacket.__name__
         if name not in ("nonzero", "masked_select", "argwhere"):
             raise ProfileError(f"{func} has a data-dependent output size and its input has no value in a "
                                f"fake run; pass real tensors for the inputs it depends on")
-        source = args[1] if name == "masked_select" else args[0]
-        if name == "masked_select":
-            source = torch.broadcast_shapes(args[0].shape, args[1].shape)
-            total = 1
-            for s in source:
-                total *= int(s)
-        else:
-            total = source.numel()
+        total = _max_rows(func, args)
         index = len(self.fractions)
         if index < len(self.hints):
             rows = int(round(self.hints[index] * total))
@@ -274,24 +286,13 @@ class CostTracker(TorchDispatchMode):
                                    "that a fake run does not have; pass real tensors for such inputs")
             with _disable_current_modes():
                 return func(value)
-        dynamic = torch.Tag.dynamic_output_shape in func.tags
-        out = None
-        if dynamic and all(self._shadow_of(x) is not None for x in tree_flatten((args, kwargs))[0]
-                           if isinstance(x, torch.Tensor)):
-            real_args, real_kwargs = tree_flatten((args, kwargs))
-            flat = [self._shadow_of(x) if isinstance(x, torch.Tensor) else x for x in real_args]
-            ra, rk = real_kwargs.unflatten(flat)
-            with _disable_current_modes():
-                real = func(*ra, **rk)
-            out = self.fake_mode.from_tensor(real)
-            self.shadows[out] = real
-            total = max(1, tree_flatten(args)[0][0].numel()) if isinstance(args[0], torch.Tensor) else 1
-            self.fractions.append(real.shape[0] / total if func.overloadpacket.__name__ != "index" else 1.0)
-        else:
-            try:
-                out = func(*args, **kwargs)
-            except DynamicOutputShapeException:
+        try:
+            out = func(*args, **kwargs)
+        except DynamicOutputShapeException:
+            out = self._real_sized(func, args, kwargs)
+            if out is None:
                 out = self._data_dependent(func, args, kwargs)
+        else:
             self._drop_mutated_shadows(func, args, kwargs)
             self._compute_shadows(func, args, kwargs, out)
         self._account(func, args, kwargs, out)
@@ -405,6 +406,16 @@ class CostTracker(TorchDispatchMode):
         target.count += entry.count
         target.phases |= entry.phases
         target.modules |= entry.modules
+
+
+def _max_rows(func: Any, args: Any) -> int:
+    """The largest size a data-dependent output can have: every element selected."""
+    if func.overloadpacket.__name__ == "masked_select":
+        total = 1
+        for size in torch.broadcast_shapes(args[0].shape, args[1].shape):
+            total *= int(size)
+        return total
+    return int(args[0].numel())
 
 
 def _python_op_flops(spec: Any, tensors: Any) -> Tuple[Optional[int], Optional[int]]:
