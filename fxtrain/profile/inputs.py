@@ -45,7 +45,11 @@ def _is_real(t: torch.Tensor) -> bool:
 
 
 def target_device(model: torch.nn.Module, values: Any) -> torch.device:
-    """The device of the real (or fake) tensors; meta only if everything is meta."""
+    """The device of the real (or fake) tensors; torch's default device if everything is on meta.
+
+    Fake tensors on the meta device itself are not an option: some ops' autograd is registered per
+    backend and would not be differentiated there (nll_loss is one), silently losing backward work.
+    """
     tensors = [t for t in list(model.parameters()) + list(model.buffers()) + tree_flatten(values)[0]
                if isinstance(t, torch.Tensor)]
     devices = {t.device for t in tensors if t.device.type != "meta"}
@@ -53,7 +57,7 @@ def target_device(model: torch.nn.Module, values: Any) -> torch.device:
         raise ValueError(f"fxtrain.profile: model and inputs span several devices {sorted(map(str, devices))}")
     if devices:
         return devices.pop()
-    return torch.device("meta")
+    return torch.get_default_device()
 
 
 def to_fake(t: torch.Tensor, mode: FakeTensorMode, device: torch.device) -> torch.Tensor:

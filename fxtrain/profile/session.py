@@ -148,33 +148,51 @@ class Session:
         fake_kwargs, pairs_k = fake_values(kwargs, self.mode, self.device)
         for fake, real in pairs_a + pairs_k:
             self.shadows[fake] = real
-        if not self.warm:
-            started = time.perf_counter()
-            warm = CostTracker(self.mode, hints)
-            warm.shadows = self.shadows
-            try:
-                with self._active(warm):
-                    self.optimizer = self._make_optimizer()
-                    self._step(warm, fake_args, fake_kwargs)
-            except ProfileError:
+        try:
+            return self._measure(fake_args, fake_kwargs, args, kwargs, hints)
+        except ProfileError:
+            raise
+        except Exception as e:
+            if not self.eager:
                 raise
-            except Exception as e:
-                if not self.eager:
-                    raise
-                logger.warning("fxtrain profile: the module does not run eagerly on fake tensors (%s: %s); "
-                               "costing its captured graph without passes instead", type(e).__name__, e)
-                self.eager = False
-                self.tm = profiling_module(self.model, False, self.options)
-                for p in self.fake_params:
-                    p.grad = None
-                warm = CostTracker(self.mode, hints)
-                warm.shadows = self.shadows
-                with self._active(warm):
-                    self.optimizer = self._make_optimizer()
-                    self._step(warm, fake_args, fake_kwargs)
-            self.warm = True
-            self.capture_seconds = time.perf_counter() - started
-            logger.info("fxtrain profile: capture and first fake step took %.2f s", self.capture_seconds)
+            logger.warning("fxtrain profile: the module does not run eagerly on fake tensors (%s: %s); "
+                           "costing its captured graph without passes instead", type(e).__name__, e)
+            self.eager = False
+            self.warm = False
+            self.tm = profiling_module(self.model, False, self.options)
+            for p in self.fake_params:
+                p.grad = None
+            return self._measure(fake_args, fake_kwargs, args, kwargs, hints)
+
+    def _warm_up(self, fake_args: Any, fake_kwargs: Any, hints: Optional[List[float]]) -> None:
+        """Reach steady state: graphs captured, backward compiled, optimizer state allocated.
+
+        Eagerly there is nothing to capture, so only the optimizer's state is made (one optimizer
+        step on stand-in gradients), which is much cheaper than a whole step.
+        """
+        started = time.perf_counter()
+        warm = CostTracker(self.mode, hints)
+        warm.shadows = self.shadows
+        with self._active(warm):
+            if self.optimizer is None:
+                self.optimizer = self._make_optimizer()
+            if self.eager:
+                if self.optimizer is not None:
+                    for p in self.fake_params:
+                        if p.requires_grad:
+                            p.grad = torch.zeros_like(p)
+                    self.optimizer.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+            else:
+                self._step(warm, fake_args, fake_kwargs)
+        self.warm = True
+        self.capture_seconds = time.perf_counter() - started
+        logger.info("fxtrain profile: warm-up (capture, first fake step) took %.2f s", self.capture_seconds)
+
+    def _measure(self, fake_args: Any, fake_kwargs: Any, args: Any, kwargs: Any,
+                 hints: Optional[List[float]]) -> StepCost:
+        if not self.warm:
+            self._warm_up(fake_args, fake_kwargs, hints)
         started = time.perf_counter()
         tracker = CostTracker(self.mode, hints)
         tracker.shadows = self.shadows

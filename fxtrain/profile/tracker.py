@@ -70,6 +70,35 @@ def _storage(t: torch.Tensor) -> Optional[torch.UntypedStorage]:
         return None
 
 
+def _tensors(values: Any) -> List[torch.Tensor]:
+    """Tensors among op arguments (flat values, lists/tuples of them, dict values): a cheap
+    tree_flatten for the shapes aten schemas allow, as this runs for every op."""
+    out: List[torch.Tensor] = []
+    stack = [values]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+    return out
+
+
+_MUTATED: Dict[Any, Tuple[Tuple[int, str], ...]] = {}
+
+
+def _mutated_arguments(func: Any) -> Tuple[Tuple[int, str], ...]:
+    found = _MUTATED.get(func)
+    if found is None:
+        schema = getattr(func, "_schema", None)
+        found = tuple((i, a.name) for i, a in enumerate(schema.arguments)
+                      if a.alias_info is not None and a.alias_info.is_write) if schema is not None else ()
+        _MUTATED[func] = found
+    return found
+
+
 def _python_ops() -> Tuple[Any, Any]:
     from ..pythonop import op  # noqa: F401  (registers the ops)
     return torch.ops.fxtrain.python_op.default, torch.ops.fxtrain.python_op_backward.default
@@ -191,11 +220,14 @@ class CostTracker(TorchDispatchMode):
         return x  # a real tensor is its own value
 
     def _compute_shadows(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
-        flat, spec = tree_flatten((args, kwargs))
-        tensors = [x for x in flat if isinstance(x, torch.Tensor)]
-        outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        tensors = _tensors((args, kwargs))
+        for t in tensors:
+            if self._shadow_of(t) is None:
+                return  # the common case (activations, parameters): no value to follow
+        outs = _tensors(out)
         if not outs:
             return
+        flat, spec = tree_flatten((args, kwargs))
         if tensors:
             if sum(t.numel() for t in tensors) > self.shadow_limit:
                 return
@@ -221,15 +253,11 @@ class CostTracker(TorchDispatchMode):
                 self.shadows[f] = r
 
     def _drop_mutated_shadows(self, func: Any, args: Any, kwargs: Any) -> None:
-        schema = getattr(func, "_schema", None)
-        if schema is None:
-            return
-        for i, a in enumerate(schema.arguments):
-            if a.alias_info is not None and a.alias_info.is_write:
-                value = args[i] if i < len(args) else kwargs.get(a.name)
-                for t in tree_flatten(value)[0]:
-                    if isinstance(t, FakeTensor):
-                        self.shadows.pop(t, None)
+        for i, name in _mutated_arguments(func):
+            value = args[i] if i < len(args) else kwargs.get(name)
+            for t in _tensors(value):
+                if isinstance(t, FakeTensor):
+                    self.shadows.pop(t, None)
 
     def _real_sized(self, func: Any, args: Any, kwargs: Any) -> Any:
         """A data-dependent op on tensors with values: run it for real, its size is the real one."""
@@ -314,8 +342,8 @@ class CostTracker(TorchDispatchMode):
         module = self._module()
         category = self._category()
         allocated = 0
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and self._track(t, category, module):
+        for t in _tensors(out):
+            if self._track(t, category, module):
                 allocated += self._live[id(_storage(t))][0]
         self._after_alloc()
         if self.log is not None:
