@@ -32,13 +32,14 @@ def _optimizer_name(spec: OptimizerSpec) -> Optional[str]:
 
 def _session_for(model: torch.nn.Module, optimizer: OptimizerSpec, optimizations: bool,
                  options: Optional[Options], reuse: bool) -> Session:
-    if not reuse or options is not None or isinstance(optimizer, torch.optim.Optimizer):
+    if not reuse or options is not None:
         return Session(model, optimizer, optimizations, options)
-    key = (optimizations, optimizer if isinstance(optimizer, (str, type(None))) else id(optimizer))
     per_model = _sessions.setdefault(model, {})
-    if key not in per_model:
-        per_model[key] = Session(model, optimizer, optimizations, options)
-    return per_model[key]
+    if optimizations not in per_model:
+        per_model[optimizations] = Session(model, optimizer, optimizations, options)
+    session = per_model[optimizations]
+    session.use_optimizer(optimizer)
+    return session
 
 
 def profile(model: torch.nn.Module, *args: Any, optimizer: OptimizerSpec = None, optimizations: bool = True,

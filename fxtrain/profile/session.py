@@ -72,6 +72,7 @@ class Session:
         self.fakes: Dict[str, torch.Tensor] = {}
         self.fake_params: List[torch.nn.Parameter] = []
         self.warm = False
+        self.optimizer_ready = False
         self.capture_seconds = 0.0
 
     # ---------------------------------------------------------------------------- model state
@@ -92,6 +93,14 @@ class Session:
                     self.shadows[by_id[id(b)]] = b   # small buffers (position ids) keep their values
             self.fakes[name] = by_id[id(b)]
         self._param_map = mapping
+
+    def use_optimizer(self, spec: OptimizerSpec) -> None:
+        """Cost another optimizer with the same captured graphs: only its state is rebuilt."""
+        if spec is self.optimizer_spec or (isinstance(spec, str) and spec == self.optimizer_spec):
+            return
+        self.optimizer_spec = spec
+        self.optimizer = None
+        self.optimizer_ready = False
 
     def _make_optimizer(self) -> Optional[torch.optim.Optimizer]:
         spec = self.optimizer_spec
@@ -159,6 +168,7 @@ class Session:
                            "costing its captured graph without passes instead", type(e).__name__, e)
             self.eager = False
             self.warm = False
+            self.optimizer_ready = False
             self.tm = profiling_module(self.model, False, self.options)
             for p in self.fake_params:
                 p.grad = None
@@ -176,7 +186,7 @@ class Session:
         with self._active(warm):
             if self.optimizer is None:
                 self.optimizer = self._make_optimizer()
-            if self.eager:
+            if self.eager or self.warm:
                 if self.optimizer is not None:
                     for p in self.fake_params:
                         if p.requires_grad:
@@ -185,13 +195,15 @@ class Session:
                     self.optimizer.zero_grad(set_to_none=True)
             else:
                 self._step(warm, fake_args, fake_kwargs)
+        if not self.warm:
+            self.capture_seconds = time.perf_counter() - started
         self.warm = True
-        self.capture_seconds = time.perf_counter() - started
+        self.optimizer_ready = True
         logger.info("fxtrain profile: warm-up (capture, first fake step) took %.2f s", self.capture_seconds)
 
     def _measure(self, fake_args: Any, fake_kwargs: Any, args: Any, kwargs: Any,
                  hints: Optional[List[float]]) -> StepCost:
-        if not self.warm:
+        if not self.warm or not self.optimizer_ready:
             self._warm_up(fake_args, fake_kwargs, hints)
         started = time.perf_counter()
         tracker = CostTracker(self.mode, hints)
