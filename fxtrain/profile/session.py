@@ -21,12 +21,12 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .capture import profiling_module
 from .eager_modules import ModuleAttribution
 from .inputs import fake_values, target_device, to_fake
 from .step import OptimizerSpec, _rebuild, loss_of, optimizer_factory
+from .shadows import Shadows
 from .tracker import CostTracker, ProfileError
 
 logger = logging.getLogger("fxtrain")
@@ -58,7 +58,7 @@ class Session:
         self.model = model
         self.optimizations = optimizations
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
-        self.shadows: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.shadows = Shadows()
         self.device: Optional[torch.device] = None
         self.options = options
         # optimizations=False costs eager PyTorch itself: the module runs on fake tensors as written,
@@ -90,7 +90,7 @@ class Session:
             if id(b) not in by_id:
                 by_id[id(b)] = to_fake(b, self.mode, device)
                 if b.device.type != "meta" and b.numel() <= (1 << 20):
-                    self.shadows[by_id[id(b)]] = b   # small buffers (position ids) keep their values
+                    self.shadows.set(by_id[id(b)], b)   # small buffers (position ids) keep their values
             self.fakes[name] = by_id[id(b)]
         self._param_map = mapping
 
@@ -156,7 +156,7 @@ class Session:
         fake_args, pairs_a = fake_values(args, self.mode, self.device)
         fake_kwargs, pairs_k = fake_values(kwargs, self.mode, self.device)
         for fake, real in pairs_a + pairs_k:
-            self.shadows[fake] = real
+            self.shadows.set(fake, real)
         try:
             return self._measure(fake_args, fake_kwargs, args, kwargs, hints)
         except ProfileError:
@@ -226,7 +226,7 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _passes_read_shadows(shadows: WeakIdKeyDictionary) -> Iterator[None]:
+def _passes_read_shadows(shadows: Shadows) -> Iterator[None]:
     """Let the passes measure densities on the values behind fake inputs, as they do on real ones.
 
     Passes read the capturing batch through ``source_example`` (dynamo keeps each graph input's

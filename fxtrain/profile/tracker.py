@@ -28,7 +28,7 @@ import torch
 from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
-from torch.utils.weak import WeakIdKeyDictionary
+from .shadows import Shadows
 
 from .capture import current_node
 from .flops import op_flops
@@ -112,7 +112,7 @@ class CostTracker(TorchDispatchMode):
         super().__init__()
         self.fake_mode = fake_mode
         self.shadow_limit = shadow_limit
-        self.shadows: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.shadows = Shadows()
         self.hints = list(hints or [])
         self.fractions: List[float] = []        # data-dependent size / its maximum, in op order
         self.assumed_max = 0                    # data-dependent sizes costed at their maximum
@@ -212,33 +212,34 @@ class CostTracker(TorchDispatchMode):
 
     # ---------------------------------------------------------------------------------- values
     def shadow(self, fake: torch.Tensor, real: torch.Tensor) -> None:
-        self.shadows[fake] = real
+        self.shadows.set(fake, real)
 
     def _shadow_of(self, x: Any) -> Any:
         if isinstance(x, FakeTensor):
             return self.shadows.get(x)
         return x  # a real tensor is its own value
 
-    def _compute_shadows(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+    def _compute_shadows(self, func: Any, args: Any, kwargs: Any, out: Any) -> bool:
+        """Run the op on the values too, if all its tensors have one; False when not done."""
         tensors = _tensors((args, kwargs))
         for t in tensors:
             if self._shadow_of(t) is None:
-                return  # the common case (activations, parameters): no value to follow
+                return False  # the common case (activations, parameters): no value to follow
         outs = _tensors(out)
         if not outs:
-            return
+            return False
         flat, spec = tree_flatten((args, kwargs))
         if tensors:
             if sum(t.numel() for t in tensors) > self.shadow_limit:
-                return
+                return False
         elif sum(o.numel() for o in outs) > self.shadow_limit:
-            return
+            return False
         real_flat = []
         for x in flat:
             if isinstance(x, torch.Tensor):
                 s = self._shadow_of(x)
                 if s is None:
-                    return
+                    return False
                 real_flat.append(s)
             else:
                 real_flat.append(x)
@@ -247,17 +248,18 @@ class CostTracker(TorchDispatchMode):
             with _disable_current_modes():
                 real_out = func(*real_args, **real_kwargs)
         except Exception:  # a device we cannot run on, say: no value, sizes fall back to hints
-            return
+            return False
         for f, r in zip(tree_flatten(out)[0], tree_flatten(real_out)[0]):
             if isinstance(f, FakeTensor) and isinstance(r, torch.Tensor):
-                self.shadows[f] = r
+                self.shadows.set(f, r)
+        return True
 
     def _drop_mutated_shadows(self, func: Any, args: Any, kwargs: Any) -> None:
         for i, name in _mutated_arguments(func):
             value = args[i] if i < len(args) else kwargs.get(name)
             for t in _tensors(value):
                 if isinstance(t, FakeTensor):
-                    self.shadows.pop(t, None)
+                    self.shadows.drop(t)
 
     def _real_sized(self, func: Any, args: Any, kwargs: Any) -> Any:
         """A data-dependent op on tensors with values: run it for real, its size is the real one."""
@@ -272,7 +274,7 @@ class CostTracker(TorchDispatchMode):
         with _disable_current_modes():
             real = func(*real_args, **real_kwargs)
         out = self.fake_mode.from_tensor(real)
-        self.shadows[out] = real
+        self.shadows.set(out, real)
         self.fractions.append(real.shape[0] / max(1, _max_rows(func, args)))
         return out
 
@@ -321,8 +323,8 @@ class CostTracker(TorchDispatchMode):
             if out is None:
                 out = self._data_dependent(func, args, kwargs)
         else:
-            self._drop_mutated_shadows(func, args, kwargs)
-            self._compute_shadows(func, args, kwargs, out)
+            if not self._compute_shadows(func, args, kwargs, out):
+                self._drop_mutated_shadows(func, args, kwargs)
         self._account(func, args, kwargs, out)
         return out
 
@@ -399,7 +401,7 @@ class CostTracker(TorchDispatchMode):
         forward, backward = _python_op_flops(spec, tensors)
         handle_value = self.shadows.get(out[-1]) if ran else None
         if handle_value is not None:
-            self._python_flops[int(handle_value)] = backward
+            self._python_flops[_value(handle_value)] = backward
         self._account(func, args, kwargs, out, flops=forward)
         if forward is None and self.counting:
             self.unknown[str(func)].why = "PythonOp without a flops() static method"
@@ -420,7 +422,7 @@ class CostTracker(TorchDispatchMode):
                 out = func(*args, **kwargs)
         finally:
             self._in_python_op -= 1
-        flops = self._python_flops.pop(int(value), None) if value is not None else None
+        flops = self._python_flops.pop(_value(value), None) if value is not None else None
         self._account(func, args, kwargs, out, flops=flops)
         if flops is None and self.counting:
             self._rename_unknown(str(func), f"PythonOp {SPECS[key].name} (backward)")
@@ -434,6 +436,12 @@ class CostTracker(TorchDispatchMode):
         target.count += entry.count
         target.phases |= entry.phases
         target.modules |= entry.modules
+
+
+def _value(real: torch.Tensor) -> int:
+    """int() of a real tensor while fake mode is below us (it would fake the read)."""
+    with _disable_current_modes():
+        return int(real)
 
 
 def _max_rows(func: Any, args: Any) -> int:
