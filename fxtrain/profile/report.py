@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -103,7 +103,13 @@ class ProfileReport:
 
     # ------------------------------------------------------------------------------- outputs
     def to_dict(self) -> Dict[str, Any]:
-        out = {k: v for k, v in asdict(self).items() if not k.startswith("_")}
+        out: Dict[str, Any] = {}
+        for f in fields(self):
+            if not f.name.startswith("_"):   # the session holds fake tensors: not data
+                value = getattr(self, f.name)
+                out[f.name] = (asdict(value) if is_dataclass(value)
+                               else {k: asdict(v) for k, v in value.items()} if f.name == "by_module"
+                               else [asdict(u) for u in value] if f.name == "unknown_ops" else value)
         out["flops_total"] = self.flops
         out["timeline"] = [list(p) for p in self.timeline]
         return out
@@ -184,33 +190,39 @@ class ProfileReport:
         cost = self._session.run(args, kwargs, hints=self._cost.fractions)
         return build_report(self._session, cost, self.model, batch, self.optimizer)
 
-    def max_batch(self, budget_bytes: int) -> int:
-        """Largest batch whose step peak fits ``budget_bytes``: linear fit over two fake runs (this
-        batch and twice it), then a third run at the answer checks it (and corrects if over)."""
+    def max_batch(self, budget_bytes: int, runs: int = 6) -> int:
+        """Largest batch whose step peak fits ``budget_bytes``.
+
+        A line through two fake runs (this batch and twice it) predicts the answer; a third run at
+        the prediction checks it. Peak memory is close to linear in the batch but not exactly
+        (attention, rounding of data-dependent sizes), so the line is redrawn through the two
+        newest points and checked again until a checked batch fits and the next one would not.
+        """
         if self.batch is None:
             raise RuntimeError("no batch axis found among the inputs")
-        b0, p0 = self.batch, self.peak_memory_bytes
-        b1 = 2 * b0
-        p1 = self.at_batch(b1).peak_memory_bytes
-        slope = (p1 - p0) / (b1 - b0)
-        if slope <= 0:
-            raise RuntimeError("peak memory does not grow with the batch; no batch limit to find")
-        intercept = p0 - slope * b0
-        points = [(b0, p0), (b1, p1)]
-        guess = int(math.floor((budget_bytes - intercept) / slope))
-        checked: Optional[int] = None
-        for _ in range(4):
-            if guess < 1:
-                guess, checked = 0, None
+        points = [(self.batch, self.peak_memory_bytes)]
+        b1 = 2 * self.batch
+        points.append((b1, self.at_batch(b1).peak_memory_bytes))
+        best, best_peak = (self.batch, self.peak_memory_bytes) if self.peak_memory_bytes <= budget_bytes else (0, None)
+        slope = intercept = 0.0
+        for _ in range(runs):
+            (xa, ya), (xb, yb) = points[-2], points[-1]
+            slope = (yb - ya) / (xb - xa) if xb != xa else slope
+            if slope <= 0:
+                raise RuntimeError("peak memory does not grow with the batch; no batch limit to find")
+            intercept = ya - slope * xa
+            guess = int(math.floor((budget_bytes - intercept) / slope))
+            if guess < 1 or any(guess == x for x, _ in points[1:]):
                 break
-            checked = self.at_batch(guess).peak_memory_bytes
-            points.append((guess, checked))
-            if checked <= budget_bytes:
+            peak = self.at_batch(guess).peak_memory_bytes
+            points.append((guess, peak))
+            if peak <= budget_bytes and guess > best:
+                best, best_peak = guess, peak
+            if peak <= budget_bytes and intercept + slope * (guess + 1) > budget_bytes:
                 break
-            guess -= max(1, int(math.ceil((checked - budget_bytes) / slope)))
         self.fit = BatchFit(points=points, intercept=intercept, slope=slope, budget_bytes=int(budget_bytes),
-                            batch=guess, checked_peak_bytes=checked)
-        return guess
+                            batch=best, checked_peak_bytes=best_peak)
+        return best
 
 
 def _own_params(model: torch.nn.Module) -> Dict[str, int]:
