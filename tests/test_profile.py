@@ -314,3 +314,14 @@ def test_cli_profiles_a_factory_file(tmp_path):
     assert data["flops_forward"] == 2 * 1000 * (16 * 64 + 64 * 1)
     assert data["fit"]["batch"] > 1000 and data["fit"]["checked_peak_bytes"] <= 2 ** 30
     assert os.path.getsize(tmp_path / "x.png") > 0
+
+
+def test_inputs_may_be_fake_tensors_of_another_mode_and_model_a_train_module():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    model = MLP()
+    B = 10 ** 7
+    with FakeTensorMode():
+        x, y = torch.empty(B, 32), torch.empty(B, dtype=torch.long)
+    report = fxtrain.profile(fxtrain.TrainModule(model), x, y)
+    assert report.flops_forward == _linear_flops(B, 32, 128) + _linear_flops(B, 128, 128) + _linear_flops(B, 128, 10)
+    assert report.by_module["fc3"].params == 128 * 10 + 10

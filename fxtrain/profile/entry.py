@@ -54,6 +54,9 @@ def profile(model: torch.nn.Module, *args: Any, optimizer: OptimizerSpec = None,
     ``optimizer``: a ``torch.optim.Optimizer`` class or instance (or "adamw", "sgd", ...); its
     state is costed as it exists in steady state. ``reuse=False`` forces a fresh capture.
     """
+    from ..module import TrainModule
+    if isinstance(model, TrainModule):   # cost the module it wraps, as fxtrain would capture it
+        model = model.module
     session = _session_for(model, optimizer, optimizations, options, reuse)
     cost = session.run(args, kwargs)
     return build_report(session, cost, type(model).__name__, batch_size((args, kwargs)), _optimizer_name(optimizer))

@@ -13,6 +13,11 @@ from .session import Session, StepCost
 from .tracker import OPTIMIZER, OUTSIDE
 
 
+# What each tracker category holds, for people.
+_CATEGORY = {"forward": "made in forward (activations)", "backward": "made in backward (grads, temporaries)",
+             "optimizer": "optimizer step temporaries", "setup": "other"}
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
         if abs(n) < 1024 or unit == "PiB":
@@ -152,7 +157,7 @@ class ProfileReport:
             ["FLOPs forward", human_flops(self.flops_forward)],
             ["FLOPs backward", human_flops(self.flops_backward)],
             ["peak memory", f"{human_bytes(self.peak_memory_bytes)} (during {self.peak_phase})"],
-            ["  at peak", ", ".join(f"{k} {human_bytes(v)}" for k, v in self.peak_breakdown.items())],
+            ["  at peak", ", ".join(f"{_CATEGORY.get(k, k)} {human_bytes(v)}" for k, v in self.peak_breakdown.items())],
             ["saved for backward", human_bytes(self.saved_for_backward_bytes)],
             ["optimizer state", human_bytes(self.optimizer_state_bytes)],
             ["batch tensors", human_bytes(self.input_bytes)],
