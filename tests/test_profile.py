@@ -22,6 +22,7 @@ import fxtrain
 from fxtrain import models
 from fxtrain.profile.flops import attention_backward_flops, attention_flops
 from fxtrain.profile.measure import measure_step
+from fxtrain.profile.tracker import ProfileError
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -325,3 +326,70 @@ def test_inputs_may_be_fake_tensors_of_another_mode_and_model_a_train_module():
     report = fxtrain.profile(fxtrain.TrainModule(model), x, y)
     assert report.flops_forward == _linear_flops(B, 32, 128) + _linear_flops(B, 128, 128) + _linear_flops(B, 128, 10)
     assert report.by_module["fc3"].params == 128 * 10 + 10
+
+
+class NumpyTanh(torch.autograd.Function):
+    """Leaves torch (numpy): cannot run on fake tensors, so its infer_shape gives the outputs."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.from_numpy(__import__("numpy").tanh(x.detach().cpu().numpy())).to(x.device)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return g * (1 - y * y)
+
+    @staticmethod
+    def infer_shape(x):
+        return torch.empty_like(x)
+
+
+class WithNumpy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 1)
+
+    def forward(self, x):
+        return self.b(NumpyTanh.apply(self.a(x))).mean()
+
+
+def test_python_op_leaving_torch_is_costed_from_infer_shape():
+    model = WithNumpy()
+    B = 50
+    report = fxtrain.profile(model, torch.randn(B, 16))
+    assert report.flops_forward == _linear_flops(B, 16, 32) + _linear_flops(B, 32, 1)
+    assert report.flops_backward == _linear_flops(B, 16, 32) + 2 * _linear_flops(B, 32, 1)
+    assert any("NumpyTanh" in u.op for u in report.unknown_ops)
+    big = report.at_batch(10 ** 8)   # the numpy Function never runs: only its infer_shape
+    assert big.flops_forward == report.flops_forward * (10 ** 8 // B)
+
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.sum() > 0:              # a Python branch on data: needs the input's values
+            return self.fc(x).sum()
+        return self.fc(x * 2).square().sum()
+
+
+def test_data_dependent_branch_reads_real_inputs_and_refuses_shapes_only():
+    model = Branchy()
+    report = fxtrain.profile(model, torch.ones(4, 8), optimizations=False)
+    assert report.flops_forward == _linear_flops(4, 8, 8)
+    with pytest.raises(ProfileError):
+        fxtrain.profile(model, fxtrain.shapes_only((4, 8)), optimizations=False, reuse=False)
+
+
+def test_cli_builtin_model_table(capsys):
+    from fxtrain.cli import main
+    assert main(["profile", "llama-tiny", "--batch", "100000", "--seq", "64", "--optimizer", "adamw",
+                 "--no-optimizations", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "LlamaForCausalLM" not in out and "llama-tiny" in out
+    assert "model.layers" in out and "peak memory" in out and "unknown ops" in out
