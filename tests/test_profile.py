@@ -393,3 +393,20 @@ def test_cli_builtin_model_table(capsys):
     out = capsys.readouterr().out
     assert "LlamaForCausalLM" not in out and "llama-tiny" in out
     assert "model.layers" in out and "peak memory" in out and "unknown ops" in out
+
+
+class Uncapturable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        torch._dynamo.graph_break()
+        return self.fc(x).sum()
+
+
+def test_module_fxtrain_cannot_capture_is_costed_as_the_eager_fallback():
+    # fullgraph=True turns the graph break into a capture failure; fxtrain would then run eagerly
+    report = fxtrain.profile(Uncapturable(), torch.randn(4, 8), options=fxtrain.Options(fullgraph=True))
+    assert report.fallback is not None and "capture" in report.fallback
+    assert report.flops_forward == _linear_flops(4, 8, 8)

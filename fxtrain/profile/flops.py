@@ -123,7 +123,7 @@ _UNCOSTED_ATEN = {
     "_flash_attention_backward", "_efficient_attention_forward", "_efficient_attention_backward",
     "mkldnn_convolution", "_slow_conv2d_forward", "_slow_conv2d_backward", "slow_conv3d_forward",
     "_fft_r2c", "_fft_c2r", "_fft_c2c", "linalg_solve_ex", "_linalg_svd", "linalg_qr", "_linalg_eigh",
-    "cholesky", "linalg_cholesky_ex", "triangular_solve", "linalg_lu_factor_ex", "native_layer_norm_backward_out",
+    "cholesky", "linalg_cholesky_ex", "triangular_solve", "linalg_lu_factor_ex",
 }
 # Namespaces whose ops are plain tensor bookkeeping or elementwise work (0 FLOPs by the convention).
 _ZERO_NAMESPACES = {"aten", "prims", "prim", "profiler"}

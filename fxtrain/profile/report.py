@@ -99,6 +99,7 @@ class ProfileReport:
     seconds: float = 0.0
     capture_seconds: float = 0.0
     fit: Optional[BatchFit] = None
+    fallback: Optional[str] = None   # why fxtrain's graph could not be costed (eager costed instead)
     _session: Optional[Session] = field(default=None, repr=False, compare=False)
     _cost: Optional[StepCost] = field(default=None, repr=False, compare=False)
 
@@ -172,6 +173,8 @@ class ProfileReport:
         if self.fit is not None:
             head.append(["max batch", f"{self.fit.batch:,} for {human_bytes(self.fit.budget_bytes)} "
                                       f"(peak {human_bytes(self.fit.checked_peak_bytes or 0)} checked)"])
+        if self.fallback:
+            head.append(["fallback", f"eager PyTorch costed: {self.fallback}"])
         head.append(["profiled in", f"{self.seconds:.2f} s (capture {self.capture_seconds:.2f} s)"])
         width = max(len(r[0]) for r in head)
         lines = [f"{k.ljust(width)}  {v}" for k, v in head]
@@ -282,4 +285,5 @@ def build_report(session: Session, cost: StepCost, model_name: str, batch: Optio
         unknown_ops=unknown, assumed_max_sizes=tr.assumed_max,
         passes=dict(info.optimizations) if info is not None else {},
         timeline=_downsample(tr.timeline), seconds=cost.seconds, capture_seconds=session.capture_seconds,
+        fallback=session.fallback_reason,
         _session=session, _cost=cost)

@@ -22,6 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten
 
+from ..module import CaptureError
 from .capture import profiling_module
 from .eager_modules import ModuleAttribution
 from .inputs import fake_values, target_device, to_fake
@@ -67,6 +68,7 @@ class Session:
         self.eager = not optimizations
         self.tm = None if self.eager else profiling_module(model, optimizations, options)
         self.modules: Optional[ModuleAttribution] = None
+        self.fallback_reason: Optional[str] = None
         self.optimizer_spec = optimizer
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.fakes: Dict[str, torch.Tensor] = {}
@@ -161,6 +163,19 @@ class Session:
             return self._measure(fake_args, fake_kwargs, args, kwargs, hints)
         except ProfileError:
             raise
+        except CaptureError as e:
+            if self.eager:
+                raise
+            # fxtrain itself would warn and run this module eagerly (fallback="eager"): cost that.
+            logger.warning("fxtrain profile: %s; costing eager PyTorch, which fxtrain would fall back to", e)
+            self.fallback_reason = str(e)
+            self.eager = True
+            self.warm = False
+            self.optimizer_ready = False
+            self.tm = None
+            for p in self.fake_params:
+                p.grad = None
+            return self._measure(fake_args, fake_kwargs, args, kwargs, hints)
         except Exception as e:
             if not self.eager:
                 raise
