@@ -36,6 +36,7 @@ from .flops import op_flops
 logger = logging.getLogger("fxtrain")
 
 PHASES = ("forward", "backward", "optimizer")
+_DEVICE = torch.ops.prim.device.default
 OUTSIDE = "(outside graphs)"
 OPTIMIZER = "(optimizer)"
 _CONTROL = {"setup", "start"}
@@ -301,6 +302,8 @@ class CostTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         self.ops += 1
+        if func is _DEVICE:   # half of all calls (autograd asks every tensor's device): nothing to cost
+            return func(*args, **kwargs)
         if func is self._python_op:
             return self._run_python_op(func, args, kwargs)
         if func is self._python_op_backward:
