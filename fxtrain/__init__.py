@@ -3,7 +3,8 @@ from .capture.state import is_capturing
 from .module import CaptureError, FallbackWarning, TrainModule
 from .module_with_loss import ModuleWithLoss
 from .options import Options
+from .profile import ProfileReport, fake_inputs, profile, shapes_only
 
 __version__ = "0.1.0"
 
-__all__ = ["TrainModule", "ModuleWithLoss", "Options", "is_capturing", "CaptureError", "FallbackWarning", "__version__"]
+__all__ = ["TrainModule", "ModuleWithLoss", "Options", "is_capturing", "profile", "ProfileReport", "fake_inputs", "shapes_only", "CaptureError", "FallbackWarning", "__version__"]

@@ -75,10 +75,21 @@ def _options(args: argparse.Namespace) -> int:
     return 0
 
 
+def _profile_args(p: argparse.ArgumentParser) -> None:
+    from .profile.command import add_arguments
+    add_arguments(p)
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from .profile.command import run
+    return run(args)
+
+
 # Subcommand -> (add its arguments, run it, one-line help). Later features register here.
 COMMANDS: Dict[str, Command] = {
     "demo": (_demo_args, _demo, "train the DESIGN §7 BERT-MLM with eager and with fxtrain side by side"),
     "bench": (_bench_cmd_args, _bench, "eager vs torch.compile vs fxtrain, interleaved in one process"),
+    "profile": (_profile_args, _profile, "cost a training step on fake tensors: FLOPs, peak memory, per module"),
     "options": (_options_args, _options, "print every option with its environment variable and default"),
 }
 

@@ -1,0 +1,157 @@
+"""The capture the profiler costs: TrainModule's own, with the aten graphs marked node by node.
+
+The profiler must see exactly what fxtrain runs: the same dynamo capture, the same passes, the same
+AOTAutograd partition, the same run-time wrappers (absent gradients, deferred outputs, PythonOps).
+So it uses a TrainModule whose backend differs in one point only: before every op of the forward
+and backward graphs the generated code calls :func:`enter_node`, a plain Python call (no tensor op),
+which tells the cost tracker which graph node, hence which module, the next ops belong to. Freeing
+order is untouched: the marked graphs release values exactly where the unmarked ones do.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.fx
+from functorch.compile import default_partition, make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+
+from ..capture.backend import Backend, current_mode
+from ..capture.entry import make_entry
+from ..capture.info import GraphRecord
+from ..module import TrainModule
+from ..options import Options
+from ..passes import run_passes
+from ..passes.defer import META_KEY as DEFERRED_KEY
+from ..runtime.absent_grads import AbsentGradBackward
+from ..runtime.deferred import with_deferred
+
+logger = logging.getLogger("fxtrain")
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """What the tracker attributes the next ops to."""
+
+    graph: str              # "forward" | "backward"
+    name: str               # FX node name
+    module: str             # qualified module name ("" for the root)
+    module_type: str
+
+
+_local = threading.local()
+_NODES: List[Optional[NodeInfo]] = [None]
+_nodes_lock = threading.Lock()
+
+
+def current_node() -> Optional[NodeInfo]:
+    return getattr(_local, "node", None)
+
+
+def enter_node(index: int) -> None:
+    """Called by the marked graphs before each op (index 0: between ops, outside any node)."""
+    _local.node = _NODES[index]
+
+
+def _module_of(node: torch.fx.Node, backward: bool) -> tuple:
+    stack = node.meta.get("fwd_nn_module_stack" if backward else "nn_module_stack") or {}
+    if not stack:
+        return "", ""
+    path, cls = list(stack.values())[-1]
+    return _clean_path(path), getattr(cls, "__name__", str(cls).rsplit(".", 1)[-1].rstrip("'>"))
+
+
+def _clean_path(path: str) -> str:
+    """dynamo's ``L['self'].bert.encoder.layer[0]`` / ``L__self___bert...`` -> ``bert.encoder.layer.0``."""
+    for prefix in ("L['self'].", "L['self']", "L['module'].", "L['module']", "self.", "module."):
+        if path.startswith(prefix):
+            path = path[len(prefix):]
+            break
+    path = path.replace("[", ".").replace("]", "").replace("'", "").replace('"', "")
+    path = path.replace("._modules.", ".").replace("_modules.", "")
+    while ".." in path:
+        path = path.replace("..", ".")
+    return path.strip(".")
+
+
+def mark(gm: torch.fx.GraphModule, graph: str) -> torch.fx.GraphModule:
+    """A copy of ``gm`` whose code announces each op's node to the tracker."""
+    new = torch.fx.GraphModule(gm, _marked_graph(gm.graph, graph))
+    return new
+
+
+def _marked_graph(source: torch.fx.Graph, graph: str) -> torch.fx.Graph:
+    out = torch.fx.Graph()
+    env: Dict[torch.fx.Node, torch.fx.Node] = {}
+    backward = graph == "backward"
+    for node in source.nodes:
+        if node.op == "call_function":
+            module, module_type = _module_of(node, backward)
+            with _nodes_lock:
+                _NODES.append(NodeInfo(graph, node.name, module, module_type))
+                index = len(_NODES) - 1
+            out.call_function(enter_node, (index,))
+        elif node.op == "output":
+            out.call_function(enter_node, (0,))
+        env[node] = out.node_copy(node, lambda n: env[n])
+    return out
+
+
+def _compile_marked(gm: torch.fx.GraphModule, example_inputs: List[object], record: GraphRecord) -> Callable[..., Any]:
+    """fxtrain's eager executor (runtime/executors.py) with marked graphs; same partition, same wrappers."""
+    backward: List[AbsentGradBackward] = []
+
+    def forward_compiler(fw: torch.fx.GraphModule, _inputs: List[object]) -> Callable[..., Any]:
+        record.forward_graph = fw
+        run = make_boxed_func(mark(fw, "forward").forward)
+        run.fxtrain_accepts_none = lambda: bool(backward) and backward[0].accepts_none
+        return run
+
+    def backward_compiler(bw: torch.fx.GraphModule, _inputs: List[object]) -> Callable[..., Any]:
+        record.backward_graph = bw
+        backward.append(AbsentGradBackward(mark(bw, "backward")))
+        record.backward_runner = backward[-1]
+        return backward[-1].boxed()
+
+    compiler = aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler,
+                            inference_compiler=forward_compiler, partition_fn=default_partition)
+    return compiler(gm, example_inputs)
+
+
+class _MarkedBackend(Backend):
+    """capture/backend.py's Backend with the marked executor in place of the configured one."""
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: List[object]) -> Callable[..., object]:
+        record = GraphRecord(index=len(self.info.records), mode=current_mode(self.training()), dynamo_graph=gm)
+        record.optimizations = run_passes(gm, example_inputs, self.options)
+        compiled = _compile_marked(gm, example_inputs, record)
+        plan = gm.meta.pop(DEFERRED_KEY, None)
+        if plan is not None:
+            compiled = with_deferred(compiled, plan)
+        self.info.records.append(record)
+        self.info.graphs += 1
+        self.info.optimizations.update(record.optimizations)
+        logger.info("profiler captured graph %d (%s): %d nodes", record.index, record.mode, len(gm.graph.nodes))
+        return compiled
+
+
+def profiling_module(model: torch.nn.Module, optimizations: bool, options: Optional[Options] = None) -> TrainModule:
+    """A TrainModule around ``model`` that captures as fxtrain does, for the profiler's fake runs.
+
+    ``optimizations=False`` turns the FLOP-reduction passes off: the graph is then the model's own
+    computation, what eager PyTorch runs.
+    """
+    base = options or Options()
+    updates: Dict[str, Any] = {"fallback": "raise", "executor": "eager", "save_graphs_dir": None}
+    if not optimizations:
+        updates.update(label_sparsity="off", padding_elimination="off", upstream_slicing="off")
+    import dataclasses
+    opts = dataclasses.replace(base, **updates)
+    tm = TrainModule(model, opts)
+    opts = tm.options
+    tm._backend = _MarkedBackend(tm._info, opts, lambda: tm.training, f"profile-{type(model).__name__}")
+    tm._compiled = {mode: make_entry(tm._backend, opts.dynamic, opts.fullgraph) for mode in (True, False)}
+    return tm

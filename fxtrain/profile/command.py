@@ -1,0 +1,119 @@
+"""``fxtrain profile MODEL``: the profiler from the command line (built-in models or a factory file)."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+from typing import Any, Dict, Tuple
+
+import torch
+
+_UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
+          "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
+
+
+def parse_bytes(text: str) -> int:
+    """'80GiB', '1.5 TB', '1000000' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read {text!r} as a size; write e.g. 80GiB, 512MB or a number of bytes")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..models import PRESETS
+    p.add_argument("model", help=f"a built-in model ({', '.join(sorted(PRESETS))}) or path/to/file.py:factory, "
+                                 f"where factory(batch=, seq=) returns (model, inputs) with inputs a dict of "
+                                 f"keyword inputs or a tuple of positional ones")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--optimizer", default=None, help="adamw, adam, sgd, adagrad or rmsprop (default: none)")
+    p.add_argument("--budget", default=None, help="memory budget, e.g. 80GiB: also report the largest batch that fits")
+    p.add_argument("--plot", metavar="PNG", default=None, help="write the per-module and memory plot here")
+    p.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
+    p.add_argument("--no-optimizations", action="store_true", help="cost eager PyTorch instead of fxtrain's graph")
+    p.add_argument("--padding", type=float, default=0.0, help="built-in models: fraction of padding positions")
+    p.add_argument("--label-density", type=float, default=1.0, help="built-in MLM models: fraction of labelled positions")
+    p.add_argument("--sample-batch", type=int, default=8,
+                   help="built-in models with optimizations: rows of real token ids the densities are read "
+                        "from; the step is then costed at --batch with those densities")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _load_factory(spec: str, batch: int, seq: int) -> Tuple[torch.nn.Module, Tuple[Any, ...], Dict[str, Any]]:
+    path, _, name = spec.rpartition(":")
+    if not os.path.isfile(path):
+        raise ValueError(f"no such file {path!r} (expected path/to/file.py:factory)")
+    module_spec = importlib.util.spec_from_file_location(f"fxtrain_profile_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    assert module_spec.loader is not None
+    module_spec.loader.exec_module(module)
+    factory = getattr(module, name, None)
+    if factory is None:
+        raise ValueError(f"{path} has no {name!r}")
+    made = factory(batch=batch, seq=seq)
+    if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module)):
+        raise ValueError(f"{spec} must return (model, inputs); got {type(made).__name__}")
+    model, inputs = made
+    if isinstance(inputs, dict):
+        return model, (), inputs
+    if isinstance(inputs, torch.Tensor):
+        return model, (inputs,), {}
+    return model, tuple(inputs), {}
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+    from ..models import PRESETS, preset_batch
+    from .entry import profile
+    from .inputs import fake_inputs
+
+    optimizations = not args.no_optimizations
+    stages = 3 + bool(args.budget) + bool(args.plot)
+    with tqdm(total=stages, disable=args.no_progress, desc="build model", leave=False) as bar:
+        if args.model in PRESETS:
+            preset = PRESETS[args.model]
+            with torch.device("meta"):   # random weights are not needed to cost a step: none are made
+                model = preset.build()
+            if optimizations:
+                first = min(args.batch, args.sample_batch)
+                call_args: Tuple[Any, ...] = ()
+                call_kwargs: Dict[str, Any] = preset_batch(args.model, first, args.seq, padding=args.padding,
+                                                           label_density=args.label_density)
+            else:
+                first = args.batch
+                sample = preset_batch(args.model, 1, args.seq)
+                call_args = ()
+                call_kwargs = fake_inputs(**{k: ((args.batch,) + tuple(v.shape[1:]), v.dtype) for k, v in sample.items()})
+        elif ":" in args.model:
+            model, call_args, call_kwargs = _load_factory(args.model, args.batch, args.seq)
+            first = args.batch
+        else:
+            raise ValueError(f"unknown model {args.model!r}; built-in: {', '.join(sorted(PRESETS))}, "
+                             f"or path/to/file.py:factory")
+        bar.update(1)
+        bar.set_description("capture and fake step" if optimizations else "fake step")
+        report = profile(model, *call_args, optimizer=args.optimizer, optimizations=optimizations, **call_kwargs)
+        bar.update(1)
+        bar.set_description(f"scale to batch {args.batch}")
+        if report.batch is not None and report.batch != args.batch and args.model in PRESETS:
+            report = report.at_batch(args.batch)
+        report.model = args.model
+        bar.update(1)
+        if args.budget:
+            bar.set_description("fit the memory budget")
+            report.max_batch(parse_bytes(args.budget))
+            bar.update(1)
+        if args.plot:
+            bar.set_description("plot")
+            report.plot(args.plot)
+            bar.update(1)
+    if args.json:
+        print(report.to_json())
+    else:
+        print(report)
+        if args.plot:
+            print(f"\nwrote {args.plot}")
+    return 0

@@ -1,0 +1,62 @@
+"""``fxtrain.profile(model, *args, **kwargs)``: cost a training step on fake tensors."""
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from ..options import Options
+from .inputs import batch_size
+from .report import ProfileReport, build_report
+from .session import Session
+from .step import OptimizerSpec
+
+logger = logging.getLogger("fxtrain")
+
+# Capturing is the slow part: a model profiled again (another batch, other inputs of the same
+# structure) reuses its session, hence its graphs, as long as the model lives.
+_sessions: "weakref.WeakKeyDictionary[torch.nn.Module, Dict[Tuple[Any, ...], Session]]" = weakref.WeakKeyDictionary()
+
+
+def _optimizer_name(spec: OptimizerSpec) -> Optional[str]:
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        return spec.lower()
+    if isinstance(spec, torch.optim.Optimizer):
+        return type(spec).__name__
+    return getattr(spec, "__name__", type(spec).__name__)
+
+
+def _session_for(model: torch.nn.Module, optimizer: OptimizerSpec, optimizations: bool,
+                 options: Optional[Options], reuse: bool) -> Session:
+    if not reuse or options is not None:
+        return Session(model, optimizer, optimizations, options)
+    per_model = _sessions.setdefault(model, {})
+    if optimizations not in per_model:
+        per_model[optimizations] = Session(model, optimizer, optimizations, options)
+    session = per_model[optimizations]
+    session.use_optimizer(optimizer)
+    return session
+
+
+def profile(model: torch.nn.Module, *args: Any, optimizer: OptimizerSpec = None, optimizations: bool = True,
+            options: Optional[Options] = None, reuse: bool = True, **kwargs: Any) -> ProfileReport:
+    """Cost one training step of ``model(*args, **kwargs)`` without running it.
+
+    The step (forward, ``backward()`` of the loss, ``optimizer.step()``, ``zero_grad``) runs on fake
+    tensors: shapes and dtypes only, so any batch size costs the same few seconds and no memory.
+    ``model`` and the inputs may be real, fake or on the meta device (``fake_inputs`` builds inputs
+    from shapes). ``optimizations=True`` costs what ``fxtrain.TrainModule`` runs (its capture and
+    passes, decided on the inputs' values where they are real); ``False`` costs eager PyTorch.
+    ``optimizer``: a ``torch.optim.Optimizer`` class or instance (or "adamw", "sgd", ...); its
+    state is costed as it exists in steady state. ``reuse=False`` forces a fresh capture.
+    """
+    from ..module import TrainModule
+    if isinstance(model, TrainModule):   # cost the module it wraps, as fxtrain would capture it
+        model = model.module
+    session = _session_for(model, optimizer, optimizations, options, reuse)
+    cost = session.run(args, kwargs)
+    return build_report(session, cost, type(model).__name__, batch_size((args, kwargs)), _optimizer_name(optimizer))

@@ -1,0 +1,142 @@
+"""FLOP formulas per aten op: what a step costs in arithmetic, counted from shapes alone.
+
+The convention is torch's ``FlopCounterMode``'s: 2 FLOPs per multiply-add of the contractions
+(matmul, convolution, attention); elementwise ops, reductions, copies and views count 0 because
+their cost is memory traffic, not arithmetic. Within that convention nothing is silently zero: a
+contraction we have no formula for, and any op outside aten (custom ops, PythonOps without a
+``flops`` method), is reported as *unknown* instead.
+
+Formulas are our own so that the CPU attention kernels, which torch 2.13's counter scores 0, are
+counted: ``_scaled_dot_product_flash_attention_for_cpu`` and its backward (whose kernel recomputes
+the scores, so the backward is five bmm-sized products, as for the other flash kernels).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, Optional, Sequence
+
+import torch
+
+aten = torch.ops.aten
+Formula = Callable[..., int]
+
+
+def _shape(t: Any) -> Sequence[int]:
+    return tuple(int(s) for s in t.shape)
+
+
+def _prod(xs: Sequence[int]) -> int:
+    return math.prod(int(x) for x in xs)
+
+
+def mm_flops(a: Sequence[int], b: Sequence[int]) -> int:
+    """[m, k] @ [k, n]."""
+    return 2 * a[0] * a[1] * b[1]
+
+
+def bmm_flops(a: Sequence[int], b: Sequence[int]) -> int:
+    """[B, m, k] @ [B, k, n]."""
+    return 2 * a[0] * a[1] * a[2] * b[2]
+
+
+def attention_flops(q: Sequence[int], k: Sequence[int], v: Sequence[int]) -> int:
+    """softmax(q k^T) v for q [..., L, E], k [..., S, E], v [..., S, Ev]; query heads set the batch."""
+    batch = _prod(q[:-2])
+    L, E, S, Ev = q[-2], q[-1], k[-2], v[-1]
+    return 2 * batch * L * S * E + 2 * batch * L * S * Ev
+
+
+def attention_backward_flops(q: Sequence[int], k: Sequence[int], v: Sequence[int]) -> int:
+    """Flash-style backward: scores recomputed (q k^T), then dP = dO v^T, dV = P^T dO, dQ = dS k, dK = dS^T q."""
+    batch = _prod(q[:-2])
+    L, E, S, Ev = q[-2], q[-1], k[-2], v[-1]
+    return 2 * batch * L * S * (E + Ev + Ev + E + E)
+
+
+def conv_flops(x: Sequence[int], w: Sequence[int], out: Sequence[int], transposed: bool) -> int:
+    """Each output element (of the non-transposed direction) is a dot product of Cin/groups x kernel."""
+    kernel = _prod(w[2:])
+    if transposed:
+        # w: [Cin, Cout/groups, *k]; every input element scatters into Cout/groups x kernel outputs.
+        return 2 * _prod(x) * w[1] * kernel
+    # w: [Cout, Cin/groups, *k]
+    return 2 * _prod(out) * w[1] * kernel
+
+
+def _mm(a, b, *_, **__) -> int:
+    return mm_flops(_shape(a), _shape(b))
+
+
+def _addmm(_bias, a, b, *_, **__) -> int:
+    return mm_flops(_shape(a), _shape(b))
+
+
+def _bmm(a, b, *_, **__) -> int:
+    return bmm_flops(_shape(a), _shape(b))
+
+
+def _baddbmm(_bias, a, b, *_, **__) -> int:
+    return bmm_flops(_shape(a), _shape(b))
+
+
+def _sdpa(q, k, v, *_, **__) -> int:
+    return attention_flops(_shape(q), _shape(k), _shape(v))
+
+
+def _sdpa_backward(_grad_out, q, k, v, *_, **__) -> int:
+    return attention_backward_flops(_shape(q), _shape(k), _shape(v))
+
+
+def _convolution(x, w, _bias, _stride, _padding, _dilation, transposed, *_, out=None, **__) -> int:
+    return conv_flops(_shape(x), _shape(w), _shape(out[0] if isinstance(out, (tuple, list)) else out), bool(transposed))
+
+
+def _convolution_backward(grad_out, x, w, _bias_sizes, _stride, _padding, _dilation, transposed, _out_padding,
+                          _groups, output_mask, *_, out=None, **__) -> int:
+    one = conv_flops(_shape(x), _shape(w), _shape(grad_out), bool(transposed))
+    return one * (int(bool(output_mask[0])) + int(bool(output_mask[1])))
+
+
+FORMULAS: Dict[Any, Formula] = {
+    aten.mm: _mm,
+    aten.addmm: _addmm,
+    aten.bmm: _bmm,
+    aten.baddbmm: _baddbmm,
+    aten.convolution: _convolution,
+    aten._convolution: _convolution,
+    aten.convolution_backward: _convolution_backward,
+    aten._scaled_dot_product_flash_attention_for_cpu: _sdpa,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_backward,
+    aten._scaled_dot_product_flash_attention: _sdpa,
+    aten._scaled_dot_product_flash_attention_backward: _sdpa_backward,
+    aten._scaled_dot_product_efficient_attention: _sdpa,
+    aten._scaled_dot_product_efficient_attention_backward: _sdpa_backward,
+    aten._scaled_dot_product_cudnn_attention: _sdpa,
+    aten._scaled_dot_product_cudnn_attention_backward: _sdpa_backward,
+}
+
+# aten ops that do contractions but have no formula here: reported unknown, never counted as 0.
+_UNCOSTED_ATEN = {
+    "_scaled_mm", "_int_mm", "_weight_int4pack_mm", "_weight_int8pack_mm", "mkldnn_rnn_layer",
+    "mkldnn_rnn_layer_backward", "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell", "lstm", "gru",
+    "rnn_tanh", "rnn_relu", "_cdist_forward", "_cdist_backward", "_flash_attention_forward",
+    "_flash_attention_backward", "_efficient_attention_forward", "_efficient_attention_backward",
+    "mkldnn_convolution", "_slow_conv2d_forward", "_slow_conv2d_backward", "slow_conv3d_forward",
+    "_fft_r2c", "_fft_c2r", "_fft_c2c", "linalg_solve_ex", "_linalg_svd", "linalg_qr", "_linalg_eigh",
+    "cholesky", "linalg_cholesky_ex", "triangular_solve", "linalg_lu_factor_ex",
+}
+# Namespaces whose ops are plain tensor bookkeeping or elementwise work (0 FLOPs by the convention).
+_ZERO_NAMESPACES = {"aten", "prims", "prim", "profiler"}
+
+
+def op_flops(func: Any, args: Sequence[Any], kwargs: Dict[str, Any], out: Any) -> Optional[int]:
+    """FLOPs of one dispatched op, or None when they cannot be known."""
+    packet = getattr(func, "overloadpacket", None)
+    formula = FORMULAS.get(packet)
+    if formula is not None:
+        return int(formula(*args, out=out, **kwargs))
+    namespace = getattr(func, "namespace", None)
+    if namespace in _ZERO_NAMESPACES:
+        name = getattr(packet, "__name__", "")
+        return None if name in _UNCOSTED_ATEN else 0
+    return None

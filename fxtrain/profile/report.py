@@ -1,0 +1,289 @@
+"""ProfileReport: what a training step costs, in numbers a person can read and a program can parse."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from ..report import format_table
+from .session import Session, StepCost
+from .tracker import OPTIMIZER, OUTSIDE
+
+
+# What each tracker category holds, for people.
+_CATEGORY = {"forward": "made in forward (activations)", "backward": "made in backward (grads, temporaries)",
+             "optimizer": "optimizer step temporaries", "setup": "other"}
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} PiB"
+
+
+def human_flops(n: float) -> str:
+    for unit in ("", "K", "M", "G", "T", "P", "E"):
+        if abs(n) < 1000 or unit == "E":
+            return f"{n:.0f}" if unit == "" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} E"
+
+
+@dataclass
+class ModuleCost:
+    """One module's share: its own parameters and the ops that ran inside it (not in its children)."""
+
+    params: int = 0
+    flops_forward: int = 0
+    flops_backward: int = 0
+    saved_bytes: int = 0
+
+
+@dataclass
+class UnknownOp:
+    op: str
+    count: int
+    phases: List[str]
+    modules: List[str]
+    why: str
+
+
+@dataclass
+class BatchFit:
+    """peak(batch) = intercept + slope * batch, from two fake runs, checked by a third."""
+
+    points: List[Tuple[int, int]]
+    intercept: float
+    slope: float
+    budget_bytes: int
+    batch: int
+    checked_peak_bytes: Optional[int]
+
+
+@dataclass
+class ProfileReport:
+    """Cost of one training step (forward, backward, optimizer step) of ``model``.
+
+    FLOPs count 2 per multiply-add of matmuls, convolutions and attention (torch's convention,
+    with the CPU attention kernels counted); ops that cannot be costed are in ``unknown_ops``.
+    ``peak_memory_bytes`` is the most tensor bytes alive at once in a steady-state step:
+    parameters, buffers, optimizer state, the batch, activations, gradients and temporaries.
+    ``saved_for_backward_bytes`` counts what the forward keeps for the backward, beyond what was
+    alive before the step (parameters and inputs are not counted again).
+    """
+
+    model: str
+    batch: Optional[int]
+    optimizations: bool
+    optimizer: Optional[str]
+    flops_forward: int
+    flops_backward: int
+    peak_memory_bytes: int
+    saved_for_backward_bytes: int
+    parameters: int
+    parameter_bytes: int
+    optimizer_state_bytes: int
+    input_bytes: int
+    peak_phase: str
+    peak_breakdown: Dict[str, int]
+    by_module: Dict[str, ModuleCost]
+    unknown_ops: List[UnknownOp]
+    assumed_max_sizes: int
+    passes: Dict[str, str]
+    timeline: List[Tuple[str, int]] = field(repr=False)
+    seconds: float = 0.0
+    capture_seconds: float = 0.0
+    fit: Optional[BatchFit] = None
+    fallback: Optional[str] = None   # why fxtrain's graph could not be costed (eager costed instead)
+    _session: Optional[Session] = field(default=None, repr=False, compare=False)
+    _cost: Optional[StepCost] = field(default=None, repr=False, compare=False)
+
+    @property
+    def flops(self) -> int:
+        return self.flops_forward + self.flops_backward
+
+    # ------------------------------------------------------------------------------- outputs
+    def to_dict(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = {}
+        for f in fields(self):
+            if not f.name.startswith("_"):   # the session holds fake tensors: not data
+                value = getattr(self, f.name)
+                out[f.name] = (asdict(value) if is_dataclass(value)
+                               else {k: asdict(v) for k, v in value.items()} if f.name == "by_module"
+                               else [asdict(u) for u in value] if f.name == "unknown_ops" else value)
+        out["flops_total"] = self.flops
+        out["timeline"] = [list(p) for p in self.timeline]
+        return out
+
+    def to_json(self, indent: Optional[int] = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def group(self, depth: int) -> Dict[str, ModuleCost]:
+        """``by_module`` summed up to module paths of at most ``depth`` components."""
+        out: Dict[str, ModuleCost] = {}
+        for name, cost in self.by_module.items():
+            if name in (OUTSIDE, OPTIMIZER):
+                key = name
+            else:
+                key = ".".join(name.split(".")[:depth]) if name else ""
+            acc = out.setdefault(key, ModuleCost())
+            acc.params += cost.params
+            acc.flops_forward += cost.flops_forward
+            acc.flops_backward += cost.flops_backward
+            acc.saved_bytes += cost.saved_bytes
+        return out
+
+    def module_table(self, rows: int = 20) -> str:
+        depth = 1
+        while len(self.group(depth + 1)) <= rows and depth < 12 and len(self.group(depth + 1)) > len(self.group(depth)):
+            depth += 1
+        grouped = self.group(depth)
+        ordered = sorted(grouped.items(), key=lambda kv: -(kv[1].flops_forward + kv[1].flops_backward + kv[1].saved_bytes))
+        body = [[name or "(root)", f"{c.params:,}", human_flops(c.flops_forward), human_flops(c.flops_backward),
+                 human_bytes(c.saved_bytes)] for name, c in ordered[:rows]]
+        return format_table(["module", "params", "fwd FLOPs", "bwd FLOPs", "saved"], body)
+
+    def __str__(self) -> str:
+        head = [
+            ["model", self.model],
+            ["batch", "-" if self.batch is None else f"{self.batch:,}"],
+            ["optimizations", "on (fxtrain's graph)" if self.optimizations else "off (eager PyTorch)"],
+            ["optimizer", self.optimizer or "none"],
+            ["parameters", f"{self.parameters:,} ({human_bytes(self.parameter_bytes)})"],
+            ["FLOPs forward", human_flops(self.flops_forward)],
+            ["FLOPs backward", human_flops(self.flops_backward)],
+            ["peak memory", f"{human_bytes(self.peak_memory_bytes)} (during {self.peak_phase})"],
+            ["  at peak", ", ".join(f"{_CATEGORY.get(k, k)} {human_bytes(v)}" for k, v in self.peak_breakdown.items())],
+            ["saved for backward", human_bytes(self.saved_for_backward_bytes)],
+            ["optimizer state", human_bytes(self.optimizer_state_bytes)],
+            ["batch tensors", human_bytes(self.input_bytes)],
+            ["unknown ops", ", ".join(f"{u.op} x{u.count}" for u in self.unknown_ops) or "none"],
+        ]
+        if self.assumed_max_sizes:
+            head.append(["assumed sizes", f"{self.assumed_max_sizes} data-dependent size(s) at their maximum "
+                                          f"(shapes-only inputs)"])
+        on = [k for k, v in self.passes.items() if v.startswith("on")]
+        if self.optimizations:
+            head.append(["passes on", ", ".join(on) or "none"])
+        if self.fit is not None:
+            head.append(["max batch", f"{self.fit.batch:,} for {human_bytes(self.fit.budget_bytes)} "
+                                      f"(peak {human_bytes(self.fit.checked_peak_bytes or 0)} checked)"])
+        if self.fallback:
+            head.append(["fallback", f"eager PyTorch costed: {self.fallback}"])
+        head.append(["profiled in", f"{self.seconds:.2f} s (capture {self.capture_seconds:.2f} s)"])
+        width = max(len(r[0]) for r in head)
+        lines = [f"{k.ljust(width)}  {v}" for k, v in head]
+        return "\n".join(lines) + "\n\n" + self.module_table()
+
+    def plot(self, path: str) -> str:
+        from .plot import plot_report
+        return plot_report(self, path)
+
+    # --------------------------------------------------------------------------- other batches
+    def at_batch(self, batch: int) -> "ProfileReport":
+        """The same step at another batch size (leading axis of every input of this batch's size).
+
+        Shapes-only inputs; data-dependent sizes keep the fractions measured here.
+        """
+        if self._session is None or self._cost is None or self.batch is None:
+            raise RuntimeError("this report cannot be re-run at another batch (no session or no batch axis)")
+        from .inputs import with_batch
+        args = with_batch(self._cost.args, self.batch, batch)
+        kwargs = with_batch(self._cost.kwargs, self.batch, batch)
+        cost = self._session.run(args, kwargs, hints=self._cost.fractions)
+        return build_report(self._session, cost, self.model, batch, self.optimizer)
+
+    def max_batch(self, budget_bytes: int, runs: int = 6) -> int:
+        """Largest batch whose step peak fits ``budget_bytes``.
+
+        A line through two fake runs (this batch and twice it) predicts the answer; a third run at
+        the prediction checks it. Peak memory is close to linear in the batch but not exactly
+        (attention, rounding of data-dependent sizes), so the line is redrawn through the two
+        newest points and checked again until a checked batch fits and the next one would not.
+        """
+        if self.batch is None:
+            raise RuntimeError("no batch axis found among the inputs")
+        points = [(self.batch, self.peak_memory_bytes)]
+        b1 = 2 * self.batch
+        points.append((b1, self.at_batch(b1).peak_memory_bytes))
+        best, best_peak = (self.batch, self.peak_memory_bytes) if self.peak_memory_bytes <= budget_bytes else (0, None)
+        slope = intercept = 0.0
+        for _ in range(runs):
+            (xa, ya), (xb, yb) = points[-2], points[-1]
+            slope = (yb - ya) / (xb - xa) if xb != xa else slope
+            if slope <= 0:
+                raise RuntimeError("peak memory does not grow with the batch; no batch limit to find")
+            intercept = ya - slope * xa
+            guess = int(math.floor((budget_bytes - intercept) / slope))
+            if guess < 1 or any(guess == x for x, _ in points[1:]):
+                break
+            peak = self.at_batch(guess).peak_memory_bytes
+            points.append((guess, peak))
+            if peak <= budget_bytes and guess > best:
+                best, best_peak = guess, peak
+            if peak <= budget_bytes and intercept + slope * (guess + 1) > budget_bytes:
+                break
+        self.fit = BatchFit(points=points, intercept=intercept, slope=slope, budget_bytes=int(budget_bytes),
+                            batch=best, checked_peak_bytes=best_peak)
+        return best
+
+
+def _own_params(model: torch.nn.Module) -> Dict[str, int]:
+    seen = set()
+    out: Dict[str, int] = {}
+    for name, mod in model.named_modules():
+        n = 0
+        for p in mod.parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                n += p.numel()
+        if n:
+            out[name] = n
+    return out
+
+
+def _downsample(timeline: List[Tuple[str, int]], points: int = 2000) -> List[Tuple[str, int]]:
+    """Keep the shape (and every local maximum per bucket) of a long timeline."""
+    if len(timeline) <= points:
+        return list(timeline)
+    step = len(timeline) / points
+    out = []
+    for i in range(points):
+        bucket = timeline[int(i * step):max(int((i + 1) * step), int(i * step) + 1)]
+        out.append(max(bucket, key=lambda p: p[1]))
+    return out
+
+
+def build_report(session: Session, cost: StepCost, model_name: str, batch: Optional[int],
+                 optimizer: Optional[str]) -> ProfileReport:
+    tr = cost.tracker
+    own = _own_params(session.model)
+    modules: Dict[str, ModuleCost] = {name: ModuleCost(params=n) for name, n in own.items()}
+    for name, c in tr.modules.items():
+        m = modules.setdefault(name, ModuleCost())
+        m.flops_forward += c.flops_forward
+        m.flops_backward += c.flops_backward
+    for name, nbytes in tr.saved_by_module().items():
+        modules.setdefault(name, ModuleCost()).saved_bytes += nbytes
+    unknown = [UnknownOp(op=k, count=u.count, phases=sorted(u.phases), modules=sorted(u.modules), why=u.why)
+               for k, u in sorted(tr.unknown.items())]
+    params = {id(p): p for p in session.model.parameters()}
+    info = session.tm.capture_info() if session.tm is not None else None
+    return ProfileReport(
+        model=model_name, batch=batch, optimizations=session.optimizations, optimizer=optimizer,
+        flops_forward=tr.flops.get("forward", 0), flops_backward=tr.flops.get("backward", 0),
+        peak_memory_bytes=tr.peak, saved_for_backward_bytes=sum(tr.saved.values()),
+        parameters=sum(p.numel() for p in params.values()),
+        parameter_bytes=sum(p.numel() * p.element_size() for p in params.values()),
+        optimizer_state_bytes=tr.initial.get("optimizer state", 0), input_bytes=tr.initial.get("inputs", 0),
+        peak_phase=tr.peak_phase, peak_breakdown=dict(tr.peak_by_category), by_module=modules,
+        unknown_ops=unknown, assumed_max_sizes=tr.assumed_max,
+        passes=dict(info.optimizations) if info is not None else {},
+        timeline=_downsample(tr.timeline), seconds=cost.seconds, capture_seconds=session.capture_seconds,
+        fallback=session.fallback_reason,
+        _session=session, _cost=cost)

@@ -1,0 +1,269 @@
+"""One model made fake once, its step run on fake tensors as many times as batches are asked for.
+
+Capture is the slow part (dynamo and AOTAutograd over the whole model); a fake step is a few
+thousand ops whatever the batch size. A session captures once, with symbolic sizes as fxtrain
+always does, so further batch sizes (``max_batch``'s fit) reuse the graphs. Steps are the steady
+state ``step.py`` defines: a first, unmeasured step captures, compiles the backward and creates the
+optimizer state; the measured step starts with parameters, buffers, optimizer state and the batch
+alive and no gradients.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from unittest import mock
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._pytree import tree_flatten
+
+from ..module import CaptureError
+from .capture import profiling_module
+from .eager_modules import ModuleAttribution
+from .inputs import fake_values, target_device, to_fake
+from .step import OptimizerSpec, _rebuild, loss_of, optimizer_factory
+from .shadows import Shadows
+from .tracker import CostTracker, ProfileError
+
+logger = logging.getLogger("fxtrain")
+
+
+@dataclass
+class StepCost:
+    """What one measured fake step produced (raw; report.py turns it into a ProfileReport)."""
+
+    tracker: CostTracker
+    start_bytes: int
+    seconds: float
+    args: Any
+    kwargs: Any
+    fractions: List[float] = field(default_factory=list)
+
+
+def _storage_aware_shares(t: torch.Tensor, inputs: Any) -> bool:
+    """pythonop.op._shares_storage for fake tensors, whose storages all report data_ptr 0."""
+    key = t.untyped_storage()._cdata
+    return any(key == i.untyped_storage()._cdata for i in inputs if i.device == t.device)
+
+
+class Session:
+    def __init__(self, model: torch.nn.Module, optimizer: OptimizerSpec = None, optimizations: bool = True,
+                 options: Any = None) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"fxtrain.profile costs a torch.nn.Module, got {type(model).__name__}")
+        self.model = model
+        self.optimizations = optimizations
+        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.shadows = Shadows()
+        self.device: Optional[torch.device] = None
+        self.options = options
+        # optimizations=False costs eager PyTorch itself: the module runs on fake tensors as written,
+        # autograd saving what eager saves. (If it cannot run on fake tensors, e.g. a Function that
+        # leaves torch, the captured graph without passes stands in; see _warm_up.)
+        self.eager = not optimizations
+        self.tm = None if self.eager else profiling_module(model, optimizations, options)
+        self.modules: Optional[ModuleAttribution] = None
+        self.fallback_reason: Optional[str] = None
+        self.optimizer_spec = optimizer
+        self.optimizer: Optional[torch.optim.Optimizer] = None
+        self.fakes: Dict[str, torch.Tensor] = {}
+        self.fake_params: List[torch.nn.Parameter] = []
+        self.warm = False
+        self.optimizer_ready = False
+        self.capture_seconds = 0.0
+
+    # ---------------------------------------------------------------------------- model state
+    def _make_fakes(self, device: torch.device) -> None:
+        by_id: Dict[int, torch.Tensor] = {}
+        mapping: Dict[torch.Tensor, torch.nn.Parameter] = {}
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            if id(p) not in by_id:
+                fake = torch.nn.Parameter(to_fake(p, self.mode, device), requires_grad=p.requires_grad)
+                by_id[id(p)] = fake
+                mapping[p] = fake
+                self.fake_params.append(fake)
+            self.fakes[name] = by_id[id(p)]
+        for name, b in self.model.named_buffers(remove_duplicate=False):
+            if id(b) not in by_id:
+                by_id[id(b)] = to_fake(b, self.mode, device)
+                if b.device.type != "meta" and b.numel() <= (1 << 20):
+                    self.shadows.set(by_id[id(b)], b)   # small buffers (position ids) keep their values
+            self.fakes[name] = by_id[id(b)]
+        self._param_map = mapping
+
+    def use_optimizer(self, spec: OptimizerSpec) -> None:
+        """Cost another optimizer with the same captured graphs: only its state is rebuilt."""
+        if spec is self.optimizer_spec or (isinstance(spec, str) and spec == self.optimizer_spec):
+            return
+        self.optimizer_spec = spec
+        self.optimizer = None
+        self.optimizer_ready = False
+
+    def _make_optimizer(self) -> Optional[torch.optim.Optimizer]:
+        spec = self.optimizer_spec
+        if spec is None:
+            return None
+        trainable = [p for p in self.fake_params if p.requires_grad]
+        if isinstance(spec, torch.optim.Optimizer):
+            return _rebuild(spec, self._param_map)
+        factory = optimizer_factory(spec)
+        assert factory is not None
+        return factory(trainable)
+
+    @contextlib.contextmanager
+    def _active(self, tracker: CostTracker) -> Iterator[None]:
+        from ..pythonop import op as pythonop_op
+        with contextlib.ExitStack() as stack:
+            if self.eager:
+                self.modules = ModuleAttribution(self.model)
+                stack.enter_context(self.modules)
+                tracker.module_source = self.modules.current
+            stack.enter_context(_reparametrize_module(self.model, self.fakes, tie_weights=False, strict=False))
+            stack.enter_context(mock.patch.object(pythonop_op, "_shares_storage", _storage_aware_shares))
+            stack.enter_context(_passes_read_shadows(self.shadows))
+            stack.enter_context(self.mode)
+            stack.enter_context(tracker)
+            yield
+
+    # ------------------------------------------------------------------------------------ step
+    def _step(self, tracker: CostTracker, args: Any, kwargs: Any) -> None:
+        tracker.phase = "forward"
+        with torch.autograd.graph.saved_tensors_hooks(tracker.pack_saved, _unpack):
+            out = (self.model if self.eager else self.tm)(*args, **kwargs)
+        loss = loss_of(out)
+        tracker.phase = "backward"
+        loss.backward()
+        del out, loss
+        tracker.phase = "optimizer"
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            for p in self.fake_params:
+                p.grad = None
+        tracker.phase = "end"
+
+    def run(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], hints: Optional[List[float]] = None) -> StepCost:
+        device = target_device(self.model, (args, kwargs))
+        if self.device is None:
+            self.device = device
+            self._make_fakes(device)
+        elif device != self.device and device.type != "meta":
+            raise ValueError(f"fxtrain.profile: inputs on {device}, the session is on {self.device}")
+        fake_args, pairs_a = fake_values(args, self.mode, self.device)
+        fake_kwargs, pairs_k = fake_values(kwargs, self.mode, self.device)
+        for fake, real in pairs_a + pairs_k:
+            self.shadows.set(fake, real)
+        try:
+            return self._measure(fake_args, fake_kwargs, args, kwargs, hints)
+        except ProfileError:
+            raise
+        except CaptureError as e:
+            if self.eager:
+                raise
+            # fxtrain itself would warn and run this module eagerly (fallback="eager"): cost that.
+            logger.warning("fxtrain profile: %s; costing eager PyTorch, which fxtrain would fall back to", e)
+            self.fallback_reason = str(e)
+            self.eager = True
+            self.warm = False
+            self.optimizer_ready = False
+            self.tm = None
+            for p in self.fake_params:
+                p.grad = None
+            return self._measure(fake_args, fake_kwargs, args, kwargs, hints)
+        except Exception as e:
+            if not self.eager:
+                raise
+            logger.warning("fxtrain profile: the module does not run eagerly on fake tensors (%s: %s); "
+                           "costing its captured graph without passes instead", type(e).__name__, e)
+            self.eager = False
+            self.warm = False
+            self.optimizer_ready = False
+            self.tm = profiling_module(self.model, False, self.options)
+            for p in self.fake_params:
+                p.grad = None
+            return self._measure(fake_args, fake_kwargs, args, kwargs, hints)
+
+    def _warm_up(self, fake_args: Any, fake_kwargs: Any, hints: Optional[List[float]]) -> None:
+        """Reach steady state: graphs captured, backward compiled, optimizer state allocated.
+
+        Eagerly there is nothing to capture, so only the optimizer's state is made (one optimizer
+        step on stand-in gradients), which is much cheaper than a whole step.
+        """
+        started = time.perf_counter()
+        warm = CostTracker(self.mode, hints)
+        warm.shadows = self.shadows
+        with self._active(warm):
+            if self.optimizer is None:
+                self.optimizer = self._make_optimizer()
+            if self.eager or self.warm:
+                if self.optimizer is not None:
+                    for p in self.fake_params:
+                        if p.requires_grad:
+                            p.grad = torch.zeros_like(p)
+                    self.optimizer.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+            else:
+                self._step(warm, fake_args, fake_kwargs)
+        if not self.warm:
+            self.capture_seconds = time.perf_counter() - started
+        self.warm = True
+        self.optimizer_ready = True
+        logger.info("fxtrain profile: warm-up (capture, first fake step) took %.2f s", self.capture_seconds)
+
+    def _measure(self, fake_args: Any, fake_kwargs: Any, args: Any, kwargs: Any,
+                 hints: Optional[List[float]]) -> StepCost:
+        if not self.warm or not self.optimizer_ready:
+            self._warm_up(fake_args, fake_kwargs, hints)
+        started = time.perf_counter()
+        tracker = CostTracker(self.mode, hints)
+        tracker.shadows = self.shadows
+        tracker.register(list(self.fakes.values()), "parameters")
+        if self.optimizer is not None:
+            tracker.register([list(s.values()) for s in self.optimizer.state.values()], "optimizer state")
+        tracker.register([fake_args, fake_kwargs], "inputs")
+        start = tracker.current
+        tracker.start_measuring()
+        with self._active(tracker):
+            self._step(tracker, fake_args, fake_kwargs)
+        seconds = time.perf_counter() - started
+        return StepCost(tracker=tracker, start_bytes=start, seconds=seconds, args=args, kwargs=kwargs,
+                        fractions=list(tracker.fractions))
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+@contextlib.contextmanager
+def _passes_read_shadows(shadows: Shadows) -> Iterator[None]:
+    """Let the passes measure densities on the values behind fake inputs, as they do on real ones.
+
+    Passes read the capturing batch through ``source_example`` (dynamo keeps each graph input's
+    example); ours are fake, so the patched reader answers with their shadow.
+    """
+    import sys
+    from ..passes import density
+    original = density.source_example
+
+    def source_example(node: Any) -> Optional[torch.Tensor]:
+        grapharg = node.meta.get("grapharg") if isinstance(node, torch.fx.Node) and node.op == "placeholder" else None
+        try:
+            example = grapharg.example if grapharg is not None else None
+        except Exception:
+            return None
+        if isinstance(example, torch.Tensor) and example in shadows:
+            return shadows[example]
+        return original(node)
+
+    patches = [mock.patch.object(m, "source_example", source_example) for name, m in list(sys.modules.items())
+               if name.startswith("fxtrain.passes") and getattr(m, "source_example", None) is original]
+    with contextlib.ExitStack() as stack:
+        for p in patches:
+            stack.enter_context(p)
+        yield

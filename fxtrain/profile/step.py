@@ -1,0 +1,85 @@
+"""The training step the profiler costs and the measurement checks, defined once.
+
+A step is::
+
+    out = model(*args, **kwargs)
+    loss_of(out).backward()          # the outputs stay alive until backward has finished
+    del out                          # then they are released
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+in steady state: the optimizer state exists before the step, gradients do not.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Iterable, Optional, Union
+
+import torch
+
+OptimizerSpec = Union[None, str, type, torch.optim.Optimizer, Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]]
+
+_BY_NAME: Dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD,
+    "adagrad": torch.optim.Adagrad, "rmsprop": torch.optim.RMSprop,
+}
+
+
+def loss_of(out: Any) -> torch.Tensor:
+    """The tensor a training loop calls ``backward()`` on.
+
+    ``out.loss`` / ``out["loss"]`` (HF outputs), else the output itself or its first element; a
+    non-scalar tensor is summed, which is what ``backward()`` with a gradient of ones computes.
+    """
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, dict):
+        loss = out.get("loss")
+    if loss is None:
+        loss = out
+        while isinstance(loss, (tuple, list)) and loss:
+            loss = loss[0]
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"fxtrain.profile: cannot find a loss in the model's output of type {type(out).__name__}; "
+                        f"return a tensor, a tuple starting with one, or an object with a .loss")
+    return loss if loss.dim() == 0 else loss.sum()
+
+
+def optimizer_factory(spec: OptimizerSpec) -> Optional[Callable[[Any], torch.optim.Optimizer]]:
+    """How to build the optimizer for a set of parameters (ours are fake copies of the user's).
+
+    An optimizer instance is rebuilt with its class and each group's hyper-parameters, so the
+    costed state is what that instance would allocate.
+    """
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        try:
+            return _BY_NAME[spec.lower()]
+        except KeyError:
+            raise ValueError(f"unknown optimizer {spec!r}; known: {', '.join(sorted(_BY_NAME))}") from None
+    if isinstance(spec, torch.optim.Optimizer):
+        return lambda params: _rebuild(spec, params)
+    if callable(spec):
+        return spec
+    raise TypeError(f"optimizer must be a torch.optim.Optimizer class or instance, got {type(spec).__name__}")
+
+
+def _rebuild(opt: torch.optim.Optimizer, params: Any) -> torch.optim.Optimizer:
+    """Same class and per-group hyper-parameters as ``opt``, over ``params`` (a {old param: new} map)."""
+    mapping = params if isinstance(params, dict) else None
+    if mapping is None:
+        return type(opt)(params, **opt.defaults)
+    groups = []
+    for g in opt.param_groups:
+        group = {k: v for k, v in g.items() if k != "params"}
+        group["params"] = [mapping[p] for p in g["params"] if p in mapping]
+        groups.append(group)
+    return type(opt)(groups, **opt.defaults)
+
+
+def make_optimizer(spec: OptimizerSpec, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The optimizer a real step uses: the instance itself, or one built over ``model``'s parameters."""
+    if isinstance(spec, torch.optim.Optimizer):
+        return spec
+    factory = optimizer_factory(spec)
+    assert factory is not None
+    return factory([p for p in model.parameters() if p.requires_grad])

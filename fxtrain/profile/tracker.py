@@ -1,0 +1,469 @@
+"""The cost tracker: one dispatch mode, above FakeTensorMode, that watches every op of a fake step.
+
+Why a dispatch mode and not a graph walk: the step runs through fxtrain's real machinery (dynamo
+guards, AOTAutograd's run-time wrappers, absent-gradient backward variants, deferred outputs,
+PythonOps, the autograd engine, the optimizer's own code), so what is allocated and freed, and in
+which order, is what the real step does. Fake tensors have storages of their own (on the meta
+device, no data), and the Python object of a storage lives exactly as long as the storage, so live
+bytes are counted the way the allocator sees them, storage by storage, views and in-place results
+counted once.
+
+Values. A fake step has no data, yet a few things need values: the sizes of data-dependent ops
+(``nonzero`` on a padding or label mask, which fxtrain's passes insert), ``.item()`` (optimizer step
+counts, PythonOp handles). Real input tensors are therefore kept as *shadows* of their fake copies
+and every op whose tensor arguments all have shadows (integer masks, labels, step counters) is also
+run for real on the shadows, within a size limit. Where no shadow exists (shapes-only inputs) a
+data-dependent size is taken from ``hints`` (the fraction seen in an earlier run, used when scaling
+a batch) or else at its maximum, which over-estimates and never under-estimates.
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+
+import torch
+from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten
+from .shadows import Shadows
+
+from .capture import current_node
+from .flops import op_flops
+
+logger = logging.getLogger("fxtrain")
+
+PHASES = ("forward", "backward", "optimizer")
+_DEVICE = torch.ops.prim.device.default
+OUTSIDE = "(outside graphs)"
+OPTIMIZER = "(optimizer)"
+_CONTROL = {"setup", "start"}
+
+
+class ProfileError(RuntimeError):
+    """The step cannot be costed on fake tensors (and why, in terms the user can act on)."""
+
+
+@dataclass
+class Unknown:
+    count: int = 0
+    phases: Set[str] = field(default_factory=set)
+    modules: Set[str] = field(default_factory=set)
+    why: str = ""
+
+
+@dataclass
+class ModuleCost:
+    flops_forward: int = 0
+    flops_backward: int = 0
+    saved_bytes: int = 0
+    allocated_bytes: int = 0
+
+
+def _storage(t: torch.Tensor) -> Optional[torch.UntypedStorage]:
+    if t.layout != torch.strided:
+        return None
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _tensors(values: Any) -> List[torch.Tensor]:
+    """Tensors among op arguments (flat values, lists/tuples of them, dict values): a cheap
+    tree_flatten for the shapes aten schemas allow, as this runs for every op."""
+    out: List[torch.Tensor] = []
+    stack = [values]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+    return out
+
+
+_MUTATED: Dict[Any, Tuple[Tuple[int, str], ...]] = {}
+
+
+def _mutated_arguments(func: Any) -> Tuple[Tuple[int, str], ...]:
+    found = _MUTATED.get(func)
+    if found is None:
+        schema = getattr(func, "_schema", None)
+        found = tuple((i, a.name) for i, a in enumerate(schema.arguments)
+                      if a.alias_info is not None and a.alias_info.is_write) if schema is not None else ()
+        _MUTATED[func] = found
+    return found
+
+
+def _python_ops() -> Tuple[Any, Any]:
+    from ..pythonop import op  # noqa: F401  (registers the ops)
+    return torch.ops.fxtrain.python_op.default, torch.ops.fxtrain.python_op_backward.default
+
+
+class CostTracker(TorchDispatchMode):
+    """Counts FLOPs per phase and module, live bytes and their peak, unknown ops, on a fake step."""
+
+    def __init__(self, fake_mode: FakeTensorMode, hints: Optional[List[float]] = None,
+                 shadow_limit: int = 1 << 24) -> None:
+        super().__init__()
+        self.fake_mode = fake_mode
+        self.shadow_limit = shadow_limit
+        self.shadows = Shadows()
+        self.hints = list(hints or [])
+        self.fractions: List[float] = []        # data-dependent size / its maximum, in op order
+        self.assumed_max = 0                    # data-dependent sizes costed at their maximum
+        self.phase = "setup"
+        self.counting = False                   # only the measured step counts FLOPs and events
+        self._live: Dict[int, Tuple[int, str, str]] = {}   # storage key -> (bytes, category, module)
+        self.by_category: Dict[str, int] = defaultdict(int)
+        self.current = 0
+        self.peak = 0
+        self.peak_phase = "start"
+        self.peak_by_category: Dict[str, int] = {}
+        self.timeline: List[Tuple[str, int]] = []
+        self.initial: Dict[str, int] = {}
+        self.flops: Dict[str, int] = defaultdict(int)
+        self.modules: Dict[str, ModuleCost] = defaultdict(ModuleCost)
+        self.unknown: Dict[str, Unknown] = {}
+        self.saved: Dict[int, int] = {}          # storage key -> bytes, saved for backward in the forward
+        self._saved_modules: Dict[int, str] = {}
+        self._python_op, self._python_op_backward = _python_ops()
+        self._python_flops: Dict[int, Optional[int]] = {}   # handle -> backward FLOPs promised by `flops`
+        self._in_python_op = 0
+        self.ops = 0
+        # Where ops are attributed: the marked graphs' current node unless the step runs eagerly.
+        self.module_source: Optional[Callable[[], Optional[str]]] = None
+        self.log: Optional[List[Tuple[str, str, int, int]]] = None   # (op, phase, live, new) when debugging
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Lets dynamo capture and run compiled code while we watch; its own tracing is not ours to see.
+        return True
+
+    # --------------------------------------------------------------------------------- memory
+    def register(self, values: Any, category: str) -> None:
+        """Count tensors alive before the step (parameters, buffers, inputs, optimizer state)."""
+        for t in tree_flatten(values)[0]:
+            if isinstance(t, torch.Tensor):
+                self._track(t, category, "")
+        self.peak = max(self.peak, self.current)
+
+    def _track(self, t: torch.Tensor, category: str, module: str) -> bool:
+        st = _storage(t)
+        if st is None:
+            return False
+        key = id(st)
+        if key in self._live:
+            return False
+        nbytes = st.nbytes()
+        self._live[key] = (nbytes, category, module)
+        self.current += nbytes
+        self.by_category[category] += nbytes
+        weakref.finalize(st, self._free, key)
+        return True
+
+    def _free(self, key: int) -> None:
+        entry = self._live.pop(key, None)
+        if entry is not None:
+            self.current -= entry[0]
+            self.by_category[entry[1]] -= entry[0]
+            if self.counting:
+                self.timeline.append((self.phase, self.current))
+
+    def _after_alloc(self) -> None:
+        if self.counting:
+            self.timeline.append((self.phase, self.current))
+        if self.current > self.peak:
+            self.peak = self.current
+            self.peak_phase = self.phase
+            self.peak_by_category = {k: v for k, v in self.by_category.items() if v}
+
+    def start_measuring(self) -> None:
+        self.initial = {k: v for k, v in self.by_category.items() if v}
+        self.counting = True
+        self.peak = self.current
+        self.peak_phase = "start"
+        self.peak_by_category = {k: v for k, v in self.by_category.items() if v}
+        self.timeline = [("start", self.current)]
+
+    def live_bytes(self, category: Optional[str] = None) -> int:
+        return self.current if category is None else self.by_category.get(category, 0)
+
+    def pack_saved(self, t: torch.Tensor) -> torch.Tensor:
+        """saved_tensors_hooks pack: remember what the forward keeps for the backward."""
+        st = _storage(t)
+        if st is not None and self.counting:
+            key = id(st)
+            entry = self._live.get(key)
+            if entry is not None and entry[1] == "forward" and key not in self.saved:
+                self.saved[key] = entry[0]
+                self._saved_modules[key] = entry[2]
+        return t
+
+    def saved_by_module(self) -> Dict[str, int]:
+        out: Dict[str, int] = defaultdict(int)
+        for key, nbytes in self.saved.items():
+            out[self._saved_modules.get(key, "")] += nbytes
+        return dict(out)
+
+    # ---------------------------------------------------------------------------------- values
+    def shadow(self, fake: torch.Tensor, real: torch.Tensor) -> None:
+        self.shadows.set(fake, real)
+
+    def _shadow_of(self, x: Any) -> Any:
+        if isinstance(x, FakeTensor):
+            return self.shadows.get(x)
+        return x  # a real tensor is its own value
+
+    def _compute_shadows(self, func: Any, args: Any, kwargs: Any, out: Any) -> bool:
+        """Run the op on the values too, if all its tensors have one; False when not done."""
+        tensors = _tensors((args, kwargs))
+        for t in tensors:
+            if self._shadow_of(t) is None:
+                return False  # the common case (activations, parameters): no value to follow
+        outs = _tensors(out)
+        if not outs:
+            return False
+        flat, spec = tree_flatten((args, kwargs))
+        if tensors:
+            if sum(t.numel() for t in tensors) > self.shadow_limit:
+                return False
+        elif sum(o.numel() for o in outs) > self.shadow_limit:
+            return False
+        real_flat = []
+        for x in flat:
+            if isinstance(x, torch.Tensor):
+                s = self._shadow_of(x)
+                if s is None:
+                    return False
+                real_flat.append(s)
+            else:
+                real_flat.append(x)
+        real_args, real_kwargs = spec.unflatten(real_flat)
+        try:
+            with _disable_current_modes():
+                real_out = func(*real_args, **real_kwargs)
+        except Exception:  # a device we cannot run on, say: no value, sizes fall back to hints
+            return False
+        for f, r in zip(tree_flatten(out)[0], tree_flatten(real_out)[0]):
+            if isinstance(f, FakeTensor) and isinstance(r, torch.Tensor):
+                self.shadows.set(f, r)
+        return True
+
+    def _drop_mutated_shadows(self, func: Any, args: Any, kwargs: Any) -> None:
+        for i, name in _mutated_arguments(func):
+            value = args[i] if i < len(args) else kwargs.get(name)
+            for t in _tensors(value):
+                if isinstance(t, FakeTensor):
+                    self.shadows.drop(t)
+
+    def _real_sized(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """A data-dependent op on tensors with values: run it for real, its size is the real one."""
+        flat, spec = tree_flatten((args, kwargs))
+        real_flat = []
+        for x in flat:
+            value = self._shadow_of(x) if isinstance(x, torch.Tensor) else x
+            if value is None:
+                return None
+            real_flat.append(value)
+        real_args, real_kwargs = spec.unflatten(real_flat)
+        with _disable_current_modes():
+            real = func(*real_args, **real_kwargs)
+        out = self.fake_mode.from_tensor(real)
+        self.shadows.set(out, real)
+        self.fractions.append(real.shape[0] / max(1, _max_rows(func, args)))
+        return out
+
+    def _data_dependent(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """nonzero / masked_select on a tensor with no value: a hinted fraction or the maximum."""
+        name = func.overloadpacket.__name__
+        if name not in ("nonzero", "masked_select", "argwhere"):
+            raise ProfileError(f"{func} has a data-dependent output size and its input has no value in a "
+                               f"fake run; pass real tensors for the inputs it depends on")
+        total = _max_rows(func, args)
+        index = len(self.fractions)
+        if index < len(self.hints):
+            rows = int(round(self.hints[index] * total))
+        else:
+            rows = total
+            self.assumed_max += 1
+        self.fractions.append(rows / total if total else 1.0)
+        device = args[0].device
+        if name == "masked_select":
+            return torch.empty((rows,), dtype=args[0].dtype, device=device)
+        return torch.empty((rows, args[0].dim()), dtype=torch.int64, device=device)
+
+    # ------------------------------------------------------------------------------- dispatch
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        self.ops += 1
+        if func is _DEVICE:   # half of all calls (autograd asks every tensor's device): nothing to cost
+            return func(*args, **kwargs)
+        if func is self._python_op:
+            return self._run_python_op(func, args, kwargs)
+        if func is self._python_op_backward:
+            return self._run_python_op_backward(func, args, kwargs)
+        if func is torch.ops.aten._local_scalar_dense.default:
+            value = self._shadow_of(args[0])
+            if value is None:
+                try:
+                    return func(*args, **kwargs)   # fake mode knows constants made by torch.tensor(...)
+                except Exception:
+                    pass
+                raise ProfileError("the step reads a tensor's value (.item(), int(), a Python branch on data) "
+                                   "that a fake run does not have; pass real tensors for such inputs")
+            with _disable_current_modes():
+                return func(value)
+        try:
+            out = func(*args, **kwargs)
+        except DynamicOutputShapeException:
+            out = self._real_sized(func, args, kwargs)
+            if out is None:
+                out = self._data_dependent(func, args, kwargs)
+        else:
+            if not self._compute_shadows(func, args, kwargs, out):
+                self._drop_mutated_shadows(func, args, kwargs)
+        self._account(func, args, kwargs, out)
+        return out
+
+    def _module(self) -> str:
+        if self.phase == "optimizer":
+            return OPTIMIZER
+        if self.module_source is not None:
+            name = self.module_source()
+            return OUTSIDE if name is None else name
+        node = current_node()
+        return node.module if node is not None else OUTSIDE
+
+    def _category(self) -> str:
+        return self.phase if self.phase in PHASES else "setup"
+
+    def _account(self, func: Any, args: Any, kwargs: Any, out: Any, flops: Optional[int] = -1) -> None:
+        module = self._module()
+        category = self._category()
+        allocated = 0
+        for t in _tensors(out):
+            if self._track(t, category, module):
+                allocated += self._live[id(_storage(t))][0]
+        self._after_alloc()
+        if self.log is not None:
+            self.log.append((str(func), self.phase, self.current, allocated))
+        if not self.counting or self._in_python_op:
+            return
+        cost = self.modules[module]
+        cost.allocated_bytes += allocated
+        if flops == -1:
+            try:
+                flops = op_flops(func, args, kwargs, out)
+            except Exception as e:  # a formula that does not fit this call: say so rather than guess
+                logger.debug("no FLOP count for %s: %s", func, e)
+                flops = None
+        if flops is None:
+            self._unknown(str(func), module, "no FLOP formula")
+            return
+        if self.phase == "forward":
+            cost.flops_forward += flops
+        elif self.phase == "backward":
+            cost.flops_backward += flops
+        self.flops[self.phase] += flops
+
+    def _unknown(self, name: str, module: str, why: str) -> None:
+        entry = self.unknown.setdefault(name, Unknown(why=why))
+        entry.count += 1
+        entry.phases.add(self.phase)
+        entry.modules.add(module)
+
+    # ------------------------------------------------------------------------------- PythonOps
+    def _run_python_op(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """Run the PythonOp's real implementation on fake tensors (what it allocates and saves is then
+        seen); if the user's code leaves torch, fall back to the op's fake (``infer_shape``) outputs."""
+        from ..pythonop.registry import SPECS
+        from torch._library.custom_ops import OPDEFS
+        key, tensors = args[0], args[1]
+        spec = SPECS[key]
+        impl = OPDEFS[func._schema.name]._init_fn
+        self._in_python_op += 1
+        try:
+            with self:
+                out = impl(*args, **kwargs)
+            ran = True
+        except ProfileError:
+            raise
+        except Exception as e:
+            logger.info("fxtrain profile: %s does not run on fake tensors (%s); costed from its fake outputs",
+                        spec.name, e)
+            out = func(*args, **kwargs)
+            ran = False
+        finally:
+            self._in_python_op -= 1
+        forward, backward = _python_op_flops(spec, tensors)
+        handle_value = self.shadows.get(out[-1]) if ran else None
+        if handle_value is not None:
+            self._python_flops[_value(handle_value)] = backward
+        self._account(func, args, kwargs, out, flops=forward)
+        if forward is None and self.counting:
+            self.unknown[str(func)].why = "PythonOp without a flops() static method"
+            self._rename_unknown(str(func), f"PythonOp {spec.name}")
+        return out
+
+    def _run_python_op_backward(self, func: Any, args: Any, kwargs: Any) -> Any:
+        from torch._library.custom_ops import OPDEFS
+        from ..pythonop.registry import SPECS
+        key, handle = args[0], args[1]
+        value = self.shadows.get(handle)
+        self._in_python_op += 1
+        try:
+            if value is not None:
+                with self:
+                    out = OPDEFS[func._schema.name]._init_fn(*args, **kwargs)
+            else:
+                out = func(*args, **kwargs)
+        finally:
+            self._in_python_op -= 1
+        flops = self._python_flops.pop(_value(value), None) if value is not None else None
+        self._account(func, args, kwargs, out, flops=flops)
+        if flops is None and self.counting:
+            self._rename_unknown(str(func), f"PythonOp {SPECS[key].name} (backward)")
+        return out
+
+    def _rename_unknown(self, old: str, new: str) -> None:
+        entry = self.unknown.pop(old, None)
+        if entry is None:
+            return
+        target = self.unknown.setdefault(new, Unknown(why="PythonOp without a flops() static method"))
+        target.count += entry.count
+        target.phases |= entry.phases
+        target.modules |= entry.modules
+
+
+def _value(real: torch.Tensor) -> int:
+    """int() of a real tensor while fake mode is below us (it would fake the read)."""
+    with _disable_current_modes():
+        return int(real)
+
+
+def _max_rows(func: Any, args: Any) -> int:
+    """The largest size a data-dependent output can have: every element selected."""
+    if func.overloadpacket.__name__ == "masked_select":
+        total = 1
+        for size in torch.broadcast_shapes(args[0].shape, args[1].shape):
+            total *= int(size)
+        return total
+    return int(args[0].numel())
+
+
+def _python_op_flops(spec: Any, tensors: Any) -> Tuple[Optional[int], Optional[int]]:
+    """The Function's own ``flops(*args)`` static method: an int (forward) or (forward, backward)."""
+    fn = getattr(spec.fn_cls, "flops", None)
+    if fn is None:
+        return None, None
+    result = fn(*spec.arguments(list(tensors)))
+    if isinstance(result, tuple):
+        forward, backward = result
+        return int(forward), None if backward is None else int(backward)
+    return int(result), None
