@@ -50,6 +50,7 @@ class CapturedGraph:
     inputs: List[GraphInput]
     has_loss: bool                   # the graph's single output is the training loss
     aliases: Dict[str, List[str]]    # canonical parameter name -> every name it has (tied weights)
+    python_ops: List[str] = dataclasses.field(default_factory=list)  # custom Functions kept opaque
 
     def by_node(self) -> Dict[torch.fx.Node, GraphInput]:
         return {i.node: i for i in self.inputs}
@@ -127,6 +128,7 @@ def capture(model: nn.Module, args: Sequence[Any], kwargs: Dict[str, Any], *,
             want_loss: bool = True) -> CapturedGraph:
     """One dynamo graph of ``model(*args, **kwargs)`` (then its loss), in training mode, without running it."""
     holder: Dict[str, Any] = {}
+    python_ops: List[str] = []
 
     def backend(gm: torch.fx.GraphModule, example_inputs: List[Any]) -> Callable[..., Any]:
         if "gm" in holder:
@@ -142,7 +144,7 @@ def capture(model: nn.Module, args: Sequence[Any], kwargs: Dict[str, Any], *,
     was_training = model.training
     model.train()
     try:
-        with torch.enable_grad(), routing(lambda name: None):
+        with torch.enable_grad(), routing(lambda name: python_ops.append(name) if name not in python_ops else None):
             entry(wrapper, (tuple(args), dict(kwargs), target), {})
     except _Captured:
         pass
@@ -153,8 +155,10 @@ def capture(model: nn.Module, args: Sequence[Any], kwargs: Dict[str, Any], *,
         model.train(was_training)
     if "gm" not in holder:
         raise SplitError("dynamo captured no graph for the model (is its forward pure Python with no tensors?)")
-    return _describe_inputs(model, holder["gm"], holder["inputs"], args, kwargs, target,
-                            want_loss or loss_fn is not None)
+    captured = _describe_inputs(model, holder["gm"], holder["inputs"], args, kwargs, target,
+                                want_loss or loss_fn is not None)
+    captured.python_ops = python_ops
+    return captured
 
 
 def _describe_inputs(model: nn.Module, gm: torch.fx.GraphModule, example_inputs: List[Any],

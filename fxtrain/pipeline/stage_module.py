@@ -19,6 +19,12 @@ from .capture import CapturedGraph
 from .plan import StagePlan
 
 
+def _attr(root: torch.nn.Module, target: str) -> object:
+    for part in target.split("."):
+        root = getattr(root, part)
+    return root
+
+
 def stage_module(captured: CapturedGraph, stage: StagePlan, last: bool) -> torch.fx.GraphModule:
     """The stage as a GraphModule; the last stage returns its single output (the loss) bare."""
     kinds = captured.by_node()
@@ -46,6 +52,10 @@ def stage_module(captured: CapturedGraph, stage: StagePlan, last: bool) -> torch
     wanted = set(stage.nodes) | set(stage.replicated)
     for n in captured.gm.graph.nodes:
         if n in wanted:
+            if n.op == "get_attr":
+                # Submodules of the captured graph (bodies of higher-order ops such as an inlined
+                # autograd.Function or a checkpointed region) and constant tensors it holds.
+                attrs[n.target] = _attr(captured.gm, n.target)
             env[n] = graph.node_copy(n, lookup)
     results = []
     received = set(stage.inputs)

@@ -1,0 +1,276 @@
+"""Pipeline parallelism against a single-process eager oracle, on real gloo process groups.
+
+Every multi-process test spawns one small world (2 or 4 CPU processes, one thread each) with a
+free port and a hard deadline. A 4-process world runs, in turn: two concurrent 2-stage pipelines
+(ranks 0-1 GPipe and ranks 2-3 1F1B, on groups the worker creates), then a 4-stage GPipe and a
+4-stage 1F1B pipeline. Each rank saves the loss and its parameters' gradients; the parent compares
+them with eager PyTorch on the same model and the same microbatches (the loss of a step is the
+mean of the microbatch losses).
+"""
+from __future__ import annotations
+
+import datetime
+import itertools
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Tuple
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+import fxtrain
+from fxtrain.pipeline import min_max_partition, node_flops
+from fxtrain.pipeline.partition import stage_costs
+
+M = 4            # microbatches
+BATCH = 8
+RTOL = 1e-5      # per-parameter gradient tolerance, relative to the gradient's norm
+ZERO = 1e-8      # a reference gradient below this norm is numerically zero (e.g. attention key bias)
+
+
+# ------------------------------------------------------------------------------------- test models
+class RoundSTE(torch.autograd.Function):
+    """Straight-through rounding: the true derivative of round() is 0; the user's backward says 1."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class NumpyGate(torch.autograd.Function):
+    """Leaves torch in forward (numpy) and has a hand-written backward no tracer could derive."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        y = np.tanh(x.detach().cpu().numpy()) * w.detach().cpu().numpy()
+        return torch.from_numpy(y).to(x.dtype)
+
+    @staticmethod
+    def infer_shape(x, w):  # its forward cannot run on fake tensors: shapes for the graph
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        t = torch.tanh(x)
+        return grad * (1 - t * t) * w, (grad * t).sum(0).sum(0)
+
+
+class ToyLM(nn.Module):
+    """Embedding tied to the LM head, custom Functions in early and late layers, keyword inputs."""
+
+    def __init__(self, vocab: int = 40, dim: int = 16, layers: int = 6) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
+        self.gate = nn.Parameter(torch.linspace(0.5, 1.5, dim))
+        self.head_bias = nn.Parameter(torch.zeros(vocab))
+
+    def forward(self, input_ids, labels=None, *, temperature=1.0):
+        h = self.embed(input_ids)
+        for i, layer in enumerate(self.layers):
+            h = torch.tanh(layer(h)) + h
+            if i == 0:
+                h = RoundSTE.apply(h)
+            if i == len(self.layers) - 2:
+                h = NumpyGate.apply(h, self.gate)
+        logits = F.linear(h, self.embed.weight, self.head_bias) / temperature
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def toy_model() -> nn.Module:
+    torch.manual_seed(0)
+    return ToyLM()
+
+
+def toy_batch(batch: int = BATCH) -> Dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return {"input_ids": torch.randint(0, 40, (batch, 5), generator=g),
+            "labels": torch.randint(0, 40, (batch, 5), generator=g)}
+
+
+def bert_model() -> nn.Module:
+    from fxtrain import models
+    return models.build("bert-tiny")
+
+
+def bert_batch(batch: int = BATCH) -> Dict[str, torch.Tensor]:
+    from fxtrain import models
+    # 15% labelled positions: label sparsity turns itself on in the last stage.
+    return models.preset_batch("bert-tiny", batch, 16, padding=0.25, label_density=0.15)
+
+
+def gpt2_model() -> nn.Module:
+    from fxtrain import models
+    return models.build("gpt2-tiny")
+
+
+def gpt2_batch(batch: int = BATCH) -> Dict[str, torch.Tensor]:
+    from fxtrain import models
+    b = models.preset_batch("gpt2-tiny", batch, 16, padding=0.0)
+    return {"input_ids": b["input_ids"], "labels": b["labels"]}
+
+
+MODELS: Dict[str, Tuple[Callable[[], nn.Module], Callable[..., Dict[str, torch.Tensor]]]] = {
+    "toy": (toy_model, toy_batch), "bert": (bert_model, bert_batch), "gpt2": (gpt2_model, gpt2_batch)}
+
+
+# ------------------------------------------------------------------------------------ the harness
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, out: str, job: str, arg: Any) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=40))
+    result = JOBS[job](rank, world, arg)
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    if job in ("fail_raise", "fail_die"):
+        os._exit(0)  # the group is broken by design: skip a teardown that would wait on the dead peer
+    dist.destroy_process_group()
+
+
+def spawn(job: str, world: int, tmp_path: Path, arg: Any = None, deadline: float = 60.0) -> List[Any]:
+    """Run JOBS[job] on ``world`` processes; fail (and kill them) past ``deadline`` seconds."""
+    ctx = mp.start_processes(_entry, args=(world, _free_port(), str(tmp_path), job, arg), nprocs=world,
+                             join=False, start_method="spawn")
+    end = time.monotonic() + deadline
+    try:
+        while not ctx.join(timeout=max(0.1, end - time.monotonic())):
+            if time.monotonic() >= end:
+                raise AssertionError(f"{job} on {world} processes did not finish within {deadline:.0f} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def _train(runner: Any, batch: Dict[str, torch.Tensor], steps: int = 1) -> Dict[str, Any]:
+    losses = [runner.step(**batch) for _ in range(steps)]
+    info = runner.module.capture_info()
+    return {"stage": runner.stage_index, "stages": runner.num_stages, "losses": losses,
+            "grads": {n: p.grad.clone() for n, p in runner.named_parameters() if p.grad is not None},
+            "names": [n for n, _ in runner.named_parameters()],
+            "optimizations": dict(info.optimizations), "python_ops": runner.python_ops,
+            "python_op_calls": runner.python_op_calls,
+            "stats": dict(runner.last_stats)}
+
+
+def _parity_job(rank: int, world: int, name: str) -> Dict[str, Any]:
+    """2-stage GPipe (ranks 0-1) and 1F1B (ranks 2-3) at once, then 4-stage GPipe and 1F1B."""
+    build_model, build_batch = MODELS[name]
+    batch = build_batch()
+    opts = fxtrain.Options(fallback="raise")
+    steps = 2 if name == "toy" else 1   # toy: a second step without zero_grad must accumulate
+    results: Dict[str, Any] = {}
+    pair = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = rank // 2
+    schedule = ("gpipe", "1f1b")[mine]
+    model = build_model()
+    pipe = fxtrain.split(model, example_kwargs=batch, num_stages=2)
+    runner = pipe.build(schedule, n_microbatches=M, group=pair[mine], options=opts)
+    results[f"2/{schedule}"] = _train(runner, batch, steps)
+    if name == "toy":
+        try:
+            runner.step(**build_batch(6))
+        except Exception as e:  # every rank validates its own batch: no rank waits on another
+            results["indivisible"] = f"{type(e).__name__}: {e}"
+    for schedule in ("gpipe", "1f1b"):
+        model = build_model()
+        pipe = fxtrain.split(model, example_kwargs=batch, num_stages=4)
+        runner = pipe.build(schedule, n_microbatches=M, options=opts, timeout=datetime.timedelta(seconds=30))
+        results[f"4/{schedule}"] = _train(runner, batch, steps)
+    return results
+
+
+def _oracle(name: str) -> Tuple[torch.Tensor, Dict[str, torch.Tensor], nn.Module]:
+    build_model, build_batch = MODELS[name]
+    model, batch = build_model(), build_batch()
+    losses = [model(**{k: v[i * BATCH // M:(i + 1) * BATCH // M] for k, v in batch.items()}) for i in range(M)]
+    losses = [l if isinstance(l, torch.Tensor) else l.loss for l in losses]
+    loss = torch.stack(losses).mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, model
+
+
+def _compare(results: List[Dict[str, Any]], config: str, ranks: List[int], ref_loss: torch.Tensor,
+             ref_grads: Dict[str, torch.Tensor], steps: int = 1) -> Dict[int, Dict[str, Any]]:
+    got = {results[r][config]["stage"]: results[r][config] for r in ranks}
+    last = got[max(got)]
+    for loss in last["losses"]:
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-7, msg=lambda m: f"{config} loss: {m}")
+    for s, res in got.items():
+        if s != max(got):
+            assert all(l is None for l in res["losses"]), f"{config}: stage {s} returned a loss"
+    held: Dict[str, List[int]] = {}
+    for s, res in got.items():
+        for n, g in res["grads"].items():
+            held.setdefault(n, []).append(s)
+            ref = ref_grads[n] * steps
+            err, scale = (g - ref).norm().item(), ref.norm().item()
+            assert err <= RTOL * scale or (scale < ZERO and err < ZERO), \
+                f"{config}: stage {s} gradient of {n} off by {err:.3g} (norm {scale:.3g})"
+    assert set(held) == set(ref_grads), f"{config}: parameters without a gradient: {set(ref_grads) - set(held)}"
+    return got
+
+
+# -------------------------------------------------------------------------------- parity tests
+def _run_parity(name: str, tmp_path: Path) -> Tuple[List[Dict[str, Any]], Dict[str, List[int]]]:
+    results = spawn("parity", 4, tmp_path, name, deadline=60.0 if name == "toy" else 75.0)
+    ref_loss, ref_grads, _ = _oracle(name)
+    steps = 2 if name == "toy" else 1
+    shared: Dict[str, List[int]] = {}
+    for config, ranks in (("2/gpipe", [0, 1]), ("2/1f1b", [2, 3]), ("4/gpipe", [0, 1, 2, 3]), ("4/1f1b", [0, 1, 2, 3])):
+        got = _compare(results, config, ranks, ref_loss, ref_grads, steps)
+        for s, res in got.items():
+            for n in res["names"]:
+                shared.setdefault(f"{config}:{n}", []).append(s)
+    return results, shared
+
+
+def test_custom_function_tied_weights_kwargs(tmp_path):
+    """Custom Functions (user backward runs), a tied embedding/head across stages, two steps."""
+    results, shared = _run_parity("toy", tmp_path)
+    # The tied embedding is held by the first and the last stage in every configuration.
+    for config in ("2/gpipe", "2/1f1b", "4/gpipe", "4/1f1b"):
+        assert sorted(shared[f"{config}:embed.weight"]) == [0, int(config[0]) - 1], config
+    for config in ("2/gpipe", "2/1f1b", "4/gpipe", "4/1f1b"):
+        got = [r[config] for r in results if config in r]
+        assert sorted(op.rsplit(".", 1)[-1] for op in got[0]["python_ops"]) == ["NumpyGate", "RoundSTE"]
+        assert sum(res["python_op_calls"] for res in got) == 2, config  # each call in exactly one stage
+    for r in results:
+        assert "not divisible by n_microbatches=4" in r["indivisible"], r["indivisible"]
+
+
+def test_bert_mlm_label_sparsity_in_last_stage(tmp_path):
+    results, shared = _run_parity("bert", tmp_path)
+    for config in ("2/gpipe", "2/1f1b", "4/gpipe", "4/1f1b"):
+        assert len(shared[f"{config}:bert.embeddings.word_embeddings.weight"]) == 2, config  # tied decoder
+        last = [res[config] for res in results if config in res and res[config]["stage"] == int(config[0]) - 1][0]
+        why = last["optimizations"].get("label_sparsity", "")
+        assert why.startswith("on:"), f"{config}: label sparsity did not fire in the last stage: {why}"
+
+
+def test_gpt2_tied_lm_head(tmp_path):
+    results, shared = _run_parity("gpt2", tmp_path)
+    for config in ("2/gpipe", "2/1f1b", "4/gpipe", "4/1f1b"):
+        assert sorted(shared[f"{config}:transformer.wte.weight"]) == [0, int(config[0]) - 1], config
+
+
+JOBS: Dict[str, Callable[[int, int, Any], Any]] = {"parity": _parity_job}
