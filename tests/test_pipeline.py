@@ -183,17 +183,17 @@ def _parity_job(rank: int, world: int, name: str) -> Dict[str, Any]:
     mine = rank // 2
     schedule = ("gpipe", "1f1b")[mine]
     model = build_model()
-    pipe = fxtrain.split(model, example_kwargs=batch, num_stages=2)
-    runner = pipe.build(schedule, n_microbatches=M, group=pair[mine], options=opts)
+    pipe2 = fxtrain.split(model, example_kwargs=batch, num_stages=2)
+    runner = pipe2.build(schedule, n_microbatches=M, group=pair[mine], options=opts)
     results[f"2/{schedule}"] = _train(runner, batch, steps)
     if name == "toy":
         try:
             runner.step(**build_batch(6))
         except Exception as e:  # every rank validates its own batch: no rank waits on another
             results["indivisible"] = f"{type(e).__name__}: {e}"
+    pipe = pipe2.replan(num_stages=4)  # same captures, another cut
     for schedule in ("gpipe", "1f1b"):
-        model = build_model()
-        pipe = fxtrain.split(model, example_kwargs=batch, num_stages=4)
+        model.zero_grad(set_to_none=True)
         runner = pipe.build(schedule, n_microbatches=M, options=opts, timeout=datetime.timedelta(seconds=30))
         results[f"4/{schedule}"] = _train(runner, batch, steps)
     return results
@@ -270,7 +270,10 @@ def test_bert_mlm_label_sparsity_in_last_stage(tmp_path):
 def test_gpt2_tied_lm_head(tmp_path):
     results, shared = _run_parity("gpt2", tmp_path)
     for config in ("2/gpipe", "2/1f1b", "4/gpipe", "4/1f1b"):
-        assert sorted(shared[f"{config}:transformer.wte.weight"]) == [0, int(config[0]) - 1], config
+        # Held by the stage with the token embedding and by the last stage (the LM head); with
+        # 4 stages the balanced plan may give the first stage only mask/position work.
+        holders = shared[f"{config}:transformer.wte.weight"]
+        assert len(holders) == 2 and int(config[0]) - 1 in holders, (config, holders)
 
 
 JOBS: Dict[str, Callable[[int, int, Any], Any]] = {"parity": _parity_job}

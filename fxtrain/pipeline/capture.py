@@ -21,6 +21,8 @@ import torch.fx
 from torch import nn
 
 from ..capture.entry import make_entry
+from ..capture.settings import dynamo_settings
+from ..options import Options
 from ..pythonop import routing
 
 logger = logging.getLogger("fxtrain")
@@ -144,7 +146,9 @@ def capture(model: nn.Module, args: Sequence[Any], kwargs: Dict[str, Any], *,
     was_training = model.training
     model.train()
     try:
-        with torch.enable_grad(), routing(lambda name: python_ops.append(name) if name not in python_ops else None):
+        # fxtrain's dynamo settings (logging calls inside forward do not break the graph, ...).
+        with torch._dynamo.config.patch(dynamo_settings(Options())), torch.enable_grad(), \
+                routing(lambda name: python_ops.append(name) if name not in python_ops else None):
             entry(wrapper, (tuple(args), dict(kwargs), target), {})
     except _Captured:
         pass

@@ -26,6 +26,11 @@ class Pipe:
         self.example = example
         self.spec = spec
         self.plan = plan
+        # Per (microbatches, loss_fn): the graph at microbatch shape and its plan; per stage as
+        # well: the stage's TrainModule, so building another schedule reuses its captured graphs.
+        self._captures: Dict[Any, Any] = {}       # shared with replan()'s pipes
+        self._microbatch: Dict[Any, Any] = {}
+        self._stage_modules: Dict[Any, Any] = {}
 
     @property
     def num_stages(self) -> int:
@@ -72,6 +77,34 @@ class Pipe:
         """
         from .runner import PipelineRunner
         return PipelineRunner(self, schedule, n_microbatches, loss_fn or self.loss_fn, group=group, timeout=timeout, options=options)
+
+
+    def replan(self, *, num_stages: Optional[int] = None, split_points: Optional[SplitPoints] = None,
+               balance: Union[str, CostFn] = "flops") -> "Pipe":
+        """The same captured model cut another way (no new capture; microbatch graphs are shared too)."""
+        spec: Dict[str, Any] = {"num_stages": num_stages, "split_points": split_points, "balance": balance}
+        other = Pipe(self.model, self.example, spec, make_plan(self.plan.captured, **spec), self.loss_fn)
+        other._captures = self._captures
+        return other
+
+    def microbatch_plan(self, n_microbatches: int, loss_fn: Optional[Callable[..., Any]]) -> Tuple[Any, Plan]:
+        """The model captured at microbatch shape (with ``loss_fn``) and cut by the same spec."""
+        from .runner import chunk0
+        key = (n_microbatches, loss_fn)
+        if key not in self._microbatch:
+            if key not in self._captures:
+                args, kwargs, target = self.example
+                m = n_microbatches
+                self._captures[key] = capture(self.model, chunk0(tuple(args), m), chunk0(dict(kwargs), m),
+                                              loss_fn=loss_fn, target=chunk0(target, m))
+            captured = self._captures[key]
+            self._microbatch[key] = (captured, make_plan(captured, **self.spec)) if captured.has_loss else (captured, None)
+        return self._microbatch[key]
+
+    def stage_train_module(self, key: Any, make: Callable[[], Any]) -> Any:
+        if key not in self._stage_modules:
+            self._stage_modules[key] = make()
+        return self._stage_modules[key]
 
 
 def split(model: nn.Module, example_args: Sequence[Any] = (), example_kwargs: Optional[Dict[str, Any]] = None, *,

@@ -32,8 +32,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from ..module import TrainModule
 from ..options import Options
-from .capture import SplitError, capture, fetch, path_text, walk
-from .plan import Plan, make_plan
+from .capture import SplitError, fetch, path_text, walk
+from .plan import Plan
 from .stage_module import stage_module
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ def _meta(node: torch.fx.Node, device: torch.device) -> torch.Tensor:
     return t.requires_grad_(bool(ex.requires_grad) and (ex.is_floating_point() or ex.is_complex()))
 
 
-def _chunk0(value: Any, m: int) -> Any:
+def chunk0(value: Any, m: int) -> Any:
     """The first of ``m`` microbatches of a nested input (tensors split along dim 0)."""
     if isinstance(value, torch.Tensor):
         if value.dim() == 0:
@@ -92,11 +92,11 @@ def _chunk0(value: Any, m: int) -> Any:
             raise SplitError(f"batch size {value.shape[0]} is not divisible by n_microbatches={m}")
         return value[: value.shape[0] // m]
     if isinstance(value, tuple):
-        return tuple(_chunk0(v, m) for v in value)
+        return tuple(chunk0(v, m) for v in value)
     if isinstance(value, list):
-        return [_chunk0(v, m) for v in value]
+        return [chunk0(v, m) for v in value]
     if isinstance(value, dict):
-        return {k: _chunk0(v, m) for k, v in value.items()}
+        return {k: chunk0(v, m) for k, v in value.items()}
     return value
 
 
@@ -131,13 +131,10 @@ class PipelineRunner:
         self._ranks = ranks
         # Every rank captures and plans the whole model (deterministic), so all agree on the cuts
         # and on which stages share a parameter without exchanging anything.
-        args, kwargs, target = pipe.example
-        mb_args, mb_kwargs, mb_target = _chunk0(tuple(args), m), _chunk0(dict(kwargs), m), _chunk0(target, m)
-        captured = capture(pipe.model, mb_args, mb_kwargs, loss_fn=loss_fn, target=mb_target)
-        if not captured.has_loss:
+        captured, plan = pipe.microbatch_plan(m, loss_fn)
+        if plan is None:
             raise SplitError("the model's output holds no scalar loss (no tensor, `.loss` or first element); "
                              "pass loss_fn=lambda output, target: ... to build()")
-        plan = make_plan(captured, **pipe.spec)
         if plan.num_stages != pipe.num_stages:
             raise SplitError(f"the plan at microbatch size has {plan.num_stages} stages, not {pipe.num_stages}")
         if plan.cuts != pipe.plan.cuts:
@@ -148,12 +145,15 @@ class PipelineRunner:
         self._mb_shapes = [tuple(i.value.shape) for i in self._inputs]
         stage = plan.stages[self.stage_index]
         self.is_first, self.is_last = self.stage_index == 0, self.stage_index == self.num_stages - 1
-        gm = stage_module(captured, stage, last=self.is_last)
-        self.module = TrainModule(gm, options)
+        self.module = pipe.stage_train_module(
+            (m, loss_fn, self.stage_index, repr(options)),
+            lambda: TrainModule(stage_module(captured, stage, last=self.is_last), options))
+        gm = self.module.module
         #: custom autograd Functions of the whole model kept as opaque PythonOps, and how many of
         #: their calls this stage runs
         self.python_ops = list(captured.python_ops)
-        self.python_op_calls = sum(1 for n in gm.graph.nodes if getattr(n.target, "__name__", "") == "fxtrain_python_op")
+        self.python_op_calls = sum(1 for n in gm.graph.nodes if n.target in (torch.ops.fxtrain.python_op,
+                                                                              torch.ops.fxtrain.python_op.default))
         if group is None:
             # A group of our own carries the configured timeout (collective over the world: every
             # rank calls build, as with any torch.distributed group creation).
