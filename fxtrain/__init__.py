@@ -3,9 +3,9 @@ from .capture.state import is_capturing
 from .module import CaptureError, FallbackWarning, TrainModule
 from .module_with_loss import ModuleWithLoss
 from .options import Options
-from .pipeline import Pipe, SplitError, pipe_split, split
+from .pipeline import Pipe, PipelineError, SplitError, pipe_split, split
 
 __version__ = "0.1.0"
 
 __all__ = ["TrainModule", "ModuleWithLoss", "Options", "is_capturing", "CaptureError", "FallbackWarning", "__version__",
-           "split", "pipe_split", "Pipe", "SplitError"]
+           "split", "pipe_split", "Pipe", "PipelineError", "SplitError"]

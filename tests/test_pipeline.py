@@ -138,27 +138,48 @@ def _entry(rank: int, world: int, port: int, out: str, job: str, arg: Any) -> No
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=40))
-    result = JOBS[job](rank, world, arg)
+    try:
+        result = JOBS[job](rank, world, arg)
+    except BaseException:
+        import traceback
+        torch.save({"error": traceback.format_exc()}, os.path.join(out, f"rank{rank}.pt"))
+        os._exit(1)
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
-    if job in ("fail_raise", "fail_die"):
+    if job.startswith("fail"):
         os._exit(0)  # the group is broken by design: skip a teardown that would wait on the dead peer
     dist.destroy_process_group()
 
 
-def spawn(job: str, world: int, tmp_path: Path, arg: Any = None, deadline: float = 60.0) -> List[Any]:
-    """Run JOBS[job] on ``world`` processes; fail (and kill them) past ``deadline`` seconds."""
-    ctx = mp.start_processes(_entry, args=(world, _free_port(), str(tmp_path), job, arg), nprocs=world,
-                             join=False, start_method="spawn")
+def spawn(job: str, world: int, tmp_path: Path, arg: Any = None, deadline: float = 60.0,
+          may_die: Tuple[int, ...] = ()) -> List[Any]:
+    """Run JOBS[job] on ``world`` spawned processes; fail (and kill them all) past ``deadline`` seconds."""
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world, port, str(tmp_path), job, arg), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
     end = time.monotonic() + deadline
     try:
-        while not ctx.join(timeout=max(0.1, end - time.monotonic())):
-            if time.monotonic() >= end:
-                raise AssertionError(f"{job} on {world} processes did not finish within {deadline:.0f} s")
+        for p in procs:
+            p.join(timeout=max(0.0, end - time.monotonic()))
+        late = [r for r, p in enumerate(procs) if p.is_alive()]
+        assert not late, f"{job}: rank(s) {late} did not finish within {deadline:.0f} s"
     finally:
-        for p in ctx.processes:
+        for p in procs:
             if p.is_alive():
                 p.kill()
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    results = []
+    for r, p in enumerate(procs):
+        path = tmp_path / f"rank{r}.pt"
+        if r in may_die and not path.exists():
+            results.append({"exitcode": p.exitcode})
+            continue
+        assert path.exists(), f"{job}: rank {r} exited with code {p.exitcode} and no result"
+        res = torch.load(path, weights_only=False)
+        assert "error" not in res, f"{job}: rank {r} raised:\n{res['error']}"
+        results.append(res)
+    return results
 
 
 def _train(runner: Any, batch: Dict[str, torch.Tensor], steps: int = 1) -> Dict[str, Any]:
@@ -276,4 +297,77 @@ def test_gpt2_tied_lm_head(tmp_path):
         assert len(holders) == 2 and int(config[0]) - 1 in holders, (config, holders)
 
 
-JOBS: Dict[str, Callable[[int, int, Any], Any]] = {"parity": _parity_job}
+# ----------------------------------------------------------------------------------- failures
+class FailOnDemand(torch.autograd.Function):
+    """Identity, unless the test asks this process's stage to raise or to die in its forward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        mode = os.environ.get("FXTRAIN_TEST_FAIL")
+        if mode == "raise":
+            raise ValueError("deliberate failure in the last stage")
+        if mode == "die":
+            os._exit(3)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class FailingLM(ToyLM):
+    def forward(self, input_ids, labels=None, *, temperature=1.0):
+        h = self.embed(input_ids)
+        for layer in self.layers:
+            h = torch.tanh(layer(h)) + h
+        h = FailOnDemand.apply(h)       # in the last stage: after every layer, right before the head
+        logits = F.linear(h, self.embed.weight, self.head_bias) / temperature
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+FAIL_TIMEOUT = 8.0
+
+
+def _failure_job(rank: int, world: int, mode: str) -> Dict[str, Any]:
+    torch.manual_seed(0)
+    model, batch = FailingLM(), toy_batch()
+    pipe = fxtrain.split(model, example_kwargs=batch, split_points={"layers.3": "before"})
+    runner = pipe.build("1f1b", n_microbatches=M, timeout=datetime.timedelta(seconds=FAIL_TIMEOUT),
+                        options=fxtrain.Options(fallback="raise"))
+    runner.step(**batch)                     # a healthy step first
+    dist.barrier()
+    if rank == 1:
+        os.environ["FXTRAIN_TEST_FAIL"] = mode
+    start = time.monotonic()
+    try:
+        runner.step(**batch)
+        error = None
+    except fxtrain.PipelineError as e:
+        error = str(e)
+    elapsed = time.monotonic() - start
+    if rank == 1 and mode == "raise":
+        # Stay alive past the timeout: the peer must give up on its own, not because we exited.
+        torch.save({"error_message": error, "elapsed": elapsed}, os.path.join(os.environ["FXTRAIN_TEST_OUT"], "rank1.pt"))
+        time.sleep(FAIL_TIMEOUT + 6)
+    return {"error_message": error, "elapsed": elapsed}
+
+
+@pytest.mark.parametrize("mode", ["raise", "die"])
+def test_failing_stage_ends_peers_within_timeout(tmp_path, mode, monkeypatch):
+    monkeypatch.setenv("FXTRAIN_TEST_OUT", str(tmp_path))
+    results = spawn(f"fail_{mode}", 2, tmp_path, mode, deadline=55.0, may_die=(1,) if mode == "die" else ())
+    first = results[0]
+    assert first["error_message"] is not None, "the healthy stage did not notice its peer failed"
+    assert "pipeline stage 0 (rank 0, 1f1b) stopped" in first["error_message"], first["error_message"]
+    assert first["elapsed"] < FAIL_TIMEOUT + 5, f"rank 0 took {first['elapsed']:.1f} s to give up"
+    if mode == "raise":
+        assert "ValueError: deliberate failure in the last stage" in results[1]["error_message"]
+        assert "stage 1" in results[1]["error_message"]
+        # The peer names the stage that failed and why (read from the rendezvous store).
+        assert "stage 1 (rank 1) raised ValueError: deliberate failure" in first["error_message"], first["error_message"]
+    else:
+        assert results[1] == {"exitcode": 3}
+
+
+JOBS: Dict[str, Callable[[int, int, Any], Any]] = {"parity": _parity_job, "fail_raise": _failure_job,
+                                                    "fail_die": _failure_job}

@@ -24,15 +24,12 @@ from ..capture.entry import make_entry
 from ..capture.settings import dynamo_settings
 from ..options import Options
 from ..pythonop import routing
+from .errors import SplitError
 
 logger = logging.getLogger("fxtrain")
 
 Path = Tuple[Any, ...]
 PARAM, BUFFER, INPUT, CONSTANT = "param", "buffer", "input", "constant"
-
-
-class SplitError(ValueError):
-    """The model or the requested split cannot be turned into pipeline stages (with the reason)."""
 
 
 @dataclasses.dataclass

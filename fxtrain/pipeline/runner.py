@@ -32,7 +32,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from ..module import TrainModule
 from ..options import Options
-from .capture import SplitError, fetch, path_text, walk
+from .capture import fetch, path_text, walk
+from .errors import PipelineError, SplitError
 from .plan import Plan
 from .stage_module import stage_module
 
@@ -43,10 +44,6 @@ logger = logging.getLogger("fxtrain")
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 _builds: Dict[Tuple[int, ...], Iterator[int]] = {}
-
-
-class PipelineError(RuntimeError):
-    """A pipeline step failed on this rank or on a peer (the message says which stage and why)."""
 
 
 def backend_for(device: torch.device) -> Optional[str]:
