@@ -371,3 +371,130 @@ def test_failing_stage_ends_peers_within_timeout(tmp_path, mode, monkeypatch):
 
 JOBS: Dict[str, Callable[[int, int, Any], Any]] = {"parity": _parity_job, "fail_raise": _failure_job,
                                                     "fail_die": _failure_job}
+
+
+# ------------------------------------------------------------------ planning (single process)
+def _brute_force(costs, k, allowed, weights):
+    n = len(costs)
+    best = None
+    for cuts in itertools.combinations([c for c in range(1, n) if allowed[c]], k - 1):
+        worst = max(stage_costs(costs, list(cuts)))
+        sent = sum(weights[c] for c in cuts)
+        if best is None or (worst, sent) < best:
+            best = (worst, sent)
+    return best
+
+
+def test_partition_is_the_brute_force_optimum():
+    rng = np.random.default_rng(0)
+    checked = 0
+    for trial in range(300):
+        n = int(rng.integers(2, 10))
+        k = int(rng.integers(1, min(n, 4) + 1))
+        costs = [float(c) for c in rng.integers(0, 20, n)] if trial % 2 else list(rng.random(n) * 10)
+        allowed = [True] + [bool(b) for b in rng.random(n - 1) > 0.25] + [True]
+        weights = [float(w) for w in rng.integers(0, 5, n + 1)]
+        if sum(allowed[1:n]) < k - 1:
+            with pytest.raises(ValueError):
+                min_max_partition(costs, k, allowed=allowed, cut_weights=weights)
+            continue
+        cuts, optimum = min_max_partition(costs, k, allowed=allowed, cut_weights=weights)
+        worst, sent = _brute_force(costs, k, allowed, weights)
+        assert len(cuts) == k - 1 and all(allowed[c] for c in cuts) and cuts == sorted(set(cuts))
+        assert max(stage_costs(costs, cuts)) == pytest.approx(worst, rel=1e-12, abs=1e-12)
+        assert optimum == pytest.approx(worst, rel=1e-12, abs=1e-12)
+        assert sum(weights[c] for c in cuts) == pytest.approx(sent)
+        checked += 1
+    assert checked > 200
+
+
+def test_twelve_layer_transformer_four_stages_balanced():
+    from fxtrain import models
+    torch.manual_seed(0)
+    model = models.bert_mlm(hidden=64, layers=12, heads=2, vocab=1000)
+    batch = models.preset_batch("bert-tiny", 8, 32, padding=0.0, label_density=0.15)
+    pipe = fxtrain.split(model, example_kwargs=batch, num_stages=4)
+    flops = [r["flops"] for r in pipe.stage_table()]
+    assert max(flops) / (sum(flops) / 4) <= 1.10, flops
+    assert sum(flops) == sum(node_flops(pipe.plan.captured.gm))
+    by_params = pipe.replan(num_stages=4, balance="params")
+    params = [r["params"] for r in by_params.stage_table()]
+    flops_plan_params = [r["params"] for r in pipe.stage_table()]
+    assert max(params) <= max(flops_plan_params)  # balancing what it is asked to balance
+
+
+def test_flop_counts_are_analytic():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 12)
+            self.conv = nn.Conv2d(3, 5, 3, padding=1)
+            self.w = nn.Parameter(torch.randn(12, 7))
+
+        def forward(self, x, img):
+            h = self.lin(x)                                       # [2, 4, 8] @ [8, 12]
+            q = h.view(2, 4, 2, 6).transpose(1, 2)                 # [2, 2, 4, 6]
+            a = F.scaled_dot_product_attention(q, q, q)            # L = S = 4, E = Ev = 6
+            y = a.transpose(1, 2).reshape(2, 4, 12) @ self.w       # [2, 4, 12] @ [12, 7]
+            return y.sum() + self.conv(img).sum()
+
+    x, img = torch.randn(2, 4, 8), torch.randn(2, 3, 6, 6)
+    pipe = fxtrain.split(Net(), (x, img), num_stages=1)
+    # forward, then one more product per operand that needs a gradient (x and img do not)
+    lin = 2 * 8 * 8 * 12 * 2                 # weight grad only
+    attn = 2 * 2 * 2 * 4 * 4 * (6 + 6) * 3   # Q·Kᵀ and P·V, backward twice the forward
+    mm = 2 * 8 * 12 * 7 * 3                  # both operands need grads
+    conv = 2 * (2 * 5 * 6 * 6) * 3 * 9 * 2   # weight grad only
+    assert sum(node_flops(pipe.plan.captured.gm)) == lin + attn + mm + conv
+
+
+class Marked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(6, 6) for _ in range(4))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            if i in (1, 3):
+                fxtrain.pipe_split()
+            x = torch.relu(layer(x))
+        return x.pow(2).mean()
+
+
+def test_markers_and_split_points():
+    model, x = Marked(), torch.randn(4, 6)
+    assert torch.equal(model(x), Marked.forward(model, x))  # pipe_split() is a no-op in eager
+    pipe = fxtrain.split(model, (x,))
+    assert [(s.first_module, s.last_module) for s in pipe.plan.stages] == [
+        ("layers.0", "layers.0"), ("layers.1", "layers.2"), ("layers.3", "layers.3")]
+    after = pipe.replan(split_points={"layers.0": "after", "layers.2": "before"})
+    assert [s.params for s in after.plan.stages] == [
+        ["layers.0.weight", "layers.0.bias"], ["layers.1.weight", "layers.1.bias"],
+        ["layers.2.weight", "layers.2.bias", "layers.3.weight", "layers.3.bias"]]
+    with pytest.raises(fxtrain.SplitError, match="names no module"):
+        pipe.replan(split_points=["layers.9"])
+    with pytest.raises(fxtrain.SplitError, match="either num_stages or split_points"):
+        fxtrain.split(model, (x,), num_stages=2, split_points=["layers.1"])
+
+
+def test_describe_simulate_and_plot(tmp_path):
+    from fxtrain.pipeline.timeline import simulate
+    for p, m in ((2, 4), (4, 4), (4, 8)):
+        for schedule in ("gpipe", "1f1b"):
+            sim = simulate([1.0] * p, [2.0] * p, schedule, m)
+            assert sim.bubble_fraction == pytest.approx((p - 1) / (m + p - 1)), (p, m, schedule)
+    pipe = fxtrain.split(toy_model(), example_kwargs=toy_batch(), num_stages=3)
+    text = pipe.describe()
+    assert "3 stages balanced by flops" in text and "max/mean stage FLOPs" in text
+    rows = pipe.stage_table()
+    assert [r["stage"] for r in rows] == [0, 1, 2] and rows[0]["send_bytes"] > 0 and rows[-1]["send_bytes"] == 0
+    out = pipe.plot(str(tmp_path / "timeline.png"), schedule="gpipe", n_microbatches=4)
+    assert Path(out).stat().st_size > 1000
+
+
+def test_cli_split_prints_the_plan(tmp_path, capsys):
+    from fxtrain.cli import main
+    png = tmp_path / "plan.png"
+    assert main(["split", "bert-tiny", "--stages", "2", "--batch", "4", "--seq", "16", "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "2 stages balanced by flops" in out and "bert.embeddings" in out and png.stat().st_size > 1000
