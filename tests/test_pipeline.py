@@ -123,6 +123,27 @@ def gpt2_batch(batch: int = BATCH) -> Dict[str, torch.Tensor]:
     return {"input_ids": b["input_ids"], "labels": b["labels"]}
 
 
+class ToyLogits(ToyLM):
+    """The same model returning logits: the loss comes from build(loss_fn=...) and step(target=...)."""
+
+    def forward(self, input_ids, *, temperature=1.0):
+        h = self.embed(input_ids)
+        for i, layer in enumerate(self.layers):
+            h = torch.tanh(layer(h)) + h
+            if i == 0:
+                h = RoundSTE.apply(h)
+        return F.linear(h, self.embed.weight, self.head_bias) / temperature
+
+
+def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def logits_model() -> nn.Module:
+    torch.manual_seed(0)
+    return ToyLogits()
+
+
 MODELS: Dict[str, Tuple[Callable[[], nn.Module], Callable[..., Dict[str, torch.Tensor]]]] = {
     "toy": (toy_model, toy_batch), "bert": (bert_model, bert_batch), "gpt2": (gpt2_model, gpt2_batch)}
 
@@ -212,6 +233,18 @@ def _parity_job(rank: int, world: int, name: str) -> Dict[str, Any]:
             runner.step(**build_batch(6))
         except Exception as e:  # every rank validates its own batch: no rank waits on another
             results["indivisible"] = f"{type(e).__name__}: {e}"
+        # A model that returns logits: positional input, a keyword constant, loss_fn and target.
+        ids, labels = batch["input_ids"], batch["labels"]
+        logits_pipe = fxtrain.split(logits_model(), (ids,), {"temperature": 2.0}, num_stages=2, example_target=labels)
+        lrunner = logits_pipe.build(schedule, n_microbatches=M, loss_fn=lm_loss, group=pair[mine], options=opts)
+        losses = [lrunner.step(ids, temperature=2.0, target=labels)]
+        results["2/loss_fn"] = {"stage": lrunner.stage_index, "losses": losses,
+                                "grads": {n: p.grad.clone() for n, p in lrunner.named_parameters()
+                                          if p.grad is not None}}
+        try:
+            lrunner.step(ids, temperature=3.0, target=labels)
+        except fxtrain.PipelineError as e:
+            results["constant_changed"] = str(e)
     pipe = pipe2.replan(num_stages=4)  # same captures, another cut
     for schedule in ("gpipe", "1f1b"):
         model.zero_grad(set_to_none=True)
@@ -277,6 +310,17 @@ def test_custom_function_tied_weights_kwargs(tmp_path):
         assert sum(res["python_op_calls"] for res in got) == 2, config  # each call in exactly one stage
     for r in results:
         assert "not divisible by n_microbatches=4" in r["indivisible"], r["indivisible"]
+        assert "temperature=3.0 differs from the value the model was split with (2.0)" in r["constant_changed"]
+    # loss_fn + target: compare with eager on the logits model
+    model = logits_model()
+    batch = toy_batch()
+    chunks = [slice(i * BATCH // M, (i + 1) * BATCH // M) for i in range(M)]
+    ref = torch.stack([lm_loss(model(batch["input_ids"][c], temperature=2.0), batch["labels"][c]) for c in chunks]).mean()
+    ref.backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    for config in ("2/loss_fn",):
+        for ranks in ([0, 1], [2, 3]):
+            _compare(results, config, ranks, ref.detach(), ref_grads)
 
 
 def test_bert_mlm_label_sparsity_in_last_stage(tmp_path):
@@ -463,7 +507,10 @@ class Marked(nn.Module):
 
 def test_markers_and_split_points():
     model, x = Marked(), torch.randn(4, 6)
-    assert torch.equal(model(x), Marked.forward(model, x))  # pipe_split() is a no-op in eager
+    ref = nn.Sequential(*[nn.Sequential(layer, nn.ReLU()) for layer in model.layers])(x).pow(2).mean()
+    assert torch.equal(model(x), ref)  # pipe_split() is a no-op in eager ...
+    tm = fxtrain.TrainModule(model, fxtrain.Options(fallback="raise"))
+    torch.testing.assert_close(tm(x), ref)  # ... and inside a captured graph
     pipe = fxtrain.split(model, (x,))
     assert [(s.first_module, s.last_module) for s in pipe.plan.stages] == [
         ("layers.0", "layers.0"), ("layers.1", "layers.2"), ("layers.3", "layers.3")]

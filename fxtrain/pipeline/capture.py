@@ -95,6 +95,18 @@ class _WithLoss(nn.Module):
         return loss
 
 
+def _fresh(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().requires_grad_(value.requires_grad)
+    if isinstance(value, tuple):
+        return tuple(_fresh(v) for v in value)
+    if isinstance(value, list):
+        return [_fresh(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _fresh(v) for k, v in value.items()}
+    return value
+
+
 def walk(value: Any, path: Path = ()) -> Iterator[Tuple[Path, Any]]:
     """Every leaf of nested tuples/lists/dicts with its path."""
     if isinstance(value, (tuple, list)):
@@ -128,6 +140,9 @@ def capture(model: nn.Module, args: Sequence[Any], kwargs: Dict[str, Any], *,
     """One dynamo graph of ``model(*args, **kwargs)`` (then its loss), in training mode, without running it."""
     holder: Dict[str, Any] = {}
     python_ops: List[str] = []
+    # Fresh tensor objects: dynamo remembers tensors it saw as dynamic (an earlier TrainModule
+    # call on the same batch), and stage shapes must be static.
+    args, kwargs, target = _fresh((tuple(args), dict(kwargs), target))
 
     def backend(gm: torch.fx.GraphModule, example_inputs: List[Any]) -> Callable[..., Any]:
         if "gm" in holder:

@@ -139,6 +139,7 @@ class PipelineRunner:
                            plan.cuts, pipe.plan.cuts)
         self.plan: Plan = plan
         self._inputs = captured.user_inputs()
+        self._example_root = {"args": tuple(pipe.example[0]), "kwargs": dict(pipe.example[1]), "target": pipe.example[2]}
         self._mb_shapes = [tuple(i.value.shape) for i in self._inputs]
         stage = plan.stages[self.stage_index]
         self.is_first, self.is_last = self.stage_index == 0, self.stage_index == self.num_stages - 1
@@ -242,8 +243,20 @@ class PipelineRunner:
             flat.append(t.to(self.device))
         known = {path_text(i.path) for i in self._inputs}
         for path, leaf in walk(root):
-            if isinstance(leaf, torch.Tensor) and path_text(path) not in known:
-                raise PipelineError(f"step() got tensor {path_text(path)}, which the model was not split with")
+            if isinstance(leaf, torch.Tensor):
+                if path_text(path) not in known:
+                    raise PipelineError(f"step() got tensor {path_text(path)}, which the model was not split with")
+                continue
+            # Non-tensor arguments were constants of the captured graph: a different value would
+            # silently run the old one.
+            try:
+                expected = fetch(self._example_root, path)
+            except (KeyError, IndexError, TypeError):
+                expected = _MISSING
+            if expected is _MISSING or type(expected) is not type(leaf) or expected != leaf:
+                raise PipelineError(f"step() argument {path_text(path)}={leaf!r} differs from the value the model "
+                                    f"was split with ({'absent' if expected is _MISSING else repr(expected)}); "
+                                    f"stages are fixed graphs: split again for another value")
         return flat
 
     def _shared_parameters(self, plan: Plan, captured: Any) -> List[Tuple[str, torch.Size, torch.dtype, bool]]:
@@ -329,6 +342,9 @@ class PipelineRunner:
                     time.sleep(0.1)
         why = f"peer {peer}" if peer else "a peer rank died, raised, or did not answer within the timeout"
         return PipelineError(f"{here} stopped: {why} (here: {cause}; timeout {self.timeout.total_seconds():g} s)")
+
+
+_MISSING = object()
 
 
 def _group_timeout(group: Any) -> Optional[datetime.timedelta]:
