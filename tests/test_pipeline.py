@@ -330,6 +330,10 @@ def test_bert_mlm_label_sparsity_in_last_stage(tmp_path):
         last = [res[config] for res in results if config in res and res[config]["stage"] == int(config[0]) - 1][0]
         why = last["optimizations"].get("label_sparsity", "")
         assert why.startswith("on:"), f"{config}: label sparsity did not fire in the last stage: {why}"
+        # 25% padding: padding elimination runs in the stage holding the embedding.
+        first = [res[config] for res in results if config in res and res[config]["stage"] == 0][0]
+        why = first["optimizations"].get("padding_elimination", "")
+        assert why.startswith("on:"), f"{config}: padding elimination did not fire in the first stage: {why}"
 
 
 def test_gpt2_tied_lm_head(tmp_path):
@@ -411,6 +415,7 @@ def test_failing_stage_ends_peers_within_timeout(tmp_path, mode, monkeypatch):
         assert "stage 1 (rank 1) raised ValueError: deliberate failure" in first["error_message"], first["error_message"]
     else:
         assert results[1] == {"exitcode": 3}
+        assert "process ended without reporting an error (it probably died)" in first["error_message"]
 
 
 JOBS: Dict[str, Callable[[int, int, Any], Any]] = {"parity": _parity_job, "fail_raise": _failure_job,

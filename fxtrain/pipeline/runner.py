@@ -340,7 +340,12 @@ class PipelineRunner:
                             break
                 else:
                     time.sleep(0.1)
-        why = f"peer {peer}" if peer else "a peer rank died, raised, or did not answer within the timeout"
+        if peer:
+            why = f"peer {peer}"
+        elif any(w in cause.lower() for w in ("connection reset", "connection closed", "broken pipe", "closed by peer")):
+            why = "a peer rank's process ended without reporting an error (it probably died)"
+        else:
+            why = "a peer rank did not answer within the timeout (it hangs, or failed without reporting)"
         return PipelineError(f"{here} stopped: {why} (here: {cause}; timeout {self.timeout.total_seconds():g} s)")
 
 
