@@ -382,7 +382,9 @@ def _failure_job(rank: int, world: int, mode: str) -> Dict[str, Any]:
     pipe = fxtrain.split(model, example_kwargs=batch, split_points={"layers.3": "before"})
     runner = pipe.build("1f1b", n_microbatches=M, timeout=datetime.timedelta(seconds=FAIL_TIMEOUT),
                         options=fxtrain.Options(fallback="raise"))
-    runner.step(**batch)                     # a healthy step first
+    # A healthy step first; only the first stage needs the batch, the last calls step() bare.
+    loss = runner.step(**batch) if rank == 0 else runner.step()
+    assert (loss is None) == (rank == 0)
     dist.barrier()
     if rank == 1:
         os.environ["FXTRAIN_TEST_FAIL"] = mode
