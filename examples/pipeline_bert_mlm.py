@@ -34,6 +34,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument("--padding", type=float, default=0.0)
     ap.add_argument("--label-density", type=float, default=0.15)
+    ap.add_argument("--balance", choices=("flops", "sparse_flops", "params"), default="flops",
+                    help="what the automatic plan balances (sparse_flops: FLOPs after label sparsity)")
     ap.add_argument("--split-at", metavar="MODULE", help="2 stages cut before this module instead of "
                     "balancing FLOPs (e.g. bert.encoder.layer.3)")
     args = ap.parse_args()
@@ -49,7 +51,7 @@ def main() -> None:
     if args.split_at:
         pipe = fxtrain.split(model, example_kwargs=batch, split_points=[args.split_at])
     else:
-        pipe = fxtrain.split(model, example_kwargs=batch, num_stages=world)
+        pipe = fxtrain.split(model, example_kwargs=batch, num_stages=world, balance=args.balance)
     if rank == 0:
         pipe.describe()
     runner = pipe.build(args.schedule, n_microbatches=args.microbatches)

@@ -499,6 +499,25 @@ def test_flop_counts_are_analytic():
     assert sum(node_flops(pipe.plan.captured.gm)) == lin + attn + mm + conv
 
 
+def test_sparse_flops_count_the_lm_head_on_labelled_rows():
+    from fxtrain.pipeline.costs import module_of, node_sparse_flops
+    batch = bert_batch()
+    density = float((batch["labels"] != -100).float().mean())
+    pipe = fxtrain.split(bert_model(), example_kwargs=batch, num_stages=2, balance="sparse_flops")
+    gm = pipe.plan.captured.gm
+    dense, sparse = node_flops(gm), node_sparse_flops(gm)
+    nodes = list(gm.graph.nodes)
+    changed = {module_of(nodes[i]): sparse[i] / dense[i] for i in range(len(nodes)) if sparse[i] != dense[i]}
+    # the matmuls the label-sparsity pass runs on labelled rows: decoder, head transform, last FFN ...
+    assert {"cls.predictions.decoder", "cls.predictions.transform.dense"} <= set(changed), changed
+    assert all(r == pytest.approx(density) for r in changed.values()), changed
+    costs = [s.cost for s in pipe.plan.stages]
+    assert sum(costs) == pytest.approx(sum(sparse))
+    # With the head cheaper, the last stage takes more of the encoder than under dense FLOPs.
+    assert pipe.plan.cuts[0] < pipe.replan(num_stages=2).plan.cuts[0]
+    assert "balanced on sparse_flops" in pipe.describe()
+
+
 class Marked(nn.Module):
     def __init__(self):
         super().__init__()

@@ -30,6 +30,7 @@ logger = logging.getLogger("fxtrain")
 
 Path = Tuple[Any, ...]
 PARAM, BUFFER, INPUT, CONSTANT = "param", "buffer", "input", "constant"
+EXAMPLE_KEY = "fxtrain_pipeline_example"
 
 
 @dataclasses.dataclass
@@ -210,6 +211,7 @@ def _describe_inputs(model: nn.Module, gm: torch.fx.GraphModule, example_inputs:
         elif id(value) in user:
             path = user[id(value)]
             inputs.append(GraphInput(node, INPUT, path_text(path), value, path))
+            node.meta[EXAMPLE_KEY] = value   # the real batch value, for costs that depend on data
         else:
             inputs.append(GraphInput(node, CONSTANT, f"_fxtrain_constant_{constants}", value))
             constants += 1

@@ -186,7 +186,36 @@ def node_params(gm: torch.fx.GraphModule) -> List[float]:
     return [costs.get(n, 0.0) for n in gm.graph.nodes]
 
 
-COST_FUNCTIONS: Dict[str, CostFn] = {"flops": node_flops, "params": node_params}
+def node_sparse_flops(gm: torch.fx.GraphModule) -> List[float]:
+    """Training FLOPs once label sparsity has run: what the stages will actually compute.
+
+    For each cross-entropy whose labels (a model input) are mostly ``ignore_index``, the nodes that
+    compute its logits row by row (the region the label-sparsity pass replays on labelled rows)
+    count for the labelled fraction of the example batch only. On an MLM the vocabulary projection
+    dominates the dense count but runs on ~15% of the rows, so balancing dense FLOPs overloads
+    the first stages.
+    """
+    from ..passes.label_sparsity import _label_placeholder, cross_entropy_args, unsupported_cross_entropy
+    from ..passes.rows import find_region
+    from .capture import EXAMPLE_KEY
+
+    costs = node_flops(gm)
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in list(gm.graph.nodes):
+        bound = cross_entropy_args(node)
+        if bound is None or unsupported_cross_entropy(bound):
+            continue
+        source = _label_placeholder(bound.arguments["target"])
+        labels = source.meta.get(EXAMPLE_KEY) if source is not None else None
+        if not isinstance(labels, torch.Tensor) or labels.numel() == 0:
+            continue
+        density = float((labels != bound.arguments["ignore_index"]).float().mean())
+        for n in find_region(gm, bound.arguments["input"], 1, {node}).lead:
+            costs[index[n]] *= density
+    return costs
+
+
+COST_FUNCTIONS: Dict[str, CostFn] = {"flops": node_flops, "sparse_flops": node_sparse_flops, "params": node_params}
 
 
 def module_of(node: torch.fx.Node) -> str:

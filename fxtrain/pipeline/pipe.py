@@ -42,7 +42,7 @@ class Pipe:
         for s in self.plan.stages:
             rows.append({"stage": s.index, "first_module": s.first_module or "-", "last_module": s.last_module or "-",
                          "nodes": len(s.nodes), "params": s.param_numel, "flops": s.flops,
-                         "forward_flops": s.forward_flops, "send_bytes": s.send_bytes,
+                         "forward_flops": s.forward_flops, "send_bytes": s.send_bytes, "cost": s.cost,
                          "sends": len(s.outputs) if s.index < self.num_stages - 1 else 0})
         return rows
 
@@ -57,8 +57,12 @@ class Pipe:
         """Simulated timeline of one step (stage times proportional to their FLOPs)."""
         from .timeline import simulate
         rows = self.stage_table()
-        return simulate([r["forward_flops"] for r in rows], [r["flops"] - r["forward_flops"] for r in rows],
-                        schedule, n_microbatches)
+        # Time ~ the balanced cost when it is a FLOP count (dense or after sparsity), else FLOPs;
+        # split into forward and backward in the dense graph's proportion.
+        timed = "cost" if self.plan.balance != "params" else "flops"
+        fwd = [r[timed] * (r["forward_flops"] / r["flops"] if r["flops"] else 1 / 3) for r in rows]
+        bwd = [r[timed] - f for r, f in zip(rows, fwd)]
+        return simulate(fwd, bwd, schedule, n_microbatches)
 
     def plot(self, path: str, schedule: str = "1f1b", n_microbatches: int = 4) -> str:
         """Draw the simulated schedule timeline to ``path`` (PNG/SVG/PDF by extension)."""

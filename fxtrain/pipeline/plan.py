@@ -39,6 +39,7 @@ class StagePlan:
     send_bytes: int = 0                  # activation bytes sent to the next stage per call
     first_module: str = ""
     last_module: str = ""
+    cost: float = 0.0                    # what the plan balanced (FLOPs unless balance= says otherwise)
 
 
 @dataclasses.dataclass
@@ -47,6 +48,7 @@ class Plan:
     stages: List[StagePlan]
     cuts: List[int]                      # positions in the activation sequence
     how: str                             # "markers" | "split_points" | "balanced by flops" ...
+    balance: str = "flops"               # name of the cost the stages' ``cost`` is in
 
     @property
     def num_stages(self) -> int:
@@ -204,10 +206,12 @@ def make_plan(captured: CapturedGraph, *, num_stages: Optional[int] = None,
     if split_points is not None and num_stages is not None:
         raise SplitError("give either num_stages or split_points, not both")
     if split_points is not None:
+        cost_fn = None
         cuts = _check_cuts(g, _module_cuts(g, split_points), allowed, "split_points")
         how = "split points " + ", ".join(f"{k} ({v})" for k, v in (
             split_points.items() if isinstance(split_points, Mapping) else ((p, "before") for p in split_points)))
-    elif num_stages is not None:
+    cost_fn: Optional[CostFn] = None
+    if num_stages is not None:
         if num_stages < 1:
             raise SplitError(f"num_stages must be >= 1, got {num_stages}")
         cost_fn = COST_FUNCTIONS.get(balance) if isinstance(balance, str) else balance
@@ -226,7 +230,18 @@ def make_plan(captured: CapturedGraph, *, num_stages: Optional[int] = None,
         how = f"{len(cuts)} fxtrain.pipe_split() marker(s)"
     else:
         raise SplitError("say where to split: num_stages=N, split_points={...}, or fxtrain.pipe_split() in forward")
-    return Plan(captured, _stages(g, cuts), cuts, how)
+    stages = _stages(g, cuts)
+    name = "flops"
+    if cost_fn is not None and not (isinstance(balance, str) and balance == "flops"):
+        name = balance if isinstance(balance, str) else getattr(balance, "__name__", "cost")
+        seq = g.sequence_costs(cost_fn(captured.gm))
+        bounds = [0] + cuts + [len(g.sequence)]
+        for st, (a, b) in zip(stages, zip(bounds, bounds[1:])):
+            st.cost = float(sum(seq[a:b]))
+    else:
+        for st in stages:
+            st.cost = float(st.flops)
+    return Plan(captured, stages, cuts, how, name)
 
 
 def _stages(g: _Graph, cuts: List[int]) -> List[StagePlan]:

@@ -36,6 +36,11 @@ def describe_plan(pipe: "Pipe") -> str:
     peak = max(r["flops"] for r in rows)
     lines.append(f"balance: max/mean stage FLOPs = {peak / mean:.3f}; parameters total "
                  f"{_si(sum(r['params'] for r in rows))} (shared parameters counted per stage)")
+    if pipe.plan.balance != "flops":
+        costs = [r["cost"] for r in rows]
+        cmean = sum(costs) / len(costs) or 1
+        lines.append(f"balanced on {pipe.plan.balance}: " + ", ".join(f"{_si(c)}" for c in costs)
+                     + f" per stage, max/mean = {max(costs) / cmean:.3f}")
     for sched in ("gpipe", "1f1b"):
         sim = pipe.simulate(sched, 4)
         p = len(rows)
