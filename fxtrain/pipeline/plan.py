@@ -205,13 +205,12 @@ def make_plan(captured: CapturedGraph, *, num_stages: Optional[int] = None,
     allowed, weights = g.cut_tables()
     if split_points is not None and num_stages is not None:
         raise SplitError("give either num_stages or split_points, not both")
+    cost_fn: Optional[CostFn] = None
     if split_points is not None:
-        cost_fn = None
         cuts = _check_cuts(g, _module_cuts(g, split_points), allowed, "split_points")
         how = "split points " + ", ".join(f"{k} ({v})" for k, v in (
             split_points.items() if isinstance(split_points, Mapping) else ((p, "before") for p in split_points)))
-    cost_fn: Optional[CostFn] = None
-    if num_stages is not None:
+    elif num_stages is not None:
         if num_stages < 1:
             raise SplitError(f"num_stages must be >= 1, got {num_stages}")
         cost_fn = COST_FUNCTIONS.get(balance) if isinstance(balance, str) else balance
