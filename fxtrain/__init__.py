@@ -4,7 +4,10 @@ from .module import CaptureError, FallbackWarning, TrainModule
 from .module_with_loss import ModuleWithLoss
 from .options import Options
 from .profile import ProfileReport, fake_inputs, profile, shapes_only
+from .pipeline import Pipe, PipelineError, SplitError, pipe_split, split
 
 __version__ = "0.1.0"
 
-__all__ = ["TrainModule", "ModuleWithLoss", "Options", "is_capturing", "profile", "ProfileReport", "fake_inputs", "shapes_only", "CaptureError", "FallbackWarning", "__version__"]
+__all__ = ["TrainModule", "ModuleWithLoss", "Options", "is_capturing", "profile", "ProfileReport", "fake_inputs",
+           "shapes_only", "CaptureError", "FallbackWarning", "__version__",
+           "split", "pipe_split", "Pipe", "PipelineError", "SplitError"]

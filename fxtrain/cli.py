@@ -85,12 +85,46 @@ def _profile(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _split_args(p: argparse.ArgumentParser) -> None:
+    from .models import PRESETS
+    p.add_argument("model", choices=sorted(PRESETS), metavar="MODEL", help=f"one of: {', '.join(sorted(PRESETS))}")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--stages", type=int, help="number of stages, balanced automatically")
+    where.add_argument("--split-points", nargs="+", metavar="MODULE[:after]",
+                       help="cut before (or after) these modules, by qualified name")
+    p.add_argument("--balance", choices=("flops", "sparse_flops", "params"), default="flops",
+                   help="what --stages balances: training FLOPs, FLOPs after label sparsity, or parameters")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--plot", metavar="PATH", help="draw the simulated schedule timeline (PNG/SVG/PDF)")
+    p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b", help="schedule to plot")
+    p.add_argument("--microbatches", type=int, default=4, help="microbatches to plot")
+
+
+def _split(args: argparse.Namespace) -> int:
+    from . import models
+    from .pipeline import split
+    model = models.build(args.model)
+    batch = models.preset_batch(args.model, args.batch, args.seq)
+    points = None
+    if args.split_points:
+        points = {p.split(":")[0]: (p.split(":")[1] if ":" in p else "before") for p in args.split_points}
+    pipe = split(model, example_kwargs=batch, num_stages=args.stages, split_points=points, balance=args.balance)
+    print(f"{args.model}, batch {args.batch} x {args.seq}")
+    pipe.describe()
+    if args.plot:
+        pipe.plot(args.plot, schedule=args.schedule, n_microbatches=args.microbatches)
+        print(f"wrote {args.plot}")
+    return 0
+
+
 # Subcommand -> (add its arguments, run it, one-line help). Later features register here.
 COMMANDS: Dict[str, Command] = {
     "demo": (_demo_args, _demo, "train the DESIGN §7 BERT-MLM with eager and with fxtrain side by side"),
     "bench": (_bench_cmd_args, _bench, "eager vs torch.compile vs fxtrain, interleaved in one process"),
     "profile": (_profile_args, _profile, "cost a training step on fake tensors: FLOPs, peak memory, per module"),
     "options": (_options_args, _options, "print every option with its environment variable and default"),
+    "split": (_split_args, _split, "cut a built-in model into pipeline stages and print the plan"),
 }
 
 

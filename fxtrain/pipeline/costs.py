@@ -1,0 +1,241 @@
+"""Cost per graph node, the quantity automatic stage balancing equalises.
+
+A cost function maps a captured dynamo graph to one number per node (in ``gm.graph.nodes`` order);
+the partitioner only sums them. ``node_flops`` counts training FLOPs (forward plus backward) of the
+heavy ops from the fake-tensor shapes dynamo recorded on each node; ``node_params`` counts parameter
+elements where a parameter is first used. The profiler (DESIGN §5) can replace ``node_flops``
+with its own per-node numbers by passing any ``CostFn``.
+
+Attention is counted analytically: torch 2.13's FlopCounterMode counts the CPU SDPA kernel as zero.
+"""
+from __future__ import annotations
+
+import math
+import operator
+import re
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+CostFn = Callable[[torch.fx.GraphModule], List[float]]
+
+
+def _example(value: Any) -> Optional[torch.Tensor]:
+    if isinstance(value, torch.fx.Node):
+        value = value.meta.get("example_value")
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _grads(*tensors: Optional[torch.Tensor]) -> int:
+    """How many operands need a gradient: each costs one more product of the forward's size."""
+    return sum(1 for t in tensors if t is not None and t.requires_grad)
+
+
+def _train(forward: int, *operands: Optional[torch.Tensor]) -> int:
+    return forward * (1 + _grads(*operands))
+
+
+def _numel(shape: Sequence[int]) -> int:
+    return int(math.prod(shape))
+
+
+def matmul_flops(a: torch.Tensor, b: torch.Tensor) -> int:
+    """2*n*k*m per (broadcast) batch entry, with torch.matmul's 1-D promotions."""
+    ash, bsh = list(a.shape), list(b.shape)
+    if len(ash) == 1:
+        ash = [1] + ash
+    if len(bsh) == 1:
+        bsh = bsh + [1]
+    n, k, m = ash[-2], ash[-1], bsh[-1]
+    batch = torch.broadcast_shapes(tuple(ash[:-2]), tuple(bsh[:-2]))
+    return 2 * _numel(batch) * n * k * m
+
+
+def linear_flops(x: torch.Tensor, w: torch.Tensor) -> int:
+    out_features = w.shape[0] if w.dim() == 2 else 1
+    return 2 * _numel(x.shape[:-1]) * x.shape[-1] * out_features
+
+
+def conv_flops(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, transposed: bool = False) -> int:
+    """2 * (output elements) * (input channels per group) * (kernel size); transposed: by input elements."""
+    kernel = _numel(w.shape[2:])
+    if transposed:
+        return 2 * x.numel() * w.shape[1] * kernel
+    return 2 * out.numel() * w.shape[1] * kernel
+
+
+def attention_flops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
+    """Q·Kᵀ and P·V: 2·B·L·S·(E + Ev), B the product of q's leading dims."""
+    batch = _numel(q.shape[:-2])
+    length, source = q.shape[-2], k.shape[-2]
+    return 2 * batch * length * source * (q.shape[-1] + v.shape[-1])
+
+
+def einsum_flops(equation: str, operands: Sequence[torch.Tensor]) -> int:
+    """2 * product of every index size, for two operands (a contraction); 0 for one operand."""
+    if len(operands) != 2:
+        return 0
+    lhs = equation.replace(" ", "").split("->")[0].split(",")
+    sizes: Dict[str, int] = {}
+    for letters, t in zip(lhs, operands):
+        letters = letters.replace("...", "")
+        for ch, size in zip(letters, t.shape[t.dim() - len(letters):]):
+            sizes[ch] = int(size)
+    return 2 * _numel(sizes.values())
+
+
+_MATMUL_FUNCTIONS = {torch.matmul, operator.matmul, torch.mm, torch.bmm}
+_MATMUL_METHODS = {"matmul", "mm", "bmm", "__matmul__"}
+_ADDMM_FUNCTIONS = {torch.addmm, torch.baddbmm, torch.addbmm}
+_ADDMM_METHODS = {"addmm", "baddbmm", "addbmm"}
+_CONV_FUNCTIONS = {torch.conv1d, torch.conv2d, torch.conv3d, F.conv1d, F.conv2d, F.conv3d}
+_CONV_T_FUNCTIONS = {torch.conv_transpose1d, torch.conv_transpose2d, torch.conv_transpose3d,
+                     F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d}
+_SDPA = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
+
+
+def _arg(node: torch.fx.Node, index: int, name: str) -> Any:
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name)
+
+
+def flops_of(node: torch.fx.Node) -> int:
+    """Training FLOPs (forward + the backward products for operands that need grad) of one node."""
+    target = node.target
+    if node.op == "call_function":
+        if target in (F.linear, torch._C._nn.linear):
+            x, w, b = _example(_arg(node, 0, "input")), _example(_arg(node, 1, "weight")), _example(_arg(node, 2, "bias"))
+            return _train(linear_flops(x, w), x, w) if x is not None and w is not None else 0
+        if target in _MATMUL_FUNCTIONS:
+            a, b = _example(node.args[0]), _example(node.args[1])
+            return _train(matmul_flops(a, b), a, b) if a is not None and b is not None else 0
+        if target in _ADDMM_FUNCTIONS:
+            a, b = _example(_arg(node, 1, "mat1" if target is torch.addmm else "batch1")), \
+                _example(_arg(node, 2, "mat2" if target is torch.addmm else "batch2"))
+            return _train(matmul_flops(a, b), a, b) if a is not None and b is not None else 0
+        if target in _CONV_FUNCTIONS or target in _CONV_T_FUNCTIONS:
+            x, w, out = _example(node.args[0]), _example(node.args[1]), _example(node)
+            if x is None or w is None or out is None:
+                return 0
+            return _train(conv_flops(x, w, out, target in _CONV_T_FUNCTIONS), x, w)
+        if target in _SDPA:
+            q, k, v = (_example(_arg(node, i, n)) for i, n in enumerate(("query", "key", "value")))
+            if q is None or k is None or v is None:
+                return 0
+            fwd = attention_flops(q, k, v)
+            return fwd + (2 * fwd if _grads(q, k, v) else 0)
+        if target is torch.einsum and node.args and isinstance(node.args[0], str):
+            ops = node.args[1:]
+            if len(ops) == 1 and isinstance(ops[0], (tuple, list)):
+                ops = ops[0]
+            tensors = [_example(o) for o in ops]
+            if all(t is not None for t in tensors):
+                return _train(einsum_flops(node.args[0], tensors), *tensors)
+        return 0
+    if node.op == "call_method":
+        if target in _MATMUL_METHODS:
+            a, b = _example(node.args[0]), _example(node.args[1])
+            return _train(matmul_flops(a, b), a, b) if a is not None and b is not None else 0
+        if target in _ADDMM_METHODS:
+            a, b = _example(node.args[1]), _example(node.args[2])
+            return _train(matmul_flops(a, b), a, b) if a is not None and b is not None else 0
+    return 0
+
+
+def forward_flops_of(node: torch.fx.Node) -> int:
+    """Forward-only FLOPs of one node (the training count without the backward products)."""
+    target = node.target
+    total = flops_of(node)
+    if total == 0:
+        return 0
+    if node.op == "call_function" and target in _SDPA:
+        q, k, v = (_example(_arg(node, i, n)) for i, n in enumerate(("query", "key", "value")))
+        return attention_flops(q, k, v)
+    operands = [_example(a) for a in node.args if isinstance(a, torch.fx.Node)]
+    if node.op == "call_function" and target in (F.linear, torch._C._nn.linear):
+        operands = [_example(_arg(node, 0, "input")), _example(_arg(node, 1, "weight"))]
+    elif node.op == "call_function" and target in _ADDMM_FUNCTIONS or node.op == "call_method" and target in _ADDMM_METHODS:
+        operands = operands[1:3]
+    elif node.op == "call_function" and target is torch.einsum:
+        operands = [_example(a) for a in node.args[1:]]
+    else:
+        operands = operands[:2]
+    return total // (1 + _grads(*operands))
+
+
+def node_flops(gm: torch.fx.GraphModule) -> List[float]:
+    """Training FLOPs per node (matmul, linear, conv, attention, einsum); every other op counts 0."""
+    return [float(flops_of(n)) for n in gm.graph.nodes]
+
+
+def node_params(gm: torch.fx.GraphModule) -> List[float]:
+    """Parameter elements per node: each parameter placeholder counted once, at its first user."""
+    costs: Dict[torch.fx.Node, float] = {}
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        ex = _example(n)
+        if not isinstance(ex, torch.nn.Parameter) and not (ex is not None and ex.requires_grad):
+            continue
+        users = [u for u in gm.graph.nodes if u in n.users]
+        if users:
+            costs[users[0]] = costs.get(users[0], 0.0) + float(ex.numel())
+    return [costs.get(n, 0.0) for n in gm.graph.nodes]
+
+
+def node_sparse_flops(gm: torch.fx.GraphModule) -> List[float]:
+    """Training FLOPs once label sparsity has run: what the stages will actually compute.
+
+    For each cross-entropy whose labels (a model input) are mostly ``ignore_index``, the nodes that
+    compute its logits row by row (the region the label-sparsity pass replays on labelled rows)
+    count for the labelled fraction of the example batch only. On an MLM the vocabulary projection
+    dominates the dense count but runs on ~15% of the rows, so balancing dense FLOPs overloads
+    the first stages.
+    """
+    from ..passes.label_sparsity import _label_placeholder, cross_entropy_args, unsupported_cross_entropy
+    from ..passes.rows import find_region
+    from .capture import EXAMPLE_KEY
+
+    costs = node_flops(gm)
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in list(gm.graph.nodes):
+        bound = cross_entropy_args(node)
+        if bound is None or unsupported_cross_entropy(bound):
+            continue
+        source = _label_placeholder(bound.arguments["target"])
+        labels = source.meta.get(EXAMPLE_KEY) if source is not None else None
+        if not isinstance(labels, torch.Tensor) or labels.numel() == 0:
+            continue
+        density = float((labels != bound.arguments["ignore_index"]).float().mean())
+        for n in find_region(gm, bound.arguments["input"], 1, {node}).lead:
+            costs[index[n]] *= density
+    return costs
+
+
+COST_FUNCTIONS: Dict[str, CostFn] = {"flops": node_flops, "sparse_flops": node_sparse_flops, "params": node_params}
+
+
+def module_of(node: torch.fx.Node) -> str:
+    """The qualified name of the innermost module a node was traced in ('' for the model itself)."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return normalize_module_path(path)
+
+
+def normalize_module_path(path: str) -> str:
+    """``L['mod'].bert.encoder.layer[0]`` / ``L['self'].model`` -> ``bert.encoder.layer.0`` (wrapper stripped)."""
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    path = re.sub(r"\[['\"]([^'\"]+)['\"]\]", r".\1", path)
+    path = re.sub(r"^L\.?", "", path).lstrip(".")
+    parts = path.split(".")
+    # The capture wraps the model as `wrapper.model`: drop the wrapper's own names.
+    if parts and parts[0] in ("mod", "module", "self"):
+        parts = parts[1:]
+    if parts and parts[0] == "model":
+        parts = parts[1:]
+    return ".".join(p for p in parts if p)

@@ -1,0 +1,49 @@
+"""The plan as a table a person reads (``Pipe.describe``, ``fxtrain split``)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .pipe import Pipe
+
+
+def _si(x: float, unit: str = "") -> str:
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.2f} {prefix}{unit}"
+    return f"{x:.0f} {unit}".rstrip()
+
+
+def _bytes(n: float) -> str:
+    for scale, unit in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def describe_plan(pipe: "Pipe") -> str:
+    rows = pipe.stage_table()
+    total = sum(r["flops"] for r in rows) or 1
+    mean = total / len(rows)
+    header = f"{'stage':>5}  {'modules':<58} {'params':>10} {'train FLOPs':>12} {'share':>6} {'sends':>5} {'bytes sent':>11}"
+    lines = [f"pipeline plan: {pipe.plan.how}; example batch; FLOPs are forward + backward", header, "-" * len(header)]
+    for r in rows:
+        span = r["first_module"] if r["first_module"] == r["last_module"] else f"{r['first_module']} .. {r['last_module']}"
+        if len(span) > 58:
+            span = span[:27] + "..." + span[-28:]
+        lines.append(f"{r['stage']:>5}  {span:<58} {_si(r['params']):>10} {_si(r['flops'], 'FLOP'):>12} "
+                     f"{100 * r['flops'] / total:>5.1f}% {r['sends']:>5} {_bytes(r['send_bytes']) if r['stage'] < len(rows) - 1 else '-':>11}")
+    peak = max(r["flops"] for r in rows)
+    lines.append(f"balance: max/mean stage FLOPs = {peak / mean:.3f}; parameters total "
+                 f"{_si(sum(r['params'] for r in rows))} (shared parameters counted per stage)")
+    if pipe.plan.balance != "flops":
+        costs = [r["cost"] for r in rows]
+        cmean = sum(costs) / len(costs) or 1
+        lines.append(f"balanced on {pipe.plan.balance}: " + ", ".join(f"{_si(c)}" for c in costs)
+                     + f" per stage, max/mean = {max(costs) / cmean:.3f}")
+    for sched in ("gpipe", "1f1b"):
+        sim = pipe.simulate(sched, 4)
+        p = len(rows)
+        lines.append(f"simulated {sched}, 4 microbatches: bubble {sim.bubble_fraction:.1%} "
+                     f"(textbook (p-1)/(m+p-1) = {(p - 1) / (4 + p - 1):.1%})")
+    return "\n".join(lines)

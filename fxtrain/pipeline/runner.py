@@ -1,0 +1,366 @@
+"""Run this rank's stage of a plan on torch.distributed.pipelining, one training step at a time.
+
+Each process captures the model again at microbatch shape (static shapes: what the pipeline's
+send/receive buffers are made from), cuts it with the same plan, keeps its own stage as an fxtrain
+``TrainModule`` (so graph passes such as label sparsity run inside stages) and hands it to torch's
+``PipelineStage`` with its input and output metadata (static mode: no shape-inference pass).
+The schedule is torch's (``ScheduleGPipe``, ``Schedule1F1B``).
+
+What torch's own pipeline gets wrong and this runner gets right:
+- custom autograd Functions stay opaque PythonOps in the stage graph, so their own backward runs;
+- a parameter held by several stages (tied weights) gets each holder's contribution summed over a
+  subgroup of exactly those ranks after the schedule, so every holder ends with the full gradient;
+- the 1/M of the microbatch mean is applied to each microbatch loss before its backward (never by
+  dividing ``.grad`` afterwards, which would also scale gradients accumulated before the step and
+  scale twice a parameter that appears twice on one rank).
+Failures: P2P runs on a process group of its own with the configured timeout; a stage that raises
+records why in the rendezvous store before re-raising, and a peer that loses contact raises a
+``PipelineError`` naming the failed stage instead of hanging.
+"""
+from __future__ import annotations
+
+import datetime
+import itertools
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from ..module import TrainModule
+from ..options import Options
+from .capture import fetch, path_text, walk
+from .errors import PipelineError, SplitError
+from .plan import Plan
+from .stage_module import stage_module
+
+if TYPE_CHECKING:
+    from .pipe import Pipe
+
+logger = logging.getLogger("fxtrain")
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+_builds: Dict[Tuple[int, ...], Iterator[int]] = {}
+
+
+def backend_for(device: torch.device) -> Optional[str]:
+    """The collective backend for a device: gloo on CPU, NCCL on CUDA (None: the default group's)."""
+    return {"cpu": "gloo", "cuda": "nccl"}.get(device.type)
+
+
+class _TimedStage(PipelineStage):
+    """A PipelineStage that measures its compute (forward/backward) and marks local failures."""
+
+    busy: float = 0.0
+    failed_locally: bool = False
+
+    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        return self._timed(super().forward_one_chunk, *args, **kwargs)
+
+    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        return self._timed(super().backward_one_chunk, *args, **kwargs)
+
+    def _timed(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        except BaseException:
+            self.failed_locally = True
+            raise
+        finally:
+            self.busy += time.perf_counter() - start
+
+
+def _meta(node: torch.fx.Node, device: torch.device) -> torch.Tensor:
+    ex = node.meta["example_value"]
+    t = torch.empty(tuple(ex.shape), dtype=ex.dtype, device=device)
+    return t.requires_grad_(bool(ex.requires_grad) and (ex.is_floating_point() or ex.is_complex()))
+
+
+def chunk0(value: Any, m: int) -> Any:
+    """The first of ``m`` microbatches of a nested input (tensors split along dim 0)."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0:
+            raise SplitError("a scalar tensor input cannot be split into microbatches")
+        if value.shape[0] % m:
+            raise SplitError(f"batch size {value.shape[0]} is not divisible by n_microbatches={m}")
+        return value[: value.shape[0] // m]
+    if isinstance(value, tuple):
+        return tuple(chunk0(v, m) for v in value)
+    if isinstance(value, list):
+        return [chunk0(v, m) for v in value]
+    if isinstance(value, dict):
+        return {k: chunk0(v, m) for k, v in value.items()}
+    return value
+
+
+class PipelineRunner:
+    """This rank's stage of a pipeline; ``step(*args, **kwargs)`` trains one batch (see ``Pipe.build``)."""
+
+    def __init__(self, pipe: "Pipe", schedule: str, n_microbatches: int, loss_fn: Optional[Callable[..., Any]],
+                 group: Optional[dist.ProcessGroup] = None, timeout: Optional[datetime.timedelta] = None,
+                 options: Optional[Options] = None) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise PipelineError("Pipe.build needs torch.distributed initialised (torchrun, or "
+                                "init_process_group in each torch.multiprocessing worker)")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
+        if n_microbatches < 1:
+            raise ValueError(f"n_microbatches must be >= 1, got {n_microbatches}")
+        self.schedule_name = schedule
+        self.n_microbatches = m = n_microbatches
+        base = group or dist.group.WORLD
+        ranks = dist.get_process_group_ranks(base)
+        self.device = next(pipe.model.parameters()).device
+        timeout = timeout or datetime.timedelta(minutes=5)
+        self.timeout = timeout
+        self.rank = dist.get_rank()
+        if self.rank not in ranks:
+            raise PipelineError(f"rank {self.rank} is not in the pipeline group {ranks}")
+        if len(ranks) != pipe.num_stages:
+            raise PipelineError(f"the plan has {pipe.num_stages} stages but the pipeline group has {len(ranks)} "
+                                f"ranks; run one process per stage")
+        self.stage_index = ranks.index(self.rank)
+        self.num_stages = len(ranks)
+        self._ranks = ranks
+        # Every rank captures and plans the whole model (deterministic), so all agree on the cuts
+        # and on which stages share a parameter without exchanging anything.
+        captured, plan = pipe.microbatch_plan(m, loss_fn)
+        if plan is None:
+            raise SplitError("the model's output holds no scalar loss (no tensor, `.loss` or first element); "
+                             "pass loss_fn=lambda output, target: ... to build()")
+        if plan.num_stages != pipe.num_stages:
+            raise SplitError(f"the plan at microbatch size has {plan.num_stages} stages, not {pipe.num_stages}")
+        if plan.cuts != pipe.plan.cuts:
+            logger.warning("fxtrain.split: cuts at microbatch size %s differ from the split-time plan %s",
+                           plan.cuts, pipe.plan.cuts)
+        self.plan: Plan = plan
+        self._inputs = captured.user_inputs()
+        self._example_root = {"args": tuple(pipe.example[0]), "kwargs": dict(pipe.example[1]), "target": pipe.example[2]}
+        self._mb_shapes = [tuple(i.value.shape) for i in self._inputs]
+        stage = plan.stages[self.stage_index]
+        self.is_first, self.is_last = self.stage_index == 0, self.stage_index == self.num_stages - 1
+        self.module = pipe.stage_train_module(
+            (m, loss_fn, self.stage_index, repr(options)),
+            lambda: TrainModule(stage_module(captured, stage, last=self.is_last), options))
+        gm = self.module.module
+        #: custom autograd Functions of the whole model kept as opaque PythonOps, and how many of
+        #: their calls this stage runs
+        self.python_ops = list(captured.python_ops)
+        self.python_op_calls = sum(1 for n in gm.graph.nodes if n.target in (torch.ops.fxtrain.python_op,
+                                                                              torch.ops.fxtrain.python_op.default))
+        if group is None:
+            # A group of our own carries the configured timeout (collective over the world: every
+            # rank calls build, as with any torch.distributed group creation).
+            self._group = dist.new_group(ranks, timeout=timeout, backend=backend_for(self.device))
+        else:
+            self._group = group  # the caller's group, with the timeout it was created with
+            self.timeout = _group_timeout(group) or timeout
+        self._uid = (tuple(ranks), next(_builds.setdefault(tuple(ranks), itertools.count())))
+        self._shared = self._shared_parameters(plan, captured)
+        self._stage = _TimedStage(self.module, self.stage_index, self.num_stages, self.device,
+                                  input_args=tuple(_meta(v, self.device) for v in stage.inputs),
+                                  output_args=tuple(_meta(v, self.device) for v in stage.outputs),
+                                  group=self._group)
+        self._schedule = SCHEDULES[schedule](self._stage, m, loss_fn=self._microbatch_loss, scale_grads=False)
+        self.last_stats: Dict[str, float] = {}
+        logger.info("fxtrain pipeline: rank %d runs stage %d/%d (%d parameters, %s, %d microbatches)",
+                    self.rank, self.stage_index, self.num_stages, len(stage.params), schedule, m)
+
+    # ------------------------------------------------------------------------------- public API
+    def named_parameters(self) -> Iterator[Tuple[str, nn.Parameter]]:
+        """This rank's parameters under the original model's qualified names."""
+        return self.module.named_parameters()
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return (p for _, p in self.named_parameters())
+
+    def step(self, *args: Any, target: Any = None, **kwargs: Any) -> Optional[torch.Tensor]:
+        """Train one batch: the mean microbatch loss on the last stage (None elsewhere), grads in place.
+
+        Every rank may pass the batch (then all validate it); only the first stage reads its values,
+        so other ranks may call ``step()`` without arguments.
+        """
+        flat = self._flatten(args, kwargs, target)
+        shared = self._snapshot_shared()
+        self._stage.busy = 0.0
+        self._stage.failed_locally = False
+        losses: List[torch.Tensor] = []
+        start = time.perf_counter()
+        try:
+            if self.is_first and self.is_last:
+                self._schedule.step(*flat, target=self._dummy_target(), losses=losses, return_outputs=False)
+            elif self.is_first:
+                self._schedule.step(*flat, return_outputs=False)
+            elif self.is_last:
+                self._schedule.step(target=self._dummy_target(), losses=losses, return_outputs=False)
+            else:
+                self._schedule.step(return_outputs=False)
+            self._reduce_shared(shared)
+        except Exception as e:
+            raise self._failure(e) from e
+        elapsed = time.perf_counter() - start
+        self.last_stats = {"step_time": elapsed, "busy_time": self._stage.busy,
+                           "bubble_fraction": max(0.0, 1.0 - self._stage.busy / elapsed) if elapsed else 0.0}
+        if not self.is_last:
+            return None
+        return torch.stack([l.detach() for l in losses]).sum()
+
+    # ---------------------------------------------------------------------------------- helpers
+    def _microbatch_loss(self, output: torch.Tensor, _target: Any) -> torch.Tensor:
+        # Scaling the loss (not .grad afterwards) keeps gradients accumulated before the step intact.
+        return output / self.n_microbatches
+
+    def _dummy_target(self) -> torch.Tensor:
+        # torch's schedule splits a target per microbatch for its loss_fn; ours lives in the graph.
+        return torch.zeros(self.n_microbatches, device=self.device)
+
+    def _flatten(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], target: Any) -> List[torch.Tensor]:
+        if not args and not kwargs and target is None:
+            if self.is_first:
+                raise PipelineError("the first stage needs the batch: call step(*args, **kwargs) on its rank")
+            return []
+        root = {"args": tuple(args), "kwargs": dict(kwargs), "target": target}
+        flat = []
+        m = self.n_microbatches
+        for info, shape in zip(self._inputs, self._mb_shapes):
+            try:
+                t = fetch(root, info.path)
+            except (KeyError, IndexError, TypeError):
+                raise PipelineError(f"step() is missing input {info.name}, which the model was split with") from None
+            if not isinstance(t, torch.Tensor):
+                raise PipelineError(f"step() input {info.name} is a {type(t).__name__}, expected a tensor")
+            if t.dim() == 0 or t.shape[0] % m:
+                raise PipelineError(f"batch size {t.shape[0] if t.dim() else 'of a scalar'} of input {info.name} "
+                                    f"is not divisible by n_microbatches={m}")
+            if (t.shape[0] // m,) + tuple(t.shape[1:]) != shape:
+                raise PipelineError(f"input {info.name} has shape {tuple(t.shape)}; this runner was built for "
+                                    f"microbatches of {shape} ({m} per step, batch {shape[0] * m}); pipeline "
+                                    f"stages have static shapes: build a runner for the new shape")
+            flat.append(t.to(self.device))
+        known = {path_text(i.path) for i in self._inputs}
+        for path, leaf in walk(root):
+            if isinstance(leaf, torch.Tensor):
+                if path_text(path) not in known:
+                    raise PipelineError(f"step() got tensor {path_text(path)}, which the model was not split with")
+                continue
+            # Non-tensor arguments were constants of the captured graph: a different value would
+            # silently run the old one.
+            try:
+                expected = fetch(self._example_root, path)
+            except (KeyError, IndexError, TypeError):
+                expected = _MISSING
+            if expected is _MISSING or type(expected) is not type(leaf) or expected != leaf:
+                raise PipelineError(f"step() argument {path_text(path)}={leaf!r} differs from the value the model "
+                                    f"was split with ({'absent' if expected is _MISSING else repr(expected)}); "
+                                    f"stages are fixed graphs: split again for another value")
+        return flat
+
+    def _shared_parameters(self, plan: Plan, captured: Any) -> List[Tuple[str, torch.Size, torch.dtype, bool]]:
+        """Parameters held by more than one stage: (name, shape, held here), in one agreed order."""
+        holders: Dict[str, List[int]] = {}
+        for s in plan.stages:
+            for name in s.params:
+                holders.setdefault(name, []).append(s.index)
+        values = {i.name: i.value for i in captured.inputs}
+        shared = []
+        for name in sorted(n for n, st in holders.items() if len(st) > 1):
+            shared.append((name, values[name].shape, values[name].dtype, self.stage_index in holders[name]))
+            logger.info("fxtrain pipeline: stages %s share %s; their gradients are summed after each step",
+                        holders[name], name)
+        return shared
+
+    def _snapshot_shared(self) -> List[Optional[torch.Tensor]]:
+        params = dict(self.module.named_parameters())
+        out = []
+        for name, _, _, here in self._shared:
+            g = params[name].grad if here else None
+            out.append(None if g is None else g.clone())
+        return out
+
+    def _reduce_shared(self, before: List[Optional[torch.Tensor]]) -> None:
+        """Sum this step's contribution of every holder of a shared parameter into each holder's grad.
+
+        One all-reduce over the pipeline group; ranks that do not hold a parameter contribute zeros
+        (no subgroups to create, so building stays a plain collective over the pipeline's ranks).
+        Only this step's contribution is summed, so gradients accumulated before it stay single.
+        """
+        if not self._shared:
+            return
+        params = dict(self.module.named_parameters())
+        parts = []
+        for (name, shape, dtype, here), prev in zip(self._shared, before):
+            if here and params[name].grad is not None:
+                g = params[name].grad
+                parts.append((g - prev if prev is not None else g).reshape(-1))
+            else:
+                parts.append(torch.zeros(shape.numel(), device=self.device, dtype=dtype))
+        flat = torch.cat(parts)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self._group)
+        offset = 0
+        for (name, shape, _, here), prev in zip(self._shared, before):
+            n = shape.numel()
+            if here:
+                p = params[name]
+                total = flat[offset:offset + n].view(shape)
+                p.grad = total if prev is None else prev + total
+            offset += n
+
+    def _store_key(self, rank: int) -> str:
+        return f"fxtrain_pipeline/{self._uid}/failed/{rank}"
+
+    def _failure(self, exc: Exception) -> PipelineError:
+        """Record a local failure for peers; for a lost peer, say which stage failed if it told us."""
+        from ..module import root_cause
+        cause = root_cause(exc)
+        here = f"pipeline stage {self.stage_index} (rank {self.rank}, {self.schedule_name})"
+        store = _default_store()
+        if self._stage.failed_locally:
+            if store is not None:
+                try:
+                    store.set(self._store_key(self.rank), f"stage {self.stage_index} (rank {self.rank}) raised {cause}")
+                except Exception:
+                    pass
+            return PipelineError(f"{here} failed: {cause}")
+        peer = None
+        if store is not None:
+            deadline = time.monotonic() + 2.0
+            while peer is None and time.monotonic() < deadline:
+                for r in self._ranks:
+                    if r != self.rank:
+                        try:
+                            if store.check([self._store_key(r)]):
+                                peer = store.get(self._store_key(r)).decode()
+                                break
+                        except Exception:
+                            deadline = 0
+                            break
+                else:
+                    time.sleep(0.1)
+        if peer:
+            why = f"peer {peer}"
+        elif any(w in cause.lower() for w in ("connection reset", "connection closed", "broken pipe", "closed by peer")):
+            why = "a peer rank's process ended without reporting an error (it probably died)"
+        else:
+            why = "a peer rank did not answer within the timeout (it hangs, or failed without reporting)"
+        return PipelineError(f"{here} stopped: {why} (here: {cause}; timeout {self.timeout.total_seconds():g} s)")
+
+
+_MISSING = object()
+
+
+def _group_timeout(group: Any) -> Optional[datetime.timedelta]:
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except Exception:
+        return None
+
+
+def _default_store() -> Any:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:
+        return None

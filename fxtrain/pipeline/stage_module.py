@@ -1,0 +1,74 @@
+"""One stage of a plan as a standalone ``GraphModule`` over the model's own parameters.
+
+The stage's graph takes the values its plan receives as positional inputs and returns the values
+it sends on (the loss, for the last stage). Parameters and buffers are attributes under their
+original qualified names, bound to the very tensors of the user's model: ``named_parameters()``
+of a stage reads like the model's, and an optimizer over it updates the model.
+Values passed through unchanged are cloned, so no stage output aliases a stage input (autograd
+and AOTAutograd treat such aliases specially, and the pipeline would accumulate their gradient
+into the received buffer); non-contiguous outputs are made contiguous to be sent.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+import torch.fx
+
+from .capture import CapturedGraph
+from .plan import StagePlan
+
+
+def _attr(root: torch.nn.Module, target: str) -> object:
+    for part in target.split("."):
+        root = getattr(root, part)
+    return root
+
+
+def stage_module(captured: CapturedGraph, stage: StagePlan, last: bool) -> torch.fx.GraphModule:
+    """The stage as a GraphModule; the last stage returns its single output (the loss) bare."""
+    kinds = captured.by_node()
+    graph = torch.fx.Graph()
+    env: Dict[torch.fx.Node, torch.fx.Node] = {}
+    attrs: Dict[str, torch.Tensor] = {}
+    for i, v in enumerate(stage.inputs):
+        p = graph.placeholder(f"in_{i}_{v.name}")
+        p.meta = dict(v.meta)
+        env[v] = p
+
+    def lookup(n: torch.fx.Node) -> torch.fx.Node:
+        if n in env:
+            return env[n]
+        info = kinds.get(n)
+        if info is None:
+            raise RuntimeError(f"stage {stage.index}: value {n.name} is neither computed nor received here")
+        name = info.name
+        attrs[name] = info.value
+        node = graph.get_attr(name)
+        node.meta = dict(n.meta)
+        env[n] = node
+        return node
+
+    wanted = set(stage.nodes) | set(stage.replicated)
+    for n in captured.gm.graph.nodes:
+        if n in wanted:
+            if n.op == "get_attr":
+                # Submodules of the captured graph (bodies of higher-order ops such as an inlined
+                # autograd.Function or a checkpointed region) and constant tensors it holds.
+                attrs[n.target] = _attr(captured.gm, n.target)
+            env[n] = graph.node_copy(n, lookup)
+    results = []
+    received = set(stage.inputs)
+    for v in stage.outputs:
+        node = lookup(v)
+        ex = v.meta.get("example_value")
+        if v in received:
+            node = graph.call_method("clone", (node,))
+        elif isinstance(ex, torch.Tensor) and not ex.is_contiguous():
+            node = graph.call_method("contiguous", (node,))
+        results.append(node)
+    graph.output(results[0] if last and len(results) == 1 else tuple(results))
+    graph.lint()
+    # A dict root binds each get_attr target to that very tensor (parameters stay parameters,
+    # other tensors become buffers), creating the submodules along dotted names.
+    return torch.fx.GraphModule(attrs, graph, class_name=f"Stage{stage.index}")

@@ -1,0 +1,573 @@
+"""Pipeline parallelism against a single-process eager oracle, on real gloo process groups.
+
+Every multi-process test spawns one small world (2 or 4 CPU processes, one thread each) with a
+free port and a hard deadline. A 4-process world runs, in turn: two concurrent 2-stage pipelines
+(ranks 0-1 GPipe and ranks 2-3 1F1B, on groups the worker creates), then a 4-stage GPipe and a
+4-stage 1F1B pipeline. Each rank saves the loss and its parameters' gradients; the parent compares
+them with eager PyTorch on the same model and the same microbatches (the loss of a step is the
+mean of the microbatch losses).
+"""
+from __future__ import annotations
+
+import datetime
+import itertools
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Tuple
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+import fxtrain
+from fxtrain.pipeline import min_max_partition, node_flops
+from fxtrain.pipeline.partition import stage_costs
+
+M = 4            # microbatches
+BATCH = 8
+RTOL = 1e-5      # per-parameter gradient tolerance, relative to the gradient's norm
+ZERO = 1e-8      # a reference gradient below this norm is numerically zero (e.g. attention key bias)
+
+
+# ------------------------------------------------------------------------------------- test models
+class RoundSTE(torch.autograd.Function):
+    """Straight-through rounding: the true derivative of round() is 0; the user's backward says 1."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class NumpyGate(torch.autograd.Function):
+    """Leaves torch in forward (numpy) and has a hand-written backward no tracer could derive."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        y = np.tanh(x.detach().cpu().numpy()) * w.detach().cpu().numpy()
+        return torch.from_numpy(y).to(x.dtype)
+
+    @staticmethod
+    def infer_shape(x, w):  # its forward cannot run on fake tensors: shapes for the graph
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        t = torch.tanh(x)
+        return grad * (1 - t * t) * w, (grad * t).sum(0).sum(0)
+
+
+class ToyLM(nn.Module):
+    """Embedding tied to the LM head, custom Functions in early and late layers, keyword inputs."""
+
+    def __init__(self, vocab: int = 40, dim: int = 16, layers: int = 6) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
+        self.gate = nn.Parameter(torch.linspace(0.5, 1.5, dim))
+        self.head_bias = nn.Parameter(torch.zeros(vocab))
+
+    def forward(self, input_ids, labels=None, *, temperature=1.0):
+        h = self.embed(input_ids)
+        for i, layer in enumerate(self.layers):
+            h = torch.tanh(layer(h)) + h
+            if i == 0:
+                h = RoundSTE.apply(h)
+            if i == len(self.layers) - 2:
+                h = NumpyGate.apply(h, self.gate)
+        logits = F.linear(h, self.embed.weight, self.head_bias) / temperature
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def toy_model() -> nn.Module:
+    torch.manual_seed(0)
+    return ToyLM()
+
+
+def toy_batch(batch: int = BATCH) -> Dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return {"input_ids": torch.randint(0, 40, (batch, 5), generator=g),
+            "labels": torch.randint(0, 40, (batch, 5), generator=g)}
+
+
+def bert_model() -> nn.Module:
+    from fxtrain import models
+    return models.build("bert-tiny")
+
+
+def bert_batch(batch: int = BATCH) -> Dict[str, torch.Tensor]:
+    from fxtrain import models
+    # 15% labelled positions: label sparsity turns itself on in the last stage.
+    return models.preset_batch("bert-tiny", batch, 16, padding=0.25, label_density=0.15)
+
+
+def gpt2_model() -> nn.Module:
+    from fxtrain import models
+    return models.build("gpt2-tiny")
+
+
+def gpt2_batch(batch: int = BATCH) -> Dict[str, torch.Tensor]:
+    from fxtrain import models
+    b = models.preset_batch("gpt2-tiny", batch, 16, padding=0.0)
+    return {"input_ids": b["input_ids"], "labels": b["labels"]}
+
+
+class ToyLogits(ToyLM):
+    """The same model returning logits: the loss comes from build(loss_fn=...) and step(target=...)."""
+
+    def forward(self, input_ids, *, temperature=1.0):
+        h = self.embed(input_ids)
+        for i, layer in enumerate(self.layers):
+            h = torch.tanh(layer(h)) + h
+            if i == 0:
+                h = RoundSTE.apply(h)
+        return F.linear(h, self.embed.weight, self.head_bias) / temperature
+
+
+def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def logits_model() -> nn.Module:
+    torch.manual_seed(0)
+    return ToyLogits()
+
+
+MODELS: Dict[str, Tuple[Callable[[], nn.Module], Callable[..., Dict[str, torch.Tensor]]]] = {
+    "toy": (toy_model, toy_batch), "bert": (bert_model, bert_batch), "gpt2": (gpt2_model, gpt2_batch)}
+
+
+# ------------------------------------------------------------------------------------ the harness
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, out: str, job: str, arg: Any) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=40))
+    try:
+        result = JOBS[job](rank, world, arg)
+    except BaseException:
+        import traceback
+        torch.save({"error": traceback.format_exc()}, os.path.join(out, f"rank{rank}.pt"))
+        os._exit(1)
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    if job.startswith("fail"):
+        os._exit(0)  # the group is broken by design: skip a teardown that would wait on the dead peer
+    dist.destroy_process_group()
+
+
+def spawn(job: str, world: int, tmp_path: Path, arg: Any = None, deadline: float = 60.0,
+          may_die: Tuple[int, ...] = ()) -> List[Any]:
+    """Run JOBS[job] on ``world`` spawned processes; fail (and kill them all) past ``deadline`` seconds."""
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world, port, str(tmp_path), job, arg), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    end = time.monotonic() + deadline
+    try:
+        for p in procs:
+            p.join(timeout=max(0.0, end - time.monotonic()))
+        late = [r for r, p in enumerate(procs) if p.is_alive()]
+        assert not late, f"{job}: rank(s) {late} did not finish within {deadline:.0f} s"
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    results = []
+    for r, p in enumerate(procs):
+        path = tmp_path / f"rank{r}.pt"
+        if r in may_die and not path.exists():
+            results.append({"exitcode": p.exitcode})
+            continue
+        assert path.exists(), f"{job}: rank {r} exited with code {p.exitcode} and no result"
+        res = torch.load(path, weights_only=False)
+        assert "error" not in res, f"{job}: rank {r} raised:\n{res['error']}"
+        results.append(res)
+    return results
+
+
+def _train(runner: Any, batch: Dict[str, torch.Tensor], steps: int = 1) -> Dict[str, Any]:
+    losses = [runner.step(**batch) for _ in range(steps)]
+    info = runner.module.capture_info()
+    return {"stage": runner.stage_index, "stages": runner.num_stages, "losses": losses,
+            "grads": {n: p.grad.clone() for n, p in runner.named_parameters() if p.grad is not None},
+            "names": [n for n, _ in runner.named_parameters()],
+            "optimizations": dict(info.optimizations), "python_ops": runner.python_ops,
+            "python_op_calls": runner.python_op_calls,
+            "stats": dict(runner.last_stats)}
+
+
+def _parity_job(rank: int, world: int, name: str) -> Dict[str, Any]:
+    """2-stage GPipe (ranks 0-1) and 1F1B (ranks 2-3) at once, then 4-stage GPipe and 1F1B."""
+    build_model, build_batch = MODELS[name]
+    batch = build_batch()
+    opts = fxtrain.Options(fallback="raise")
+    steps = 2 if name == "toy" else 1   # toy: a second step without zero_grad must accumulate
+    results: Dict[str, Any] = {}
+    pair = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = rank // 2
+    schedule = ("gpipe", "1f1b")[mine]
+    model = build_model()
+    pipe2 = fxtrain.split(model, example_kwargs=batch, num_stages=2)
+    runner = pipe2.build(schedule, n_microbatches=M, group=pair[mine], options=opts)
+    results[f"2/{schedule}"] = _train(runner, batch, steps)
+    if name == "toy":
+        try:
+            runner.step(**build_batch(6))
+        except Exception as e:  # every rank validates its own batch: no rank waits on another
+            results["indivisible"] = f"{type(e).__name__}: {e}"
+        # A model that returns logits: positional input, a keyword constant, loss_fn and target.
+        ids, labels = batch["input_ids"], batch["labels"]
+        logits_pipe = fxtrain.split(logits_model(), (ids,), {"temperature": 2.0}, num_stages=2, example_target=labels)
+        lrunner = logits_pipe.build(schedule, n_microbatches=M, loss_fn=lm_loss, group=pair[mine], options=opts)
+        losses = [lrunner.step(ids, temperature=2.0, target=labels)]
+        results["2/loss_fn"] = {"stage": lrunner.stage_index, "losses": losses,
+                                "grads": {n: p.grad.clone() for n, p in lrunner.named_parameters()
+                                          if p.grad is not None}}
+        try:
+            lrunner.step(ids, temperature=3.0, target=labels)
+        except fxtrain.PipelineError as e:
+            results["constant_changed"] = str(e)
+    pipe = pipe2.replan(num_stages=4)  # same captures, another cut
+    for schedule in ("gpipe", "1f1b"):
+        model.zero_grad(set_to_none=True)
+        runner = pipe.build(schedule, n_microbatches=M, options=opts, timeout=datetime.timedelta(seconds=30))
+        results[f"4/{schedule}"] = _train(runner, batch, steps)
+    return results
+
+
+def _oracle(name: str) -> Tuple[torch.Tensor, Dict[str, torch.Tensor], nn.Module]:
+    build_model, build_batch = MODELS[name]
+    model, batch = build_model(), build_batch()
+    losses = [model(**{k: v[i * BATCH // M:(i + 1) * BATCH // M] for k, v in batch.items()}) for i in range(M)]
+    losses = [l if isinstance(l, torch.Tensor) else l.loss for l in losses]
+    loss = torch.stack(losses).mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, model
+
+
+def _compare(results: List[Dict[str, Any]], config: str, ranks: List[int], ref_loss: torch.Tensor,
+             ref_grads: Dict[str, torch.Tensor], steps: int = 1) -> Dict[int, Dict[str, Any]]:
+    got = {results[r][config]["stage"]: results[r][config] for r in ranks}
+    last = got[max(got)]
+    for loss in last["losses"]:
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-7, msg=lambda m: f"{config} loss: {m}")
+    for s, res in got.items():
+        if s != max(got):
+            assert all(l is None for l in res["losses"]), f"{config}: stage {s} returned a loss"
+    held: Dict[str, List[int]] = {}
+    for s, res in got.items():
+        for n, g in res["grads"].items():
+            held.setdefault(n, []).append(s)
+            ref = ref_grads[n] * steps
+            err, scale = (g - ref).norm().item(), ref.norm().item()
+            assert err <= RTOL * scale or (scale < ZERO and err < ZERO), \
+                f"{config}: stage {s} gradient of {n} off by {err:.3g} (norm {scale:.3g})"
+    assert set(held) == set(ref_grads), f"{config}: parameters without a gradient: {set(ref_grads) - set(held)}"
+    return got
+
+
+# -------------------------------------------------------------------------------- parity tests
+def _run_parity(name: str, tmp_path: Path) -> Tuple[List[Dict[str, Any]], Dict[str, List[int]]]:
+    results = spawn("parity", 4, tmp_path, name, deadline=60.0)
+    ref_loss, ref_grads, _ = _oracle(name)
+    steps = 2 if name == "toy" else 1
+    shared: Dict[str, List[int]] = {}
+    for config, ranks in (("2/gpipe", [0, 1]), ("2/1f1b", [2, 3]), ("4/gpipe", [0, 1, 2, 3]), ("4/1f1b", [0, 1, 2, 3])):
+        got = _compare(results, config, ranks, ref_loss, ref_grads, steps)
+        for s, res in got.items():
+            for n in res["names"]:
+                shared.setdefault(f"{config}:{n}", []).append(s)
+    return results, shared
+
+
+def test_custom_function_tied_weights_kwargs(tmp_path):
+    """Custom Functions (user backward runs), a tied embedding/head across stages, two steps."""
+    results, shared = _run_parity("toy", tmp_path)
+    # The tied embedding is held by the first and the last stage in every configuration.
+    for config in ("2/gpipe", "2/1f1b", "4/gpipe", "4/1f1b"):
+        assert sorted(shared[f"{config}:embed.weight"]) == [0, int(config[0]) - 1], config
+    for config in ("2/gpipe", "2/1f1b", "4/gpipe", "4/1f1b"):
+        got = [r[config] for r in results if config in r]
+        assert sorted(op.rsplit(".", 1)[-1] for op in got[0]["python_ops"]) == ["NumpyGate", "RoundSTE"]
+        assert sum(res["python_op_calls"] for res in got) == 2, config  # each call in exactly one stage
+    for r in results:
+        assert "not divisible by n_microbatches=4" in r["indivisible"], r["indivisible"]
+        assert "temperature=3.0 differs from the value the model was split with (2.0)" in r["constant_changed"]
+    # loss_fn + target: compare with eager on the logits model
+    model = logits_model()
+    batch = toy_batch()
+    chunks = [slice(i * BATCH // M, (i + 1) * BATCH // M) for i in range(M)]
+    ref = torch.stack([lm_loss(model(batch["input_ids"][c], temperature=2.0), batch["labels"][c]) for c in chunks]).mean()
+    ref.backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    for config in ("2/loss_fn",):
+        for ranks in ([0, 1], [2, 3]):
+            _compare(results, config, ranks, ref.detach(), ref_grads)
+
+
+def test_bert_mlm_label_sparsity_in_last_stage(tmp_path):
+    results, shared = _run_parity("bert", tmp_path)
+    for config in ("2/gpipe", "2/1f1b", "4/gpipe", "4/1f1b"):
+        assert len(shared[f"{config}:bert.embeddings.word_embeddings.weight"]) == 2, config  # tied decoder
+        last = [res[config] for res in results if config in res and res[config]["stage"] == int(config[0]) - 1][0]
+        why = last["optimizations"].get("label_sparsity", "")
+        assert why.startswith("on:"), f"{config}: label sparsity did not fire in the last stage: {why}"
+        # 25% padding: padding elimination runs in the stage holding the embedding.
+        first = [res[config] for res in results if config in res and res[config]["stage"] == 0][0]
+        why = first["optimizations"].get("padding_elimination", "")
+        assert why.startswith("on:"), f"{config}: padding elimination did not fire in the first stage: {why}"
+
+
+def test_gpt2_tied_lm_head(tmp_path):
+    results, shared = _run_parity("gpt2", tmp_path)
+    for config in ("2/gpipe", "2/1f1b", "4/gpipe", "4/1f1b"):
+        # Held by the stage with the token embedding and by the last stage (the LM head); with
+        # 4 stages the balanced plan may give the first stage only mask/position work.
+        holders = shared[f"{config}:transformer.wte.weight"]
+        assert len(holders) == 2 and int(config[0]) - 1 in holders, (config, holders)
+
+
+# ----------------------------------------------------------------------------------- failures
+class FailOnDemand(torch.autograd.Function):
+    """Identity, unless the test asks this process's stage to raise or to die in its forward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        mode = os.environ.get("FXTRAIN_TEST_FAIL")
+        if mode == "raise":
+            raise ValueError("deliberate failure in the last stage")
+        if mode == "die":
+            os._exit(3)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class FailingLM(ToyLM):
+    def forward(self, input_ids, labels=None, *, temperature=1.0):
+        h = self.embed(input_ids)
+        for layer in self.layers:
+            h = torch.tanh(layer(h)) + h
+        h = FailOnDemand.apply(h)       # in the last stage: after every layer, right before the head
+        logits = F.linear(h, self.embed.weight, self.head_bias) / temperature
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+FAIL_TIMEOUT = 8.0
+
+
+def _failure_job(rank: int, world: int, mode: str) -> Dict[str, Any]:
+    torch.manual_seed(0)
+    model, batch = FailingLM(), toy_batch()
+    pipe = fxtrain.split(model, example_kwargs=batch, split_points={"layers.3": "before"})
+    runner = pipe.build("1f1b", n_microbatches=M, timeout=datetime.timedelta(seconds=FAIL_TIMEOUT),
+                        options=fxtrain.Options(fallback="raise"))
+    # A healthy step first; only the first stage needs the batch, the last calls step() bare.
+    loss = runner.step(**batch) if rank == 0 else runner.step()
+    assert (loss is None) == (rank == 0)
+    dist.barrier()
+    if rank == 1:
+        os.environ["FXTRAIN_TEST_FAIL"] = mode
+    start = time.monotonic()
+    try:
+        runner.step(**batch)
+        error = None
+    except fxtrain.PipelineError as e:
+        error = str(e)
+    elapsed = time.monotonic() - start
+    if rank == 1 and mode == "raise":
+        # Stay alive past the timeout: the peer must give up on its own, not because we exited.
+        torch.save({"error_message": error, "elapsed": elapsed}, os.path.join(os.environ["FXTRAIN_TEST_OUT"], "rank1.pt"))
+        time.sleep(FAIL_TIMEOUT + 6)
+    return {"error_message": error, "elapsed": elapsed}
+
+
+@pytest.mark.parametrize("mode", ["raise", "die"])
+def test_failing_stage_ends_peers_within_timeout(tmp_path, mode, monkeypatch):
+    monkeypatch.setenv("FXTRAIN_TEST_OUT", str(tmp_path))
+    results = spawn(f"fail_{mode}", 2, tmp_path, mode, deadline=55.0, may_die=(1,) if mode == "die" else ())
+    first = results[0]
+    assert first["error_message"] is not None, "the healthy stage did not notice its peer failed"
+    assert "pipeline stage 0 (rank 0, 1f1b) stopped" in first["error_message"], first["error_message"]
+    assert first["elapsed"] < FAIL_TIMEOUT + 5, f"rank 0 took {first['elapsed']:.1f} s to give up"
+    if mode == "raise":
+        assert "ValueError: deliberate failure in the last stage" in results[1]["error_message"]
+        assert "stage 1" in results[1]["error_message"]
+        # The peer names the stage that failed and why (read from the rendezvous store).
+        assert "stage 1 (rank 1) raised ValueError: deliberate failure" in first["error_message"], first["error_message"]
+    else:
+        assert results[1] == {"exitcode": 3}
+        assert "process ended without reporting an error (it probably died)" in first["error_message"]
+
+
+JOBS: Dict[str, Callable[[int, int, Any], Any]] = {"parity": _parity_job, "fail_raise": _failure_job,
+                                                    "fail_die": _failure_job}
+
+
+# ------------------------------------------------------------------ planning (single process)
+def _brute_force(costs, k, allowed, weights):
+    n = len(costs)
+    best = None
+    for cuts in itertools.combinations([c for c in range(1, n) if allowed[c]], k - 1):
+        worst = max(stage_costs(costs, list(cuts)))
+        sent = sum(weights[c] for c in cuts)
+        if best is None or (worst, sent) < best:
+            best = (worst, sent)
+    return best
+
+
+def test_partition_is_the_brute_force_optimum():
+    rng = np.random.default_rng(0)
+    checked = 0
+    for trial in range(300):
+        n = int(rng.integers(2, 10))
+        k = int(rng.integers(1, min(n, 4) + 1))
+        costs = [float(c) for c in rng.integers(0, 20, n)] if trial % 2 else list(rng.random(n) * 10)
+        allowed = [True] + [bool(b) for b in rng.random(n - 1) > 0.25] + [True]
+        weights = [float(w) for w in rng.integers(0, 5, n + 1)]
+        if sum(allowed[1:n]) < k - 1:
+            with pytest.raises(ValueError):
+                min_max_partition(costs, k, allowed=allowed, cut_weights=weights)
+            continue
+        cuts, optimum = min_max_partition(costs, k, allowed=allowed, cut_weights=weights)
+        worst, sent = _brute_force(costs, k, allowed, weights)
+        assert len(cuts) == k - 1 and all(allowed[c] for c in cuts) and cuts == sorted(set(cuts))
+        assert max(stage_costs(costs, cuts)) == pytest.approx(worst, rel=1e-12, abs=1e-12)
+        assert optimum == pytest.approx(worst, rel=1e-12, abs=1e-12)
+        assert sum(weights[c] for c in cuts) == pytest.approx(sent)
+        checked += 1
+    assert checked > 200
+
+
+def test_twelve_layer_transformer_four_stages_balanced():
+    from fxtrain import models
+    torch.manual_seed(0)
+    model = models.bert_mlm(hidden=64, layers=12, heads=2, vocab=1000)
+    batch = models.preset_batch("bert-tiny", 8, 32, padding=0.0, label_density=0.15)
+    pipe = fxtrain.split(model, example_kwargs=batch, num_stages=4)
+    flops = [r["flops"] for r in pipe.stage_table()]
+    assert max(flops) / (sum(flops) / 4) <= 1.10, flops
+    assert sum(flops) == sum(node_flops(pipe.plan.captured.gm))
+    by_params = pipe.replan(num_stages=4, balance="params")
+    params = [r["params"] for r in by_params.stage_table()]
+    flops_plan_params = [r["params"] for r in pipe.stage_table()]
+    assert max(params) <= max(flops_plan_params)  # balancing what it is asked to balance
+
+
+def test_flop_counts_are_analytic():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 12)
+            self.conv = nn.Conv2d(3, 5, 3, padding=1)
+            self.w = nn.Parameter(torch.randn(12, 7))
+
+        def forward(self, x, img):
+            h = self.lin(x)                                       # [2, 4, 8] @ [8, 12]
+            q = h.view(2, 4, 2, 6).transpose(1, 2)                 # [2, 2, 4, 6]
+            a = F.scaled_dot_product_attention(q, q, q)            # L = S = 4, E = Ev = 6
+            y = a.transpose(1, 2).reshape(2, 4, 12) @ self.w       # [2, 4, 12] @ [12, 7]
+            return y.sum() + self.conv(img).sum()
+
+    x, img = torch.randn(2, 4, 8), torch.randn(2, 3, 6, 6)
+    pipe = fxtrain.split(Net(), (x, img), num_stages=1)
+    # forward, then one more product per operand that needs a gradient (x and img do not)
+    lin = 2 * 8 * 8 * 12 * 2                 # weight grad only
+    attn = 2 * 2 * 2 * 4 * 4 * (6 + 6) * 3   # Q·Kᵀ and P·V, backward twice the forward
+    mm = 2 * 8 * 12 * 7 * 3                  # both operands need grads
+    conv = 2 * (2 * 5 * 6 * 6) * 3 * 9 * 2   # weight grad only
+    assert sum(node_flops(pipe.plan.captured.gm)) == lin + attn + mm + conv
+
+
+def test_sparse_flops_count_the_lm_head_on_labelled_rows():
+    from fxtrain.pipeline.costs import module_of, node_sparse_flops
+    batch = bert_batch()
+    density = float((batch["labels"] != -100).float().mean())
+    pipe = fxtrain.split(bert_model(), example_kwargs=batch, num_stages=2, balance="sparse_flops")
+    gm = pipe.plan.captured.gm
+    dense, sparse = node_flops(gm), node_sparse_flops(gm)
+    nodes = list(gm.graph.nodes)
+    changed = {module_of(nodes[i]): sparse[i] / dense[i] for i in range(len(nodes)) if sparse[i] != dense[i]}
+    # the matmuls the label-sparsity pass runs on labelled rows: decoder, head transform, last FFN ...
+    assert {"cls.predictions.decoder", "cls.predictions.transform.dense"} <= set(changed), changed
+    assert all(r == pytest.approx(density) for r in changed.values()), changed
+    costs = [s.cost for s in pipe.plan.stages]
+    assert sum(costs) == pytest.approx(sum(sparse))
+    # With the head cheaper, the last stage takes more of the encoder than under dense FLOPs.
+    assert pipe.plan.cuts[0] < pipe.replan(num_stages=2).plan.cuts[0]
+    assert "balanced on sparse_flops" in pipe.describe()
+
+
+class Marked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(6, 6) for _ in range(4))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            if i in (1, 3):
+                fxtrain.pipe_split()
+            x = torch.relu(layer(x))
+        return x.pow(2).mean()
+
+
+def test_markers_and_split_points():
+    model, x = Marked(), torch.randn(4, 6)
+    ref = nn.Sequential(*[nn.Sequential(layer, nn.ReLU()) for layer in model.layers])(x).pow(2).mean()
+    assert torch.equal(model(x), ref)  # pipe_split() is a no-op in eager ...
+    tm = fxtrain.TrainModule(model, fxtrain.Options(fallback="raise"))
+    torch.testing.assert_close(tm(x), ref)  # ... and inside a captured graph
+    pipe = fxtrain.split(model, (x,))
+    assert [(s.first_module, s.last_module) for s in pipe.plan.stages] == [
+        ("layers.0", "layers.0"), ("layers.1", "layers.2"), ("layers.3", "layers.3")]
+    after = pipe.replan(split_points={"layers.0": "after", "layers.2": "before"})
+    assert [s.params for s in after.plan.stages] == [
+        ["layers.0.weight", "layers.0.bias"], ["layers.1.weight", "layers.1.bias"],
+        ["layers.2.weight", "layers.2.bias", "layers.3.weight", "layers.3.bias"]]
+    with pytest.raises(fxtrain.SplitError, match="names no module"):
+        pipe.replan(split_points=["layers.9"])
+    with pytest.raises(fxtrain.SplitError, match="either num_stages or split_points"):
+        fxtrain.split(model, (x,), num_stages=2, split_points=["layers.1"])
+
+
+def test_describe_simulate_and_plot(tmp_path):
+    from fxtrain.pipeline.timeline import simulate
+    for p, m in ((2, 4), (4, 4), (4, 8)):
+        for schedule in ("gpipe", "1f1b"):
+            sim = simulate([1.0] * p, [2.0] * p, schedule, m)
+            assert sim.bubble_fraction == pytest.approx((p - 1) / (m + p - 1)), (p, m, schedule)
+    pipe = fxtrain.split(toy_model(), example_kwargs=toy_batch(), num_stages=3)
+    text = pipe.describe()
+    assert "3 stages balanced by flops" in text and "max/mean stage FLOPs" in text
+    rows = pipe.stage_table()
+    assert [r["stage"] for r in rows] == [0, 1, 2] and rows[0]["send_bytes"] > 0 and rows[-1]["send_bytes"] == 0
+    out = pipe.plot(str(tmp_path / "timeline.png"), schedule="gpipe", n_microbatches=4)
+    assert Path(out).stat().st_size > 1000
+
+
+def test_cli_split_prints_the_plan(tmp_path, capsys):
+    from fxtrain.cli import main
+    png = tmp_path / "plan.png"
+    assert main(["split", "bert-tiny", "--stages", "2", "--batch", "4", "--seq", "16", "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "2 stages balanced by flops" in out and "bert.embeddings" in out and png.stat().st_size > 1000
