@@ -111,6 +111,11 @@ def _compile_marked(gm: torch.fx.GraphModule, example_inputs: List[object], reco
         return run
 
     def backward_compiler(bw: torch.fx.GraphModule, _inputs: List[object]) -> Callable[..., Any]:
+        from ..passes import BACKWARD_PASSES  # what runtime/executors.py runs on the backward graph
+
+        for backward_pass in BACKWARD_PASSES:
+            report = backward_pass(bw)
+            record.report(report.name, str(report))
         record.backward_graph = bw
         backward.append(AbsentGradBackward(mark(bw, "backward")))
         record.backward_runner = backward[-1]
