@@ -95,7 +95,6 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             dist.destroy_process_group()
 
 
-@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="no gloo backend in this build")
 def test_ddp_of_train_module_matches_ddp_of_model(tmp_path):
     ctx = mp.start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=False,
                              start_method="spawn")
