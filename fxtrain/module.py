@@ -12,6 +12,8 @@ import torch._dynamo
 from torch import nn
 from torch._dynamo.utils import counters
 
+from .cache.call import MISS
+from .cache.session import ModuleCache
 from .capture.backend import Backend, current_mode
 from .capture.entry import make_entry
 from .capture.state import in_fake_run
@@ -74,6 +76,7 @@ class TrainModule(nn.Module):
         # for models whose code never reads `self.training`.
         self._compiled = {mode: make_entry(self._backend, self._options.dynamic, self._options.fullgraph)
                           for mode in (True, False)}
+        self._cache = ModuleCache(self._options, self._info, self._backend.owner)
         self._seen: Set[Hashable] = set()
         self._device: Optional[torch.device] = None
         self._device_known = False
@@ -93,6 +96,15 @@ class TrainModule(nn.Module):
         key = (call_schema(args, kwargs, self._module_device()), current_mode(self.training),
                torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
         may_capture = key not in self._seen
+        if self._cache.active:
+            out = self._cache.call(key, self.module, args, kwargs)
+            if out is MISS and may_capture:
+                out = self._cache.load(key, self.module, args, kwargs, key[1])
+            if out is not MISS:
+                self._seen.add(key)
+                if torch.is_grad_enabled():
+                    release_materialization(out)
+                return out
         snapshot = self._snapshot_buffers() if may_capture and self._options.fallback == "eager" else None
         graphs_before, breaks_before = self._info.graphs, _graph_break_total()
         try:
@@ -105,6 +117,13 @@ class TrainModule(nn.Module):
             return self._after_capture_failure(exc, snapshot, args, kwargs)
         if self._info.graphs != graphs_before:
             new_breaks = _graph_break_total() - breaks_before
+            if self._cache.active:
+                if self._info.graphs == graphs_before + 1 and not new_breaks:
+                    self._cache.stored_after_capture(key, self._info.records[-1], out, key[1],
+                                                     type(self.module).__qualname__)
+                else:
+                    self._info.cache_log.append(f"not stored ({key[1]}): the call made "
+                                                f"{self._info.graphs - graphs_before} graphs (graph breaks)")
             self._info.graph_breaks += new_breaks
             if new_breaks:
                 self._info.break_reasons.extend(

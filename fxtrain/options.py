@@ -57,6 +57,10 @@ class Options:
     save_graphs_dir: Optional[str] = field(default=None, metadata={
         "help": "Write every captured graph here (dynamo, aten forward and backward as readable FX code, "
                 "with the optimizations and PythonOps), one folder per capture, for debugging."})
+    cache_dir: Optional[str] = field(default=None, metadata={
+        "help": "Directory of the on-disk cache of captured graphs: a later process with the same model, "
+                "inputs and options skips capture (`fxtrain cache ls|clear`). The directory must exist and "
+                "be writable; otherwise fxtrain warns once and runs without the cache."})
     recompile_limit: int = field(default=64, metadata={
         "help": "Captures allowed for one TrainModule before it stops capturing new input schemas."})
 

@@ -7,6 +7,7 @@ from typing import Callable, List
 import torch
 import torch.fx
 
+from ..cache import recipe as cache_recipe
 from ..options import Options
 from ..passes import run_passes
 from ..passes.defer import META_KEY as DEFERRED_KEY
@@ -40,6 +41,7 @@ class Backend:
         # No try/except here: dynamo restarts analysis by raising through its backend, and a real
         # failure must reach TrainModule, which applies the fallback policy.
         record = GraphRecord(index=len(self.info.records), mode=current_mode(self.training()), dynamo_graph=gm)
+        recipe = cache_recipe.start(gm) if self.options.cache_dir else None
         record.optimizations = run_passes(gm, example_inputs, self.options)
         record.report_to = self.info.optimizations
         compiled = compile_graph(gm, example_inputs, self.options.executor, record)
@@ -49,6 +51,12 @@ class Backend:
         probes = gm.meta.pop(PROBES_KEY, None)
         if probes:
             compiled = with_density_probes(compiled, probes, self.info.density, self.options.log_density)
+        if recipe is not None:
+            cache_recipe.finish(recipe, gm)
+            recipe.plan = plan.portable() if plan is not None else None
+            recipe.probes = list(probes or [])
+            record.cache_recipe = recipe
+            compiled = cache_recipe.watch(recipe, compiled)
         self.info.records.append(record)
         self.info.graphs += 1
         self.info.optimizations.update(record.optimizations)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch.fx
 
@@ -20,6 +20,12 @@ class GraphRecord:
     optimizations: Dict[str, str] = field(default_factory=dict)
     # CaptureInfo.optimizations: a backward graph may be compiled only at the first backward.
     report_to: Optional[Dict[str, str]] = field(default=None, repr=False)
+    # For the on-disk cache: AOTAutograd's metadata of the graphs, whether they are an inference
+    # pair (no backward), and a callback once the backward graph exists (it is compiled lazily).
+    aot_metadata: Optional[Any] = field(default=None, repr=False)
+    inference: bool = False
+    on_backward: Optional[Callable[[], None]] = field(default=None, repr=False)
+    cache_recipe: Optional[Any] = field(default=None, repr=False)
 
     def report(self, name: str, why: str) -> None:
         self.optimizations[name] = why
@@ -43,6 +49,9 @@ class CaptureInfo:
     executor: str = "eager"
     break_reasons: List[str] = field(default_factory=list)
     density: Dict[str, float] = field(default_factory=dict)  # last batch: "label density", "token density"
+    cache_hits: int = 0                                     # captures loaded from Options.cache_dir
+    cache_misses: int = 0
+    cache_log: List[str] = field(default_factory=list)     # what the cache did, one line per event
     records: List[GraphRecord] = field(default_factory=list, repr=False)
 
     def __str__(self) -> str:
@@ -54,6 +63,9 @@ class CaptureInfo:
             lines.append(f"  {name:<22} {why}")
         for what, d in self.density.items():
             lines.append(f"  last batch {what}: {d:.3f}")
+        if self.cache_hits or self.cache_misses or self.cache_log:
+            lines.append(f"cache:           {self.cache_hits} hit(s), {self.cache_misses} miss(es)")
+            lines.extend(f"  cache {event}" for event in self.cache_log[-5:])
         for reason in self.break_reasons:
             lines.append(f"  break: {reason}")
         return "\n".join(lines)

@@ -62,7 +62,8 @@ class ShapeSolver:
         for i, d, sym in self.sources:
             if sym not in env and args[i] is not None:
                 env[sym] = int(args[i]) if d is None else int(args[i].shape[d])
-        return [int(s.node.expr.xreplace(env)) if isinstance(s, torch.SymInt) else int(s) for s in shape]
+        return [int(s.node.expr.xreplace(env)) if isinstance(s, torch.SymInt)
+                else int(s.xreplace(env)) if isinstance(s, sympy.Expr) else int(s) for s in shape]
 
 
 def _eliminate(gm: torch.fx.GraphModule, absent: Sequence[int]) -> Tuple[torch.fx.GraphModule, List[int]]:

@@ -10,6 +10,7 @@ autograd recording as in the forward, so values and gradients are eager's.
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Tuple
@@ -105,6 +106,23 @@ class DeferredTensor(torch.Tensor):
         return repr(self.materialize())
 
 
+@dataclass(frozen=True)
+class OutSpec:
+    """What a deferred output looks like before it is computed: sizes as ints or sympy expressions."""
+
+    shape: Tuple[Any, ...]
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
+
+    @staticmethod
+    def of(value: Any) -> "OutSpec":
+        if isinstance(value, OutSpec):
+            return value
+        shape = tuple(s.node.expr if isinstance(s, torch.SymInt) else int(s) for s in value.shape)
+        return OutSpec(shape, value.dtype, value.device, bool(value.requires_grad))
+
+
 @dataclass
 class DeferredPlan:
     """How a graph's outputs map back to the outputs dynamo expects.
@@ -112,29 +130,40 @@ class DeferredPlan:
     The graph returns the directly computed outputs in order, then the ``extra`` tensors the deferred
     computation reads. ``inputs`` says, per input of ``gm``: ("arg", index into the call's
     arguments) or ("extra", index into the extra outputs). ``deferred`` lists, per deferred output:
-    its position among the original outputs, its index among ``gm``'s outputs, and its fake value.
+    its position among the original outputs, its index among ``gm``'s outputs, and its fake value
+    (an :class:`OutSpec` once made portable).
     """
 
     gm: Callable[..., Any]
     n_direct: int
     inputs: List[Tuple[str, int]]
-    deferred: List[Tuple[int, int, torch.Tensor]]
-    placeholders: List[torch.fx.Node]
+    deferred: List[Tuple[int, int, Any]]
+    placeholders: Optional[List[torch.fx.Node]]
     n_outputs: int = 0
+    solver: Optional[ShapeSolver] = None
+
+    def shape_solver(self) -> ShapeSolver:
+        return self.solver if self.solver is not None else ShapeSolver(self.placeholders or [])
+
+    def portable(self) -> "DeferredPlan":
+        """The same plan without graph nodes or fake tensors, so that it can be pickled (the cache)."""
+        return dataclasses.replace(self, placeholders=None, solver=self.shape_solver(),
+                                   deferred=[(p, i, OutSpec.of(v)) for p, i, v in self.deferred])
 
 
 def with_deferred(compiled: Callable[..., Any], plan: DeferredPlan) -> Callable[..., Any]:
-    solver = ShapeSolver(plan.placeholders)
+    solver = plan.shape_solver()
+    deferred = [(position, index, OutSpec.of(value)) for position, index, value in plan.deferred]
 
     def run(*args: Any) -> Any:
         outs = compiled(*args)
         direct, extra = list(outs[:plan.n_direct]), outs[plan.n_direct:]
         grad = torch.is_grad_enabled()
         pending = _Pending(plan.gm, [args[i] if kind == "arg" else extra[i] for kind, i in plan.inputs], grad)
-        for position, index, fake in plan.deferred:
-            shape = solver.solve(fake.shape, args)
-            direct.insert(position, DeferredTensor(pending, index, shape, fake.dtype, fake.device,
-                                                   grad and fake.requires_grad))
+        for position, index, spec in deferred:
+            shape = solver.solve(spec.shape, args)
+            direct.insert(position, DeferredTensor(pending, index, shape, spec.dtype, spec.device,
+                                                   grad and spec.requires_grad))
         return type(outs)(direct) if isinstance(outs, tuple) else direct
 
     return run

@@ -6,12 +6,14 @@ graph to torch's code generator: faster kernels on some workloads, tens of secon
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Dict, List
 
 import torch
 import torch.fx
 from functorch.compile import default_partition, make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
+from torch._guards import TracingContext
 
 from ..capture.info import GraphRecord
 from .absent_grads import AbsentGradBackward
@@ -22,8 +24,12 @@ Compiled = Callable[..., object]
 def _compile_eager(gm: torch.fx.GraphModule, example_inputs: List[object], record: GraphRecord) -> Compiled:
     backward: List[AbsentGradBackward] = []
 
-    def forward_compiler(fw: torch.fx.GraphModule, _inputs: List[object]) -> Compiled:
+    def forward_compiler(fw: torch.fx.GraphModule, _inputs: List[object], inference: bool = False) -> Compiled:
         record.forward_graph = fw
+        # What the cache needs to run these graphs without AOTAutograd (runtime/replay.py).
+        context = TracingContext.try_get()
+        record.aot_metadata = context.fw_metadata if context is not None else None
+        record.inference = inference
         run = make_boxed_func(fw.forward)
         # Read after the step (absent_grads.release_materialization), when the backward exists.
         run.fxtrain_accepts_none = lambda: bool(backward) and backward[0].accepts_none
@@ -38,12 +44,15 @@ def _compile_eager(gm: torch.fx.GraphModule, example_inputs: List[object], recor
         record.backward_graph = bw
         backward.append(AbsentGradBackward(bw))
         record.backward_runner = backward[-1]
+        if record.on_backward is not None:
+            record.on_backward()
         return backward[-1].boxed()
 
     # default_partition saves what the backward needs instead of recomputing it: recomputation only
     # pays when a code generator fuses it away, which this executor does not do.
     compiler = aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler,
-                            inference_compiler=forward_compiler, partition_fn=default_partition)
+                            inference_compiler=functools.partial(forward_compiler, inference=True),
+                            partition_fn=default_partition)
     return compiler(gm, example_inputs)
 
 

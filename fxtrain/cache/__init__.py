@@ -1,0 +1,1 @@
+"""On-disk cache of captured graphs: a fresh process skips dynamo and AOTAutograd on a hit."""

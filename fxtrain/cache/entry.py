@@ -1,0 +1,144 @@
+"""A cache entry: the graphs of one capture plus what it takes to call them without dynamo.
+
+Graphs are pickled with torch's GraphPickler, keeping only the node metadata the runtime reads
+(placeholder and add-operand values of the backward graph, for absent-gradient specialisation):
+the rest (stack traces, fake values of every node) would triple the size and the load time.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+from ..runtime.replay import NotReplayable, ReplaySpec, check_graph_arity, replay_spec
+from .key import versions
+from .recipe import Recipe
+
+FORMAT = 1
+_PLAIN = (bool, int, float, complex, str, bytes, type(None))
+
+
+@dataclass
+class Entry:
+    recipe: Recipe
+    spec: ReplaySpec
+    forward_graph: torch.fx.GraphModule
+    backward_graph: Optional[torch.fx.GraphModule]
+    treespec: Any
+    leaves: List[Tuple[str, Any]]                      # ("out", index) or ("const", value)
+    optimizations: Dict[str, str] = field(default_factory=dict)
+    header: Dict[str, Any] = field(default_factory=dict)
+
+
+def output_recipe(out: Any, graph_outputs: Any) -> Tuple[Any, List[Tuple[str, Any]]]:
+    """How the returned object is built from the graph's outputs (by identity), or NotReplayable."""
+    if graph_outputs is None:
+        raise NotReplayable("the graph's outputs were not seen")
+    by_id = {id(t): i for i, t in enumerate(graph_outputs) if isinstance(t, torch.Tensor)}
+    leaves, spec = pytree.tree_flatten(out)
+    recipe: List[Tuple[str, Any]] = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            if id(leaf) not in by_id:
+                raise NotReplayable("the model returns a tensor that is not a graph output")
+            recipe.append(("out", by_id[id(leaf)]))
+        elif isinstance(leaf, _PLAIN):
+            recipe.append(("const", leaf))
+        else:
+            raise NotReplayable(f"the model returns a {type(leaf).__name__}, which fxtrain cannot rebuild")
+    return spec, recipe
+
+
+def build(record: Any, recipe: Recipe, out: Any, about: Dict[str, Any]) -> Entry:
+    """The entry for a finished capture (backward graph filled in later), or NotReplayable."""
+    if recipe.bypass:
+        raise NotReplayable(recipe.bypass)
+    if record.forward_graph is None or record.aot_metadata is None:
+        raise NotReplayable("the executor does not produce aten graphs (only executor='eager' is cached)")
+    for gm in (record.forward_graph,):
+        if any(n.op == "call_function" and str(n.target).startswith("fxtrain.") for n in gm.graph.nodes):
+            raise NotReplayable("the graph holds custom autograd Functions (PythonOps), which are not cached yet")
+    spec = replay_spec(record.aot_metadata, len(recipe.sources), record.inference)
+    check_graph_arity(record.forward_graph, None, spec, recipe.sources)
+    treespec, leaves = output_recipe(out, recipe.last_outputs)
+    header = dict(about, format=FORMAT, created=time.time(), **versions())
+    return Entry(recipe=recipe, spec=spec, forward_graph=record.forward_graph, backward_graph=None,
+                 treespec=treespec, leaves=leaves, header=header)
+
+
+_KEEP_VAL = {torch.ops.aten.add.Tensor}
+
+
+@contextlib.contextmanager
+def _lean_meta(gm: Optional[torch.fx.GraphModule], keep_values: bool) -> Iterator[None]:
+    """Temporarily strip node metadata down to what the runtime reads; restored afterwards."""
+    if gm is None:
+        yield
+        return
+    saved = {n: n.meta for n in gm.graph.nodes}
+    keep = set()
+    if keep_values:
+        for n in gm.graph.nodes:
+            if n.op == "placeholder":
+                keep.add(n)
+            elif n.op == "call_function" and n.target in _KEEP_VAL:
+                keep.add(n)
+                keep.update(a for a in n.args if isinstance(a, torch.fx.Node))
+    try:
+        for n in gm.graph.nodes:
+            n.meta = {"val": saved[n]["val"]} if n in keep and "val" in saved[n] else {}
+        yield
+    finally:
+        for n in gm.graph.nodes:
+            n.meta = saved[n]
+
+
+def _plan_graphs(plan: Any) -> List[torch.fx.GraphModule]:
+    if plan is None:
+        return []
+    found, stack = [], [plan.gm]
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, torch.fx.GraphModule):
+            found.append(obj)
+        elif obj is not None and hasattr(obj, "__dict__"):
+            stack.extend(v for v in vars(obj).values() if isinstance(v, torch.fx.GraphModule) or
+                         type(v).__name__ == "_DenseThenHead")
+    return found
+
+
+def dumps(entry: Entry) -> bytes:
+    from torch.fx._graph_pickler import GraphPickler, Options
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_lean_meta(entry.forward_graph, keep_values=False))
+        stack.enter_context(_lean_meta(entry.backward_graph, keep_values=True))
+        for gm in _plan_graphs(entry.recipe.plan):
+            stack.enter_context(_lean_meta(gm, keep_values=False))
+        recipe = entry.recipe
+        last, recipe.last_outputs = recipe.last_outputs, None
+        try:
+            return GraphPickler.dumps(entry, Options(ops_filter=None))
+        finally:
+            recipe.last_outputs = last
+
+
+def loads(payload: bytes) -> Entry:
+    from torch._subclasses import FakeTensorMode
+    from torch.fx._graph_pickler import GraphPickler
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    entry = GraphPickler.loads(payload, FakeTensorMode(shape_env=ShapeEnv()))
+    if not isinstance(entry, Entry):
+        raise TypeError(f"payload holds a {type(entry).__name__}, not a cache entry")
+    for gm in [entry.forward_graph, entry.backward_graph, *_plan_graphs(entry.recipe.plan)]:
+        if gm is not None:
+            gm.recompile()
+    return entry
+
+
+def check_backward(entry: Entry) -> None:
+    check_graph_arity(entry.forward_graph, entry.backward_graph, entry.spec, entry.recipe.sources)

@@ -1,0 +1,157 @@
+"""One TrainModule's use of the cache: look up before capturing, store after.
+
+Hits and misses land in ``capture_info()`` (``cache_hits``, ``cache_misses``, ``cache_log``) and
+in the INFO log. Nothing here may turn a working run into a failing one: an entry that cannot be
+read, loaded or called is logged and the module captures as if the cache were empty.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Dict, Hashable, Optional, Tuple
+
+from torch import nn
+
+from ..capture.info import CaptureInfo, GraphRecord
+from ..options import Options
+from ..runtime.replay import NotReplayable
+from . import entry as entries
+from .call import MISS, CachedCall
+from .key import Unkeyable, cache_key, changed_files
+from .store import CorruptEntry, Store, warn_once
+
+logger = logging.getLogger("fxtrain")
+
+
+class ModuleCache:
+    def __init__(self, options: Options, info: CaptureInfo, owner: str) -> None:
+        self.options, self.info, self.owner = options, info, owner
+        self.store: Optional[Store] = Store.open(options.cache_dir) if options.cache_dir else None
+        if options.cache_dir and self.store is None:
+            info.cache_log.append(f"cache off: {options.cache_dir} is missing or not writable")
+        self.calls: Dict[Hashable, CachedCall] = {}
+        self.disk_keys: Dict[Hashable, str] = {}
+        self.modules: Tuple[int, ...] = ()
+
+    @property
+    def active(self) -> bool:
+        return self.store is not None
+
+    def _note(self, text: str, *args: Any) -> None:
+        message = text % args if args else text
+        self.info.cache_log.append(message)
+        logger.info("fxtrain cache: %s", message)
+
+    def _miss(self, text: str, *args: Any) -> object:
+        self.info.cache_misses += 1
+        self._note("miss " + text, *args)
+        return MISS
+
+    # ------------------------------------------------------------------------------------ lookup
+    def call(self, key: Hashable, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        """The output of a loaded entry for this call, or MISS (then capture as usual)."""
+        hit = self.calls.get(key)
+        if hit is not None:
+            structure = tuple(map(id, module.modules()))
+            if structure == self.modules:
+                out = hit(module, args, kwargs)
+                if out is not MISS:
+                    return out
+            # Guards failed or submodules were swapped: capture; the new capture replaces the entry.
+            del self.calls[key]
+        return MISS
+
+    def load(self, key: Hashable, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+             mode: str) -> Any:
+        """First call with a new schema: look for an entry on disk and run it."""
+        assert self.store is not None
+        try:
+            disk_key = cache_key(module, args, kwargs, mode, self.options)
+        except Unkeyable as e:
+            self._note("not used for this call: %s", e)
+            return MISS
+        self.disk_keys[key] = disk_key
+        started = time.perf_counter()
+        try:
+            found = self.store.read(disk_key)
+            if found is None:
+                return self._miss("%s (%s): no entry", disk_key[:12], mode)
+            _header, payload = found
+            entry = entries.loads(payload)
+        except Exception as e:  # CorruptEntry, or a payload that does not unpickle
+            reason = str(e) if isinstance(e, CorruptEntry) else f"{type(e).__name__}: {e}"
+            warn_once(f"corrupt:{disk_key}", "fxtrain: ignoring corrupt cache entry %s (%s); it will be rewritten",
+                      self.store.path(disk_key), reason)
+            return self._miss("%s (%s): corrupt entry ignored (%s)", disk_key[:12], mode, reason)
+        stale = changed_files(entry.recipe.files)
+        if stale:
+            return self._miss("%s (%s): source changed since it was stored: %s", disk_key[:12], mode,
+                              ", ".join(sorted(stale)[:3]))
+        try:
+            call = CachedCall(entry, self.info.density, self.options.log_density)
+            out = call(module, args, kwargs)
+        except Exception as e:
+            warn_once(f"unusable:{disk_key}", "fxtrain: cache entry %s could not be used (%s: %s); capturing instead",
+                      self.store.path(disk_key), type(e).__name__, e)
+            return self._miss("%s (%s): entry could not be run (%s)", disk_key[:12], mode, type(e).__name__)
+        if out is MISS:
+            return self._miss("%s (%s): the entry's guards reject this call", disk_key[:12], mode)
+        self.calls[key] = call
+        self.modules = tuple(map(id, module.modules()))
+        self.info.cache_hits += 1
+        self._register(entry, mode)
+        self._note("hit %s (%s): %d graph(s) loaded and run in %.2f s", disk_key[:12], mode,
+                   1 + (entry.backward_graph is not None), time.perf_counter() - started)
+        return out
+
+    def _register(self, entry: entries.Entry, mode: str) -> None:
+        record = GraphRecord(index=len(self.info.records), mode=mode, dynamo_graph=None,  # type: ignore[arg-type]
+                             forward_graph=entry.forward_graph, backward_graph=entry.backward_graph,
+                             optimizations=dict(entry.optimizations))
+        record.from_cache = True  # type: ignore[attr-defined]
+        self.info.records.append(record)
+        self.info.graphs += 1
+        self.info.optimizations.update(entry.optimizations)
+
+    # ------------------------------------------------------------------------------------- store
+    def stored_after_capture(self, key: Hashable, record: GraphRecord, out: Any, mode: str,
+                             model: str) -> None:
+        """Build the entry for a capture that made exactly one graph; written once it is complete."""
+        recipe = record.cache_recipe
+        disk_key = self.disk_keys.get(key)
+        if self.store is None or recipe is None or disk_key is None:
+            return
+        try:
+            entry = entries.build(record, recipe, out, {"model": model, "mode": mode, "owner": self.owner,
+                                                        "executor": self.options.executor})
+        except NotReplayable as e:
+            self._note("not stored (%s): %s", mode, e)
+            return
+        finally:
+            recipe.last_outputs = None
+        if record.inference or record.backward_graph is not None:  # AOTAutograd may compile it eagerly
+            self._write(disk_key, entry, record)
+        else:
+            record.on_backward = lambda: self._write(disk_key, entry, record)
+
+    def _write(self, disk_key: str, entry: entries.Entry, record: GraphRecord) -> None:
+        record.on_backward = None
+        assert self.store is not None
+        entry.backward_graph = record.backward_graph
+        entry.optimizations = dict(record.optimizations)
+        try:
+            entries.check_backward(entry)
+            started = time.perf_counter()
+            payload = entries.dumps(entry)
+            entry.header["nodes"] = len(entry.forward_graph.graph.nodes) + (
+                len(entry.backward_graph.graph.nodes) if entry.backward_graph is not None else 0)
+            self.store.write(disk_key, entry.header, payload)
+        except NotReplayable as e:
+            self._note("not stored (%s): %s", entry.header.get("mode"), e)
+            return
+        except Exception as e:
+            warn_once(f"write:{self.store.root}", "fxtrain: could not write the cache entry in %s (%s: %s)",
+                      self.store.root, type(e).__name__, e)
+            return
+        self._note("stored %s (%s): %.1f MB in %.2f s", disk_key[:12], entry.header.get("mode"),
+                   len(payload) / 1e6, time.perf_counter() - started)

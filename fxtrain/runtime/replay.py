@@ -1,0 +1,144 @@
+"""Run saved aten forward/backward graphs without AOTAutograd: what a cache hit executes.
+
+AOTAutograd wraps its graphs in a runtime that handles input mutations, aliased outputs, tensor
+subclasses, effect tokens and RNG state. For graphs that need none of that (checked from its own
+metadata at capture, :func:`replay_spec`), the runtime is one autograd.Function: run the forward
+graph, save what it says the backward needs, and hand the backward graph the saved values and the
+gradients of the outputs that have one. Rebuilding that from a pickle costs milliseconds; rebuilding
+it through AOTAutograd means re-tracing the whole model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.fx
+from torch.autograd.function import once_differentiable
+
+from .absent_grads import AbsentGradBackward
+
+
+class NotReplayable(Exception):
+    """The captured graph needs AOTAutograd's full runtime; it is not cached (the reason says why)."""
+
+
+@dataclass(frozen=True)
+class ReplaySpec:
+    """Where things are among the forward graph's outputs, and which outputs get gradients."""
+
+    n_inputs: int
+    n_returns: int                      # user outputs, first among the forward graph's outputs
+    saved: slice                        # tensors saved with a version-counter check
+    saved_no_check: slice               # tensors saved without one
+    symints: slice                      # sizes saved for backward
+    non_differentiable: Tuple[int, ...]  # returns that do not require grad
+    tangents: Tuple[int, ...]           # returns whose gradient the backward graph takes, in order
+    inference: bool                     # no backward graph: the forward is all there is
+
+
+def replay_spec(metadata: Any, n_inputs: int, inference: bool) -> ReplaySpec:
+    """Build the spec from AOTAutograd's ViewAndMutationMeta, or raise NotReplayable."""
+    if any(i.mutates_data or i.mutates_metadata for i in metadata.input_info):
+        raise NotReplayable("the graph mutates an input in place (e.g. BatchNorm running statistics)")
+    if metadata.num_intermediate_bases or metadata.num_outputs_aliased or metadata.num_unsafe_view_outputs:
+        raise NotReplayable("an output aliases an input or another output")
+    if metadata.tokens:
+        raise NotReplayable("the graph has ordered side effects (effect tokens)")
+    if metadata.is_rng_op_functionalized:
+        raise NotReplayable("the graph functionalizes random number generation")
+    # AOTAutograd records fake/functional tensor types here; a real subclass flattens itself.
+    if any(isinstance(o.raw_type, type) and hasattr(o.raw_type, "__tensor_flatten__") for o in metadata.output_info):
+        raise NotReplayable("an output is a tensor subclass")
+    if getattr(metadata, "subclass_inp_meta", None) and any(
+            not isinstance(m, int) and type(m).__name__ != "PlainTensorMeta" for m in metadata.subclass_inp_meta):
+        raise NotReplayable("an input is a tensor subclass")
+    n_returns = metadata.num_forward_returns
+    if inference:
+        empty = slice(0, 0)
+        return ReplaySpec(n_inputs, n_returns, empty, empty, empty, (), (), True)
+    if getattr(metadata, "num_opaque_objects_saved_for_bw", 0):
+        raise NotReplayable("the backward needs opaque objects")
+    tangents = tuple(
+        i for i, o in enumerate(metadata.output_info)
+        if o.output_type.name in ("non_alias", "unsafe_view_alias", "custom_function_view")
+        and o.raw_type is not None and issubclass(o.raw_type, torch.Tensor) and o.requires_grad_for_backward)
+    non_diff = tuple(i for i, o in enumerate(metadata.output_info) if not o.requires_grad)
+    return ReplaySpec(
+        n_inputs=n_inputs, n_returns=n_returns,
+        saved=metadata.tensors_saved_for_backwards_with_vc_check_slice,
+        saved_no_check=metadata.tensors_saved_for_backwards_no_vc_check_slice,
+        symints=metadata.symints_saved_for_backwards_slice,
+        non_differentiable=non_diff, tangents=tangents, inference=False)
+
+
+class _Runner:
+    """The compiled pieces one _ReplayFunction.apply needs (passed as its first argument)."""
+
+    def __init__(self, forward: Callable[..., Any], backward: Optional[AbsentGradBackward], spec: ReplaySpec) -> None:
+        self.forward, self.backward, self.spec = forward, backward, spec
+
+
+class _ReplayFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, runner: _Runner, *args: Any) -> Any:  # type: ignore[override]
+        spec = runner.spec
+        outs = runner.forward(*args)
+        returns = tuple(outs[:spec.n_returns])
+        # A view saved for backward would keep its base's autograd history: AOTAutograd detaches too.
+        ctx.save_for_backward(*[x.detach() if x._is_view() else x for x in outs[spec.saved]])
+        ctx.unchecked = [x.detach() if x._is_view() else x for x in outs[spec.saved_no_check]]
+        ctx.symints = list(outs[spec.symints])
+        ctx.runner = runner
+        ctx.n_args = len(args)
+        non_diff = [returns[i] for i in spec.non_differentiable if isinstance(returns[i], torch.Tensor)]
+        if non_diff:
+            ctx.mark_non_differentiable(*non_diff)
+        assert runner.backward is not None
+        ctx.set_materialize_grads(not runner.backward.accepts_none)
+        return returns
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grads: Any) -> Any:
+        runner: _Runner = ctx.runner
+        tangents = [grads[i].contiguous() if isinstance(grads[i], torch.Tensor) else grads[i]
+                    for i in runner.spec.tangents]
+        args = [*ctx.symints, *ctx.saved_tensors, *ctx.unchecked, *tangents]
+        ctx.unchecked = []
+        assert runner.backward is not None
+        input_grads = list(runner.backward(args))
+        if len(input_grads) < ctx.n_args:
+            input_grads += [None] * (ctx.n_args - len(input_grads))
+        return (None, *input_grads[:ctx.n_args])
+
+
+def replayed(forward_graph: torch.fx.GraphModule, backward_graph: Optional[torch.fx.GraphModule],
+             spec: ReplaySpec) -> Callable[..., List[Any]]:
+    """A callable with the calling convention of AOTAutograd's: flat graph inputs in, outputs out."""
+    forward = forward_graph.forward
+    if spec.inference:
+        def run_inference(*args: Any) -> List[Any]:
+            return list(forward(*args)[:spec.n_returns])
+        return run_inference
+    if backward_graph is None:
+        raise NotReplayable("no backward graph was saved")
+    runner = _Runner(forward, AbsentGradBackward(backward_graph), spec)
+
+    def run(*args: Any) -> List[Any]:
+        return list(_ReplayFunction.apply(runner, *args))
+
+    return run
+
+
+def check_graph_arity(forward_graph: torch.fx.GraphModule, backward_graph: Optional[torch.fx.GraphModule],
+                      spec: ReplaySpec, dynamo_inputs: Sequence[Any]) -> None:
+    """AOTAutograd may dedupe or merge aliased inputs: then its graphs' inputs are not dynamo's."""
+    n_fw = sum(1 for n in forward_graph.graph.nodes if n.op == "placeholder")
+    if n_fw != len(dynamo_inputs):
+        raise NotReplayable(f"the forward graph takes {n_fw} inputs for dynamo's {len(dynamo_inputs)}")
+    if backward_graph is not None:
+        out = next(n for n in reversed(backward_graph.graph.nodes) if n.op == "output")
+        n_grads = len(out.args[0]) if isinstance(out.args[0], (list, tuple)) else 1
+        if n_grads != spec.n_inputs:
+            raise NotReplayable(f"the backward graph returns {n_grads} gradients for {spec.n_inputs} inputs")
