@@ -118,6 +118,16 @@ def _split(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cache_args(p: argparse.ArgumentParser) -> None:
+    from .cache.command import add_arguments
+    add_arguments(p)
+
+
+def _cache(args: argparse.Namespace) -> int:
+    from .cache.command import run
+    return run(args)
+
+
 # Subcommand -> (add its arguments, run it, one-line help). Later features register here.
 COMMANDS: Dict[str, Command] = {
     "demo": (_demo_args, _demo, "train the DESIGN §7 BERT-MLM with eager and with fxtrain side by side"),
@@ -125,6 +135,7 @@ COMMANDS: Dict[str, Command] = {
     "profile": (_profile_args, _profile, "cost a training step on fake tensors: FLOPs, peak memory, per module"),
     "options": (_options_args, _options, "print every option with its environment variable and default"),
     "split": (_split_args, _split, "cut a built-in model into pipeline stages and print the plan"),
+    "cache": (_cache_args, _cache, "list (ls) or delete (clear) the entries of the on-disk graph cache"),
 }
 
 

@@ -76,6 +76,7 @@ class TrainModule(nn.Module):
         # for models whose code never reads `self.training`.
         self._compiled = {mode: make_entry(self._backend, self._options.dynamic, self._options.fullgraph)
                           for mode in (True, False)}
+        self._symbolic: Dict[bool, Any] = {}
         self._cache = ModuleCache(self._options, self._info, self._backend.owner)
         self._seen: Set[Hashable] = set()
         self._device: Optional[torch.device] = None
@@ -109,7 +110,7 @@ class TrainModule(nn.Module):
         graphs_before, breaks_before = self._info.graphs, _graph_break_total()
         try:
             with torch._dynamo.config.patch(dynamo_settings(self._options)), self._routing():
-                out = self._compiled[self.training](self.module, args, kwargs)
+                out = self._entry_for(key)(self.module, args, kwargs)
         except Exception as exc:
             if not (may_capture or self._info.graphs != graphs_before
                     or isinstance(exc, torch._dynamo.exc.TorchDynamoException)):
@@ -134,6 +135,15 @@ class TrainModule(nn.Module):
         if torch.is_grad_enabled():
             release_materialization(out)
         return out
+
+    def _entry_for(self, key: Hashable) -> Any:
+        """Dynamo's entry for this call. A cached graph served the first sizes, so dynamo never saw
+        them and would capture the next sizes statically too: capture symbolic sizes directly."""
+        if self._options.dynamic is None and key in self._cache.resized:
+            if self.training not in self._symbolic:
+                self._symbolic[self.training] = make_entry(self._backend, True, self._options.fullgraph)
+            return self._symbolic[self.training]
+        return self._compiled[self.training]
 
     def _routing(self) -> Any:
         if not self._options.custom_autograd:

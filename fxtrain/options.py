@@ -31,8 +31,10 @@ class Options:
     fallback: str = field(default="eager", metadata={
         "choices": ("eager", "raise"),
         "help": "When capture fails: warn once and run the model eagerly, or raise."})
-    dynamic: bool = field(default=True, metadata={
-        "help": "Capture with symbolic sizes so a new batch size or sequence length does not recapture."})
+    dynamic: Optional[bool] = field(default=None, metadata={
+        "help": "Symbolic sizes. None: capture with the first batch's sizes (fastest capture) and once more "
+                "with symbolic sizes when a size changes, as torch.compile does; True: symbolic from the first "
+                "capture (no recapture on a new batch size or sequence length); False: a capture per size."})
     fullgraph: bool = field(default=False, metadata={
         "help": "Treat any graph break as a capture failure (then `fallback` decides)."})
     custom_autograd: bool = field(default=True, metadata={

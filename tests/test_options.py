@@ -18,7 +18,7 @@ def _clean_env(monkeypatch):
 
 def test_defaults():
     o = Options()
-    assert (o.executor, o.fallback, o.dynamic, o.fullgraph) == ("eager", "eager", True, False)
+    assert (o.executor, o.fallback, o.dynamic, o.fullgraph) == ("eager", "eager", None, False)
 
 
 def test_env_overrides_code(monkeypatch):

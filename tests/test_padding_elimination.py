@@ -164,7 +164,7 @@ def test_dense_capturing_batch(mode, expect):
 def test_a_label_on_a_padding_token_later_raises_instead_of_a_wrong_loss():
     build, kind, pad = MODELS["bert"]
     torch.manual_seed(0)
-    tm = fxtrain.TrainModule(build(), fxtrain.Options(fallback="raise", **ALONE))
+    tm = fxtrain.TrainModule(build(), fxtrain.Options(fallback="raise", dynamic=True, **ALONE))
     first, second = _batches(kind, pad, 11, shapes=[(4, 16), (3, 12)])
     tm(**first).loss.backward()
     row, col = (second["attention_mask"] == 0).nonzero()[0].tolist()

@@ -859,10 +859,10 @@ def test_train_module_inside_function_forward_and_backward():
     torch.manual_seed(0)
     inner = InnerNet()
     ref = UsesInner(copy.deepcopy(inner))
-    inner_tm = fxtrain.TrainModule(inner, fxtrain.Options(fallback="raise"))
+    inner_tm = fxtrain.TrainModule(inner, fxtrain.Options(fallback="raise", dynamic=True))
     model = UsesInner(inner_tm)
     model.lin.load_state_dict(ref.lin.state_dict())
-    tm = fxtrain.TrainModule(model, fxtrain.Options(fallback="raise"))
+    tm = fxtrain.TrainModule(model, fxtrain.Options(fallback="raise", dynamic=True))
     for b in (3, 5, 2):
         x = torch.randn(b, 4)
         out, r = tm(x), ref(x)

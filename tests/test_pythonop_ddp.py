@@ -64,7 +64,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         model = Net(group)
         torch.manual_seed(0)
         ref_model = Net(group)
-        tm = fxtrain.TrainModule(model, fxtrain.Options(fallback="raise"))
+        tm = fxtrain.TrainModule(model, fxtrain.Options(fallback="raise", dynamic=True))
         ddp, ref = DDP(tm), DDP(ref_model)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)

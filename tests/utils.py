@@ -13,6 +13,9 @@ def wrap_pair(model: torch.nn.Module, **options: Any) -> Tuple[fxtrain.TrainModu
     """(TrainModule around ``model``, an untouched deep copy for eager)."""
     ref = copy.deepcopy(model)
     options.setdefault("fallback", "raise")
+    # Most tests change batch and sequence sizes between steps and check that one capture serves them
+    # all: symbolic sizes from the first capture. The default (static first) is tested in test_module.
+    options.setdefault("dynamic", True)
     return fxtrain.TrainModule(model, fxtrain.Options(**options)), ref
 
 

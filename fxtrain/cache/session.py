@@ -32,6 +32,7 @@ class ModuleCache:
         self.calls: Dict[Hashable, CachedCall] = {}
         self.disk_keys: Dict[Hashable, str] = {}
         self.modules: Tuple[int, ...] = ()
+        self.resized: set = set()   # keys whose entry rejected a call's sizes: recapture symbolically
 
     @property
     def active(self) -> bool:
@@ -59,6 +60,7 @@ class ModuleCache:
                     return out
             # Guards failed or submodules were swapped: capture; the new capture replaces the entry.
             del self.calls[key]
+            self.resized.add(key)
         return MISS
 
     def load(self, key: Hashable, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],
@@ -80,7 +82,7 @@ class ModuleCache:
             entry = entries.loads(payload)
         except Exception as e:  # CorruptEntry, or a payload that does not unpickle
             reason = str(e) if isinstance(e, CorruptEntry) else f"{type(e).__name__}: {e}"
-            warn_once(f"corrupt:{disk_key}", "fxtrain: ignoring corrupt cache entry %s (%s); it will be rewritten",
+            warn_once(f"corrupt:{self.store.path(disk_key)}", "fxtrain: ignoring corrupt cache entry %s (%s); it will be rewritten",
                       self.store.path(disk_key), reason)
             return self._miss("%s (%s): corrupt entry ignored (%s)", disk_key[:12], mode, reason)
         stale = changed_files(entry.recipe.files)
@@ -91,7 +93,7 @@ class ModuleCache:
             call = CachedCall(entry, self.info.density, self.options.log_density)
             out = call(module, args, kwargs)
         except Exception as e:
-            warn_once(f"unusable:{disk_key}", "fxtrain: cache entry %s could not be used (%s: %s); capturing instead",
+            warn_once(f"unusable:{self.store.path(disk_key)}", "fxtrain: cache entry %s could not be used (%s: %s); capturing instead",
                       self.store.path(disk_key), type(e).__name__, e)
             return self._miss("%s (%s): entry could not be run (%s)", disk_key[:12], mode, type(e).__name__)
         if out is MISS:
@@ -132,10 +134,9 @@ class ModuleCache:
         if record.inference or record.backward_graph is not None:  # AOTAutograd may compile it eagerly
             self._write(disk_key, entry, record)
         else:
-            record.on_backward = lambda: self._write(disk_key, entry, record)
+            record.backward_hooks.append(lambda: self._write(disk_key, entry, record))
 
     def _write(self, disk_key: str, entry: entries.Entry, record: GraphRecord) -> None:
-        record.on_backward = None
         assert self.store is not None
         entry.backward_graph = record.backward_graph
         entry.optimizations = dict(record.optimizations)

@@ -60,9 +60,13 @@ class Store:
             warn_once(f"missing:{root}", "fxtrain: cache directory %s does not exist (create it to use the cache); "
                       "running without the cache", root)
             return None
-        if not os.access(root, os.W_OK | os.X_OK):
-            warn_once(f"readonly:{root}", "fxtrain: cache directory %s is not writable; running without the cache",
-                      root)
+        try:  # a real write: permission bits say nothing about read-only mounts or root
+            fd, probe = tempfile.mkstemp(prefix=".probe.", suffix=".tmp", dir=root)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            warn_once(f"readonly:{root}", "fxtrain: cache directory %s is not writable (%s); running without the "
+                      "cache", root, e.strerror or e)
             return None
         return Store(root)
 

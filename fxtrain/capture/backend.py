@@ -62,6 +62,10 @@ class Backend:
         self.info.optimizations.update(record.optimizations)
         if self.options.save_graphs_dir:
             dump_capture(self.options.save_graphs_dir, self.owner, self.info, record)
+            if record.backward_graph is None and not record.inference:
+                # AOTAutograd compiles the backward at the first backward: dump it then.
+                record.backward_hooks.append(lambda: dump_capture(self.options.save_graphs_dir, self.owner,
+                                                                  self.info, record))
         logger.info("captured graph %d (%s): %d nodes, executor %s", record.index, record.mode,
                     len(gm.graph.nodes), self.options.executor)
         return compiled

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import types
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -19,8 +19,8 @@ def _entry(module, args, kwargs):
     return module(*args, **kwargs)
 
 
-def make_entry(backend: Callable[..., Any], dynamic: bool, fullgraph: bool) -> Callable[..., Any]:
+def make_entry(backend: Callable[..., Any], dynamic: Optional[bool], fullgraph: bool) -> Callable[..., Any]:
     name = f"fxtrain_capture_{next(_counter)}"
     code = _entry.__code__.replace(co_name=name, co_qualname=name)
     fn = types.FunctionType(code, _entry.__globals__, name)
-    return torch.compile(fn, backend=backend, dynamic=True if dynamic else False, fullgraph=fullgraph)
+    return torch.compile(fn, backend=backend, dynamic=dynamic, fullgraph=fullgraph)

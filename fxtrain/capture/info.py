@@ -24,7 +24,7 @@ class GraphRecord:
     # pair (no backward), and a callback once the backward graph exists (it is compiled lazily).
     aot_metadata: Optional[Any] = field(default=None, repr=False)
     inference: bool = False
-    on_backward: Optional[Callable[[], None]] = field(default=None, repr=False)
+    backward_hooks: List[Callable[[], None]] = field(default_factory=list, repr=False)
     cache_recipe: Optional[Any] = field(default=None, repr=False)
 
     def report(self, name: str, why: str) -> None:

@@ -158,5 +158,7 @@ def profiling_module(model: torch.nn.Module, optimizations: bool, options: Optio
     tm = TrainModule(model, opts)
     opts = tm.options
     tm._backend = _MarkedBackend(tm._info, opts, lambda: tm.training, f"profile-{type(model).__name__}")
-    tm._compiled = {mode: make_entry(tm._backend, opts.dynamic, opts.fullgraph) for mode in (True, False)}
+    # One capture costs every batch size: symbolic sizes unless the caller asked for static ones.
+    dynamic = True if opts.dynamic is None else opts.dynamic
+    tm._compiled = {mode: make_entry(tm._backend, dynamic, opts.fullgraph) for mode in (True, False)}
     return tm

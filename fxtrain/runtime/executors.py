@@ -44,8 +44,9 @@ def _compile_eager(gm: torch.fx.GraphModule, example_inputs: List[object], recor
         record.backward_graph = bw
         backward.append(AbsentGradBackward(bw))
         record.backward_runner = backward[-1]
-        if record.on_backward is not None:
-            record.on_backward()
+        for hook in record.backward_hooks:  # e.g. the debug dump and the cache, waiting for this graph
+            hook()
+        record.backward_hooks.clear()
         return backward[-1].boxed()
 
     # default_partition saves what the backward needs instead of recomputing it: recomputation only

@@ -1,0 +1,330 @@
+"""The on-disk cache (Options.cache_dir): a hit trains exactly like eager without capturing; every
+change that alters the graph is a miss; entries survive concurrent writers and corruption."""
+import importlib.util
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import fxtrain
+from fxtrain import cli, models
+from fxtrain.cache.store import MAGIC, Store
+from utils import train_parity, wrap_pair
+
+ROOT = Path(__file__).resolve().parent.parent
+STATE_ATOL = 3e-4  # as in test_label_sparsity: AdamW magnifies rounding noise of zero-true gradients
+
+
+def _mlm(intermediate=None):
+    torch.manual_seed(0)
+    return models.bert_mlm(hidden=32, layers=2, heads=2, vocab=1000, intermediate=intermediate)
+
+
+def _batches(n=3, shape=(4, 16), seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [models.synthetic_batch("mlm", shape[0], shape[1], 1000, padding=0.4, label_density=0.2, generator=g)
+            for _ in range(n)]
+
+
+def _loss(out, _batch):
+    return out.loss
+
+
+def _one_step(tm, batch):
+    tm(**batch).loss.backward()
+
+
+def _entries(d):
+    return sorted(p.name for p in Path(d).iterdir() if p.suffix == ".fxc")
+
+
+def _stored(tmp_path, **options):
+    """Capture once with the cache on, which writes the entry; returns the writer."""
+    tm, _ = wrap_pair(_mlm(options.pop("intermediate", None)), cache_dir=str(tmp_path), **options)
+    _one_step(tm, _batches(1)[0])
+    assert tm.capture_info().cache_misses == 1 and len(_entries(tmp_path)) == 1, tm.capture_info().cache_log
+    return tm
+
+
+def test_hit_trains_like_eager_without_capturing(tmp_path, caplog):
+    _stored(tmp_path)
+    tm, ref = wrap_pair(_mlm(), cache_dir=str(tmp_path))
+    with caplog.at_level(logging.INFO, logger="fxtrain"):
+        train_parity(tm, ref, _batches(3), _loss, state_atol=STATE_ATOL,
+                     compare_outputs=lambda o, r: torch.testing.assert_close(o.logits, r.logits, atol=1e-4, rtol=1e-4))
+    info = tm.capture_info()
+    assert (info.cache_hits, info.cache_misses, info.graphs) == (1, 0, 1), info.cache_log
+    assert info.records[0].dynamo_graph is None and info.records[0].backward_graph is not None  # nothing traced
+    assert info.optimizations["label_sparsity"].startswith("on:")  # the passes' reports come with the entry
+    assert "fxtrain cache: hit" in caplog.text and "cache:" in str(info)
+
+
+def test_a_new_shape_falls_back_to_capture_and_stays_exact(tmp_path):
+    _stored(tmp_path)
+    tm, ref = wrap_pair(_mlm(), cache_dir=str(tmp_path))
+    batches = _batches(1) + _batches(1, shape=(3, 11), seed=2) + _batches(1, shape=(5, 20), seed=3)
+    train_parity(tm, ref, batches, _loss, state_atol=STATE_ATOL)
+    info = tm.capture_info()
+    assert info.cache_hits == 1 and info.graphs == 2  # the entry's static sizes, then one symbolic capture
+
+
+def test_hit_in_a_fresh_process_gives_eagers_losses(tmp_path):
+    script = textwrap.dedent(f"""
+        import json, sys, torch, fxtrain
+        sys.path.insert(0, {str(ROOT / 'tests')!r})
+        from test_cache import _mlm, _batches
+        tm = fxtrain.TrainModule(_mlm(), fxtrain.Options(cache_dir={str(tmp_path)!r}, fallback="raise"))
+        opt = torch.optim.AdamW(tm.parameters(), lr=1e-3)
+        losses = []
+        for b in _batches(3):
+            loss = tm(**b).loss
+            loss.backward(); opt.step(); opt.zero_grad()
+            losses.append(loss.item())
+        info = tm.capture_info()
+        print(json.dumps(dict(losses=losses, hits=info.cache_hits, misses=info.cache_misses)))
+    """)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    runs = [json.loads(subprocess.run([sys.executable, "-c", script], env=env, check=True, capture_output=True,
+                                      text=True, timeout=600).stdout.strip().splitlines()[-1]) for _ in range(2)]
+    assert (runs[0]["hits"], runs[0]["misses"]) == (0, 1) and (runs[1]["hits"], runs[1]["misses"]) == (1, 0)
+    ref = _mlm()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    expected = []
+    for b in _batches(3):
+        loss = ref(**b).loss
+        loss.backward(); opt.step(); opt.zero_grad()
+        expected.append(loss.item())
+    for run in runs:
+        assert run["losses"] == pytest.approx(expected, abs=1e-5)
+
+
+# ------------------------------------------------------------------------------------ the key
+def test_changed_layer_size_is_a_miss(tmp_path):
+    _stored(tmp_path)
+    tm, ref = wrap_pair(_mlm(intermediate=48), cache_dir=str(tmp_path))
+    train_parity(tm, ref, _batches(2), _loss, state_atol=STATE_ATOL)
+    assert (tm.capture_info().cache_hits, tm.capture_info().cache_misses) == (0, 1)
+    assert len(_entries(tmp_path)) == 2
+
+
+def test_changed_option_is_a_miss(tmp_path):
+    _stored(tmp_path)
+    tm, ref = wrap_pair(_mlm(), cache_dir=str(tmp_path), label_sparsity="off")
+    train_parity(tm, ref, _batches(2), _loss, state_atol=STATE_ATOL)
+    info = tm.capture_info()
+    assert (info.cache_hits, info.cache_misses) == (0, 1) and info.optimizations["label_sparsity"].startswith("off")
+
+
+NET = """
+import torch
+from torch import nn
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return (self.lin(x) {op}).pow(2).mean()
+"""
+
+
+def _net_from(path, op, name):
+    path.write_text(NET.format(op=op))
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.manual_seed(0)
+    return module.Net()
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_changed_forward_body_is_a_miss(tmp_path, same):
+    cache, source = tmp_path / "cache", tmp_path / "netmod.py"
+    cache.mkdir()
+    x = torch.randn(4, 8)
+    first = fxtrain.TrainModule(_net_from(source, "* 2.0", "netmod"), fxtrain.Options(cache_dir=str(cache)))
+    first(x).backward()
+    # The same file edited: the class has the same name, module and file, only its forward differs.
+    model = _net_from(source, "* 2.0" if same else "* 3.0 + 1.0", "netmod")
+    ref = _net_from(source, "* 2.0" if same else "* 3.0 + 1.0", "netmod")
+    tm = fxtrain.TrainModule(model, fxtrain.Options(cache_dir=str(cache), fallback="raise"))
+    loss = tm(x)
+    torch.testing.assert_close(loss, ref(x))
+    loss.backward()
+    ref(x).backward()
+    torch.testing.assert_close(tm.module.lin.weight.grad, ref.lin.weight.grad)
+    info = tm.capture_info()
+    assert (info.cache_hits, info.cache_misses) == ((1, 0) if same else (0, 1)), info.cache_log
+
+
+def test_edited_source_file_of_traced_code_is_a_miss(tmp_path):
+    """A helper the forward calls lives in another file: its edit is caught by the entry's file hashes."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    helper = tmp_path / "helper_mod.py"
+    helper.write_text("def scale(x):\n    return x * 2.0\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import helper_mod
+
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = torch.nn.Linear(8, 8)
+
+            def forward(self, x):
+                return helper_mod.scale(self.lin(x)).pow(2).mean()
+
+        x = torch.randn(4, 8)
+        torch.manual_seed(0)
+        fxtrain.TrainModule(Net(), fxtrain.Options(cache_dir=str(cache)))(x).backward()
+        helper.write_text("def scale(x):\n    return x * 5.0\n")
+        importlib.reload(helper_mod)
+        torch.manual_seed(0)
+        model = Net()
+        tm = fxtrain.TrainModule(model, fxtrain.Options(cache_dir=str(cache), fallback="raise"))
+        torch.testing.assert_close(tm(x), model(x))
+        assert tm.capture_info().cache_misses == 1
+        assert "source changed" in " ".join(tm.capture_info().cache_log)
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("helper_mod", None)
+
+
+# ------------------------------------------------------------------------ writes and damage
+WRITER = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from fxtrain.cache.store import Store
+    store, start = Store(Path(sys.argv[1])), float(sys.argv[3])
+    while time.time() < start:
+        pass
+    for i in range(int(sys.argv[2])):
+        size = 1000 + (i * 7919) % 200000
+        store.write("samekey", {"writer": sys.argv[4], "i": i}, bytes([i % 251]) * size)
+""")
+
+
+def test_two_processes_writing_one_key_always_leave_a_valid_entry(tmp_path):
+    import time
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    start = str(time.time() + 3.0)
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), "150", start, name], env=env)
+             for name in ("a", "b")]
+    store, reads = Store(tmp_path), 0
+    while any(p.poll() is None for p in procs):
+        found = store.read("samekey")  # raises CorruptEntry on a torn or partial file
+        if found is not None:
+            header, payload = found
+            assert payload == bytes([header["i"] % 251]) * len(payload)
+            reads += 1
+    assert all(p.returncode == 0 for p in procs)
+    assert reads > 0 and store.read("samekey") is not None
+    assert [p.name for p in tmp_path.iterdir()] == ["samekey.fxc"]  # no temporary file left behind
+
+
+def test_two_processes_capturing_the_same_model_at_once(tmp_path):
+    script = textwrap.dedent(f"""
+        import sys, torch, fxtrain
+        sys.path.insert(0, {str(ROOT / 'tests')!r})
+        from test_cache import _mlm, _batches
+        tm = fxtrain.TrainModule(_mlm(), fxtrain.Options(cache_dir={str(tmp_path)!r}, fallback="raise"))
+        tm(**_batches(1)[0]).loss.backward()
+        assert tm.capture_info().cache_misses == 1
+    """)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    procs = [subprocess.Popen([sys.executable, "-c", script], env=env) for _ in range(2)]
+    assert all(p.wait(timeout=600) == 0 for p in procs)
+    assert len(_entries(tmp_path)) == 1 and not [p for p in tmp_path.iterdir() if p.suffix == ".tmp"]
+    tm, ref = wrap_pair(_mlm(), cache_dir=str(tmp_path))
+    train_parity(tm, ref, _batches(2), _loss, state_atol=STATE_ATOL)
+    assert tm.capture_info().cache_hits == 1
+
+
+def _damage(path, how):
+    data = path.read_bytes()
+    if how == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "garbled":
+        middle = len(data) // 2
+        path.write_bytes(data[:middle] + bytes(b ^ 0xFF for b in data[middle:middle + 64]) + data[middle + 64:])
+    elif how == "not an entry":
+        path.write_bytes(b"PK\x03\x04 this is some other file format")
+    elif how == "unloadable":  # intact checksum, but the payload is not an fxtrain entry
+        store = Store(path.parent)
+        store.write(path.stem, {"model": "x"}, b"\x80\x04K\x01.")
+
+
+@pytest.mark.parametrize("how", ["truncated", "garbled", "not an entry", "unloadable"])
+def test_corrupt_entry_is_logged_once_ignored_and_rewritten(tmp_path, caplog, how):
+    _stored(tmp_path)
+    path = tmp_path / _entries(tmp_path)[0]
+    _damage(path, how)
+    damaged = path.read_bytes()
+    with caplog.at_level(logging.WARNING, logger="fxtrain"):
+        for _ in range(2):  # two modules in one process: one warning
+            tm, ref = wrap_pair(_mlm(), cache_dir=str(tmp_path))
+            train_parity(tm, ref, _batches(1), _loss)
+            _damage(path, how) if _ == 0 else None
+    assert caplog.text.count("corrupt cache entry") == 1
+    info = tm.capture_info()
+    assert info.cache_misses == 1 and "corrupt" in " ".join(info.cache_log)
+    assert path.read_bytes() != damaged and Store(tmp_path).read(path.stem) is not None  # rewritten
+    hit, ref = wrap_pair(_mlm(), cache_dir=str(tmp_path))
+    train_parity(hit, ref, _batches(1), _loss)
+    assert hit.capture_info().cache_hits == 1
+
+
+def test_missing_directory_warns_once_and_runs_without_cache(tmp_path, caplog):
+    missing = tmp_path / "nope"
+    with caplog.at_level(logging.WARNING, logger="fxtrain"):
+        for _ in range(2):
+            tm, ref = wrap_pair(_mlm(), cache_dir=str(missing))
+            train_parity(tm, ref, _batches(1), _loss)
+    assert caplog.text.count("does not exist") == 1 and not missing.exists()
+    assert tm.capture_info().cache_hits == tm.capture_info().cache_misses == 0
+
+
+def test_read_only_directory_warns_once_and_runs_without_cache(tmp_path, caplog):
+    if os.geteuid() != 0:
+        directory = tmp_path / "ro"
+        directory.mkdir()
+        directory.chmod(0o555)
+    else:  # root writes through permission bits; sysfs refuses new files even to root
+        directory = Path("/sys")
+    assert directory.is_dir()
+    with caplog.at_level(logging.WARNING, logger="fxtrain"):
+        for _ in range(2):
+            tm, ref = wrap_pair(_mlm(), cache_dir=str(directory))
+            train_parity(tm, ref, _batches(1), _loss)
+    assert caplog.text.count("not writable") == 1
+    assert "cache off" in " ".join(tm.capture_info().cache_log)
+
+
+# ------------------------------------------------------------------------------- the command
+def test_cache_ls_and_clear(tmp_path, capsys):
+    _stored(tmp_path)
+    assert cli.main(["cache", "ls", "--dir", str(tmp_path)]) == 0
+    listed = capsys.readouterr().out
+    size = (tmp_path / _entries(tmp_path)[0]).stat().st_size
+    assert "1 entry" in listed and "BertForMaskedLM" in listed and "train" in listed
+    assert f"{size / 1000:.1f} KB" in listed
+    assert cli.main(["cache", "clear", "--dir", str(tmp_path)]) == 0
+    assert "removed 1 file(s)" in capsys.readouterr().out and _entries(tmp_path) == []
+    assert cli.main(["cache", "ls", "--dir", str(tmp_path / "nope")]) == 2
+
+
+def test_entry_file_starts_with_a_readable_header(tmp_path):
+    _stored(tmp_path)
+    data = (tmp_path / _entries(tmp_path)[0]).read_bytes()
+    assert data.startswith(MAGIC)
+    header = Store(tmp_path).entries()[0].header
+    assert header["torch"] == torch.__version__ and header["fxtrain"] == fxtrain.__version__
+    assert header["model"] == "BertForMaskedLM" and header["nodes"] > 0
