@@ -66,8 +66,8 @@ def test_hit_trains_like_eager_without_capturing(tmp_path, caplog):
 
 
 def test_a_new_shape_falls_back_to_capture_and_stays_exact(tmp_path):
-    _stored(tmp_path)
-    tm, ref = wrap_pair(_mlm(), cache_dir=str(tmp_path))
+    _stored(tmp_path, dynamic=None)  # the default: the entry holds the first batch's static sizes
+    tm, ref = wrap_pair(_mlm(), cache_dir=str(tmp_path), dynamic=None)
     batches = _batches(1) + _batches(1, shape=(3, 11), seed=2) + _batches(1, shape=(5, 20), seed=3)
     train_parity(tm, ref, batches, _loss, state_atol=STATE_ATOL)
     info = tm.capture_info()
@@ -111,6 +111,16 @@ def test_changed_layer_size_is_a_miss(tmp_path):
     train_parity(tm, ref, _batches(2), _loss, state_atol=STATE_ATOL)
     assert (tm.capture_info().cache_hits, tm.capture_info().cache_misses) == (0, 1)
     assert len(_entries(tmp_path)) == 2
+
+
+def test_key_of_a_model_does_not_change_once_dynamo_traced_its_code():
+    """A key must mean the same in every process: tracing holds references to the code's constants,
+    which changed marshal's bytes of it (and so the key) in a process that had captured before."""
+    from fxtrain.cache import key
+    before = key.module_digest(_mlm())
+    fxtrain.TrainModule(_mlm(), fxtrain.Options(fallback="raise"))(**_batches(1)[0]).loss.backward()
+    key._class_digest.cache_clear(), key._code_digest.cache_clear()  # as a new process would compute it
+    assert key.module_digest(_mlm()) == before
 
 
 def test_changed_option_is_a_miss(tmp_path):
@@ -243,7 +253,7 @@ def test_two_processes_capturing_the_same_model_at_once(tmp_path):
     procs = [subprocess.Popen([sys.executable, "-c", script], env=env) for _ in range(2)]
     assert all(p.wait(timeout=600) == 0 for p in procs)
     assert len(_entries(tmp_path)) == 1 and not [p for p in tmp_path.iterdir() if p.suffix == ".tmp"]
-    tm, ref = wrap_pair(_mlm(), cache_dir=str(tmp_path))
+    tm, ref = wrap_pair(_mlm(), cache_dir=str(tmp_path), dynamic=None)  # the writers' options
     train_parity(tm, ref, _batches(2), _loss, state_atol=STATE_ATOL)
     assert tm.capture_info().cache_hits == 1
 

@@ -223,6 +223,17 @@ def test_gradients_through_the_deferred_logits():
     _fired(tm)
 
 
+def test_symbolic_recapture_after_a_static_one_keeps_the_pass():
+    """The default (dynamic=None): static sizes first, then a symbolic capture where ids and mask
+    have sizes of their own; the pass must still find the mask, and stay exact on every shape."""
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(MODELS["bert"][0](), dynamic=None, **ALONE)
+    train_parity(tm, ref, _batches("mlm", 0, 16), lambda out, _: out.loss, state_atol=STATE_ATOL)
+    records = tm.capture_info().records
+    assert len(records) == 2, [r.optimizations for r in records]
+    assert all(r.optimizations["padding_elimination"].startswith("on:") for r in records), [r.optimizations for r in records]
+
+
 def test_densities_measured_on_every_batch_and_logged(caplog):
     """The inspector keeps watching after capture: the last batch's densities, logged on request."""
     torch.manual_seed(0)

@@ -13,10 +13,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import marshal
 import os
 import platform
 import sys
+import types
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
@@ -38,9 +38,26 @@ def _qualname(obj: Any) -> str:
     return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__name__)}"
 
 
+def _const_text(value: Any) -> str:
+    if isinstance(value, types.CodeType):
+        return "code:" + _code_digest(value).hex()
+    if isinstance(value, (tuple, list)):
+        return f"{type(value).__name__}(" + ",".join(map(_const_text, value)) + ")"
+    if isinstance(value, frozenset):  # iteration order follows string hashing, which varies by process
+        return "frozenset(" + ",".join(sorted(map(_const_text, value))) + ")"
+    return f"{type(value).__name__}:{value!r}"
+
+
 @functools.lru_cache(maxsize=None)
-def _code_digest(code: Any) -> bytes:
-    return hashlib.sha256(marshal.dumps(code)).digest()
+def _code_digest(code: types.CodeType) -> bytes:
+    """What a function does, the same in every process. Not ``marshal.dumps``: its bytes depend on
+    the reference counts of the constants (shared objects are written as back-references only when
+    something else holds them), so they change once dynamo has traced the code."""
+    h = hashlib.sha256(code.co_code)
+    for part in (code.co_consts, code.co_names, code.co_varnames, code.co_freevars, code.co_cellvars,
+                 (code.co_argcount, code.co_posonlyargcount, code.co_kwonlyargcount, code.co_flags)):
+        h.update(_const_text(part).encode())
+    return h.digest()
 
 
 def _function_digest(fn: Any) -> Optional[bytes]:

@@ -30,7 +30,7 @@ from .base import PassReport
 from .defer import defer_dense
 from .label_sparsity import cross_entropy_args, unsupported_cross_entropy
 from .density import add_probe, density_reason, source_example
-from .rows import Node, _same_shape, copy_on_rows, heavy, is_regroup, op_name, row_inputs, value
+from .rows import Node, _same_shape, same_shape_guarded, copy_on_rows, heavy, is_regroup, op_name, row_inputs, value
 
 NAME = "padding_elimination"
 _SDPA = {torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention}
@@ -109,7 +109,7 @@ def _token_mask(gm: torch.fx.GraphModule, sdpas: List[Node], embeddings: List[No
         common = set.intersection(*(_ancestors(m) for m in masks))
         candidates = [n for n in common if n.op == "placeholder" and isinstance(value(n), torch.Tensor)
                       and value(n).dim() == 2 and not value(n).is_floating_point()
-                      and any(_same_shape(value(n).shape, s) for s in id_shapes)]
+                      and any(same_shape_guarded(value(n).shape, s) for s in id_shapes)]
         if len(candidates) != 1:
             return None, None, "no single [batch, seq] attention mask input gates every attention"
         return candidates[0], None, ""

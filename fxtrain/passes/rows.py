@@ -61,6 +61,25 @@ def _same_shape(a: Sequence[Any], b: Sequence[Any]) -> bool:
     return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
 
 
+def same_shape_guarded(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    """Like ``_same_shape``, but sizes that are equal on the capturing batch and not known equal are
+    made equal by a guard (a later call where they differ recaptures).
+
+    For inputs that must agree by construction (ids and their attention mask): after a static
+    capture, dynamo's symbolic recapture gives each input's sizes their own symbols, so nothing
+    proves ``mask.shape == ids.shape`` although every working call has it.
+    """
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if _same(x, y):
+            continue
+        hints = [v.node.hint if isinstance(v, torch.SymInt) else v for v in (x, y)]
+        if None in hints or hints[0] != hints[1]:
+            return False
+    return all(bool(x == y) for x, y in zip(a, b))  # bool() of a SymBool installs the guard
+
+
 def op_name(node: Node) -> str:
     if node.op == "call_method":
         return str(node.target)
