@@ -37,3 +37,35 @@ def test_unwritable_dir_warns_and_trains(tmp_path, caplog):
         _train(tm)
     assert "could not write graphs" in caplog.text
     assert tm.module.weight.grad is not None
+
+
+class _Double(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale: float):
+        ctx.scale = scale
+        return x * scale
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.scale, None
+
+
+class _WithFunction(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _Double.apply(self.lin(x), 2.0).pow(2).sum()
+
+
+def test_dump_names_python_ops_and_the_optimizations(tmp_path):
+    tm = fxtrain.TrainModule(_WithFunction(), fxtrain.Options(fallback="raise", save_graphs_dir=str(tmp_path)))
+    tm(torch.randn(3, 4)).backward()
+    (folder,) = [tmp_path / f for f in os.listdir(tmp_path)]
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["python_ops"] == tm.capture_info().python_ops and summary["python_ops"][0].endswith("_Double")
+    # Every pass reports on or off with its reason, backward-graph passes included.
+    assert {"label_sparsity", "padding_elimination", "cross_entropy_grad"} <= set(summary["optimizations"])
+    assert "fxtrain.python_op" in (folder / "forward_graph.py").read_text()
+    assert "fxtrain.python_op_backward" in (folder / "backward_graph.py").read_text()
