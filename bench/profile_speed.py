@@ -1,6 +1,6 @@
 """Profiler speed: BERT-base dimensions at batch 1,000,000 x seq 512, and the profiler's own memory.
 
-    python bench/profile_speed.py [--batch 1000000 --seq 512 --optimizer adamw]
+    python bench/profile_speed.py [--batch 1000000 --seq 512 --optimizer adamw] [--cache-dir DIR]
 
 Prints, per costing mode, the wall time of the first ``fxtrain.profile`` call (includes the warm-up:
 capture for the fxtrain graph, optimizer state) and of a second call at another batch (the session's
@@ -29,6 +29,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--optimizer", default="adamw")
     p.add_argument("--modes", default="eager,fxtrain")
+    p.add_argument("--cache-dir", default=None, help="Options.cache_dir: run twice, the second process loads the graphs")
     a = p.parse_args()
     started = time.perf_counter()
     with torch.device("meta"):
@@ -41,12 +42,14 @@ def main() -> None:
             inputs = fxtrain.fake_inputs(input_ids=((batch, S), torch.long), attention_mask=((batch, S), torch.long),
                                          labels=((batch, S), torch.long))
             started = time.perf_counter()
-            report = fxtrain.profile(model, optimizer=a.optimizer, optimizations=optimizations, **inputs)
+            options = fxtrain.Options(cache_dir=a.cache_dir) if a.cache_dir else None
+            report = fxtrain.profile(model, optimizer=a.optimizer, optimizations=optimizations, options=options,
+                                     **inputs)
             took = time.perf_counter() - started
             print(f"{mode:8s} batch {batch:>9,} x {S}: {took:6.2f} s (warm-up {report.capture_seconds:.2f} s, "
                   f"fake step {report.seconds:.2f} s)  peak {report.peak_memory_bytes / 2 ** 40:8.2f} TiB  "
                   f"fwd {report.flops_forward / 1e15:7.1f} PFLOP  bwd {report.flops_backward / 1e15:7.1f} PFLOP  "
-                  f"rss {rss_mib():.0f} MiB")
+                  f"rss {rss_mib():.0f} MiB" + (f"  cache: {report.cache[0]}" if report.cache else ""))
 
 
 if __name__ == "__main__":

@@ -338,3 +338,29 @@ def test_entry_file_starts_with_a_readable_header(tmp_path):
     header = Store(tmp_path).entries()[0].header
     assert header["torch"] == torch.__version__ and header["fxtrain"] == fxtrain.__version__
     assert header["model"] == "BertForMaskedLM" and header["nodes"] > 0
+
+
+class _ReturnsAView(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x).relu()
+        return h.view(-1, 2), h.pow(2).mean()
+
+
+def test_output_viewing_an_intermediate_is_cached_and_exact(tmp_path):
+    """AOTAutograd hands such an output out as a plain tensor (_unsafe_view); a hit does the same."""
+    x = torch.randn(4, 8)
+    for expected in ((0, 1), (1, 0)):
+        torch.manual_seed(0)
+        tm, ref = wrap_pair(_ReturnsAView(), cache_dir=str(tmp_path))
+        (view, loss), (ref_view, ref_loss) = tm(x), ref(x)
+        torch.testing.assert_close(view, ref_view)
+        (view.sum() + loss).backward()
+        (ref_view.sum() + ref_loss).backward()
+        torch.testing.assert_close(tm.module.lin.weight.grad, ref.lin.weight.grad)
+        assert not view._is_view()
+        info = tm.capture_info()
+        assert (info.cache_hits, info.cache_misses) == expected, info.cache_log

@@ -232,6 +232,23 @@ def test_passes_change_the_cost_as_fxtrain_runs_them():
     assert ours.by_module["cls.predictions.decoder"].flops_forward < eager.by_module["cls.predictions.decoder"].flops_forward
 
 
+def test_a_capture_from_the_cache_costs_the_same_without_capturing(tmp_path):
+    """Options.cache_dir serves the profiler as it serves TrainModule: the second costing loads the
+    graphs (marked for attribution) instead of capturing, and every number is the same."""
+    batch = models.preset_batch("bert-tiny", 8, 64, padding=0.5, label_density=0.1)
+    options = fxtrain.Options(cache_dir=str(tmp_path))
+    first = fxtrain.profile(models.build("bert-tiny"), optimizer="adamw", options=options, **batch)
+    second = fxtrain.profile(models.build("bert-tiny"), optimizer="adamw", options=options, **batch)
+    assert any(e.startswith("stored") for e in first.cache), first.cache
+    assert len(second.cache) == 1 and second.cache[0].startswith("hit"), second.cache
+    for field in ("flops_forward", "flops_backward", "peak_memory_bytes", "saved_for_backward_bytes",
+                  "optimizer_state_bytes", "passes"):
+        assert getattr(second, field) == getattr(first, field), field
+    assert second.by_module == first.by_module and "cls.predictions.decoder" in second.by_module
+    assert second.passes["label_sparsity"].startswith("on")
+    assert "cache" in str(second)
+
+
 # ------------------------------------------------------------------------------------ batches
 def test_memory_fit_finds_the_largest_batch_for_a_budget():
     model = models.build("bert-tiny")

@@ -4,6 +4,7 @@
 capture runs its forward on fake tensors, on one rank only as far as the other knows); at run time
 the real forward all-reduces. ``DDP(TrainModule(model))`` must match ``DDP(model)`` step by step.
 """
+import gc
 import os
 import socket
 import time
@@ -19,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import fxtrain
 
 WORLD = 2
-TIMEOUT_S = 120
+TIMEOUT_S = int(__import__("os").environ.get("DDP_T", 120))
 
 
 class AllReduceSum(torch.autograd.Function):
@@ -54,36 +55,45 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _train_and_compare(rank: int, group: dist.ProcessGroup, out_dir: str) -> None:
+    """Everything that holds a DDP Reducer lives here, so that the Reducers die before the process
+    groups: a Reducer destroyed last destroys its ProcessGroupGloo while holding the GIL, and torch
+    deadlocks if a gloo worker thread needs the GIL at that moment (pytorch/pytorch#56297)."""
+    torch.manual_seed(0)
+    model = Net(group)
+    torch.manual_seed(0)
+    ref_model = Net(group)
+    tm = fxtrain.TrainModule(model, fxtrain.Options(fallback="raise", dynamic=True))
+    ddp, ref = DDP(tm), DDP(ref_model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    torch.manual_seed(1000 + rank)  # each rank its own data
+    for b in (3, 5, 2):
+        x = torch.randn(b, 4)
+        out, r = ddp(x), ref(x)
+        torch.testing.assert_close(out, r, atol=1e-6, rtol=1e-5)
+        out.backward(); r.backward()
+        for (name, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters()):
+            # DDP averaged them over ranks: equal grads also mean the same all-reduces ran
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+        opt.step(); ref_opt.step(); opt.zero_grad(); ref_opt.zero_grad()
+    info = tm.capture_info()
+    assert (info.graphs, info.graph_breaks) == (1, 0), (info.graphs, info.graph_breaks)
+    assert info.python_ops == [f"{__name__}.AllReduceSum"], info.python_ops
+    # the ranks' parameters stayed in sync, and equal eager's
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+
+
 def _worker(rank: int, port: int, out_dir: str) -> None:
     try:
         torch.set_num_threads(1)
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
         dist.init_process_group("gloo", rank=rank, world_size=WORLD)
         group = dist.new_group(list(range(WORLD)))
-        torch.manual_seed(0)
-        model = Net(group)
-        torch.manual_seed(0)
-        ref_model = Net(group)
-        tm = fxtrain.TrainModule(model, fxtrain.Options(fallback="raise", dynamic=True))
-        ddp, ref = DDP(tm), DDP(ref_model)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-        torch.manual_seed(1000 + rank)  # each rank its own data
-        for b in (3, 5, 2):
-            x = torch.randn(b, 4)
-            out, r = ddp(x), ref(x)
-            torch.testing.assert_close(out, r, atol=1e-6, rtol=1e-5)
-            out.backward(); r.backward()
-            for (name, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters()):
-                # DDP averaged them over ranks: equal grads also mean the same all-reduces ran
-                torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
-            opt.step(); ref_opt.step(); opt.zero_grad(); ref_opt.zero_grad()
-        info = tm.capture_info()
-        assert (info.graphs, info.graph_breaks) == (1, 0), (info.graphs, info.graph_breaks)
-        assert info.python_ops == [f"{__name__}.AllReduceSum"], info.python_ops
-        # the ranks' parameters stayed in sync, and equal eager's
-        for p, q in zip(model.parameters(), ref_model.parameters()):
-            torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+        _train_and_compare(rank, group, out_dir)
+        gc.collect()  # DDP's Reducers, held in reference cycles, go while the groups are alive
+        dist.barrier()
         with open(os.path.join(out_dir, f"rank{rank}.ok"), "w") as f:
             f.write("ok")
     except BaseException:

@@ -6,9 +6,10 @@ A failed guard returns MISS and the caller captures as if there were no entry.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
+import torch.fx
 import torch.utils._pytree as pytree
 
 from ..runtime.deferred import with_deferred
@@ -20,7 +21,10 @@ MISS = object()
 
 
 class CachedCall:
-    def __init__(self, entry: Entry, density: Dict[str, float], log_density: bool) -> None:
+    def __init__(self, entry: Entry, density: Optional[Dict[str, float]], log_density: bool,
+                 runnable: Callable[[torch.fx.GraphModule, str], torch.fx.GraphModule] = lambda g, _kind: g) -> None:
+        """``density``: where each call's densities go (None: not measured, as on fake tensors);
+        ``runnable``: the module that runs each loaded graph (the graph itself, or a marked copy)."""
         recipe = entry.recipe
         self.entry = entry
         self.inputs: Callable[[Dict[str, Any]], Tuple[Any, ...]] = eval(  # noqa: S307 (our own source names)
@@ -29,10 +33,12 @@ class CachedCall:
                        for i, c in enumerate(recipe.checks) if c is not None for dtype, grad in [c]]
         self.guard = compile(recipe.guard_code, "<fxtrain cache guards>", "eval") if recipe.guard_code else None
         self.names = [f"t{i}" for i in range(len(recipe.sources))]
-        compiled = replayed(entry.forward_graph, entry.backward_graph, entry.spec)
+        backward = entry.backward_graph
+        compiled = replayed(runnable(entry.forward_graph, "forward"),
+                            runnable(backward, "backward") if backward is not None else None, entry.spec)
         if recipe.plan is not None:
             compiled = with_deferred(compiled, recipe.plan)
-        if recipe.probes:
+        if recipe.probes and density is not None:
             compiled = with_density_probes(compiled, recipe.probes, density, log_density)
         self.compiled = compiled
 

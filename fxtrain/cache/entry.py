@@ -1,8 +1,10 @@
 """A cache entry: the graphs of one capture plus what it takes to call them without dynamo.
 
 Graphs are pickled with torch's GraphPickler, keeping only the node metadata the runtime reads
-(placeholder and add-operand values of the backward graph, for absent-gradient specialisation):
-the rest (stack traces, fake values of every node) would triple the size and the load time.
+(shapes and dtypes of the backward graph's placeholders and add operands, for absent-gradient
+specialisation, as plain descriptions rather than fake tensors, which are slow to rebuild) and
+the innermost module of each node (the profiler's attribution): the rest (stack traces, fake values
+of every node, whole module stacks) would triple the size and the load time.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
+from ..runtime.absent_grads import VALUE_KEY, value_info
 from ..runtime.replay import NotReplayable, ReplaySpec, check_graph_arity, replay_spec
 from .key import versions
 from .recipe import Recipe
@@ -72,6 +75,8 @@ def build(record: Any, recipe: Recipe, out: Any, about: Dict[str, Any]) -> Entry
 
 
 _KEEP_VAL = {torch.ops.aten.add.Tensor}
+_MODULE_KEYS = ("nn_module_stack", "fwd_nn_module_stack")
+_MODULE_META = "fxtrain_module"
 
 
 @contextlib.contextmanager
@@ -91,7 +96,13 @@ def _lean_meta(gm: Optional[torch.fx.GraphModule], keep_values: bool) -> Iterato
                 keep.update(a for a in n.args if isinstance(a, torch.fx.Node))
     try:
         for n in gm.graph.nodes:
-            n.meta = {"val": saved[n]["val"]} if n in keep and "val" in saved[n] else {}
+            info = value_info(n) if n in keep else None
+            n.meta = {VALUE_KEY: info} if info is not None else {}
+            for name in _MODULE_KEYS:  # the profiler's per-module attribution: innermost module only
+                stack = saved[n].get(name)
+                if stack:  # under a name of ours: GraphPickler drops nn_module_stack
+                    key, (path, cls) = list(stack.items())[-1]
+                    n.meta[_MODULE_META] = (name, key, path, getattr(cls, "__name__", str(cls)))
         yield
     finally:
         for n in gm.graph.nodes:
@@ -136,6 +147,10 @@ def loads(payload: bytes) -> Entry:
         raise TypeError(f"payload holds a {type(entry).__name__}, not a cache entry")
     for gm in [entry.forward_graph, entry.backward_graph, *_plan_graphs(entry.recipe.plan)]:
         if gm is not None:
+            for n in gm.graph.nodes:
+                if _MODULE_META in n.meta:
+                    name, key, path, cls = n.meta.pop(_MODULE_META)
+                    n.meta[name] = {key: (path, cls)}
             gm.recompile()
     return entry
 

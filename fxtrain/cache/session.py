@@ -14,6 +14,7 @@ from torch import nn
 
 from ..capture.info import CaptureInfo, GraphRecord
 from ..options import Options
+from ..runtime.executors import Runnable
 from ..runtime.replay import NotReplayable
 from . import entry as entries
 from .call import MISS, CachedCall
@@ -33,6 +34,9 @@ class ModuleCache:
         self.disk_keys: Dict[Hashable, str] = {}
         self.modules: Tuple[int, ...] = ()
         self.resized: set = set()   # keys whose entry rejected a call's sizes: recapture symbolically
+        # What runs a loaded graph (the profiler's marked copies) and whether calls count densities.
+        self.runnable: Runnable = lambda graph, _kind: graph
+        self.probe_density = True
 
     @property
     def active(self) -> bool:
@@ -90,7 +94,8 @@ class ModuleCache:
             return self._miss("%s (%s): source changed since it was stored: %s", disk_key[:12], mode,
                               ", ".join(sorted(stale)[:3]))
         try:
-            call = CachedCall(entry, self.info.density, self.options.log_density)
+            call = CachedCall(entry, self.info.density if self.probe_density else None,
+                              self.options.log_density, self.runnable)
             out = call(module, args, kwargs)
         except Exception as e:
             warn_once(f"unusable:{self.store.path(disk_key)}", "fxtrain: cache entry %s could not be used (%s: %s); capturing instead",

@@ -28,7 +28,13 @@ def current_mode(training: bool) -> str:
 
 
 class Backend:
-    """One per TrainModule: owns the CaptureInfo that capture fills in."""
+    """One per TrainModule: owns the CaptureInfo that capture fills in.
+
+    Subclasses change how a graph is compiled (``compile``) and whether each call measures the
+    batch's densities (``probe_density``: impossible on fake tensors, where values are unknown).
+    """
+
+    probe_density = True
 
     def __init__(self, info: CaptureInfo, options: Options, training: Callable[[], bool],
                  owner: str = "model") -> None:
@@ -44,12 +50,12 @@ class Backend:
         recipe = cache_recipe.start(gm) if self.options.cache_dir else None
         record.optimizations = run_passes(gm, example_inputs, self.options)
         record.report_to = self.info.optimizations
-        compiled = compile_graph(gm, example_inputs, self.options.executor, record)
+        compiled = self.compile(gm, example_inputs, record)
         plan = gm.meta.pop(DEFERRED_KEY, None)
         if plan is not None:
             compiled = with_deferred(compiled, plan)
         probes = gm.meta.pop(PROBES_KEY, None)
-        if probes:
+        if probes and self.probe_density:
             compiled = with_density_probes(compiled, probes, self.info.density, self.options.log_density)
         if recipe is not None:
             cache_recipe.finish(recipe, gm)
@@ -69,3 +75,6 @@ class Backend:
         logger.info("captured graph %d (%s): %d nodes, executor %s", record.index, record.mode,
                     len(gm.graph.nodes), self.options.executor)
         return compiled
+
+    def compile(self, gm: torch.fx.GraphModule, example_inputs: List[object], record: GraphRecord) -> Callable[..., object]:
+        return compile_graph(gm, example_inputs, self.options.executor, record)

@@ -16,18 +16,13 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.fx
-from functorch.compile import default_partition, make_boxed_func
-from torch._dynamo.backends.common import aot_autograd
 
-from ..capture.backend import Backend, current_mode
+from ..capture.backend import Backend
 from ..capture.entry import make_entry
 from ..capture.info import GraphRecord
 from ..module import TrainModule
 from ..options import Options
-from ..passes import run_passes
-from ..passes.defer import META_KEY as DEFERRED_KEY
-from ..runtime.absent_grads import AbsentGradBackward
-from ..runtime.deferred import with_deferred
+from ..runtime.executors import compile_eager
 
 logger = logging.getLogger("fxtrain")
 
@@ -100,47 +95,13 @@ def _marked_graph(source: torch.fx.Graph, graph: str) -> torch.fx.Graph:
     return out
 
 
-def _compile_marked(gm: torch.fx.GraphModule, example_inputs: List[object], record: GraphRecord) -> Callable[..., Any]:
-    """fxtrain's eager executor (runtime/executors.py) with marked graphs; same partition, same wrappers."""
-    backward: List[AbsentGradBackward] = []
-
-    def forward_compiler(fw: torch.fx.GraphModule, _inputs: List[object]) -> Callable[..., Any]:
-        record.forward_graph = fw
-        run = make_boxed_func(mark(fw, "forward").forward)
-        run.fxtrain_accepts_none = lambda: bool(backward) and backward[0].accepts_none
-        return run
-
-    def backward_compiler(bw: torch.fx.GraphModule, _inputs: List[object]) -> Callable[..., Any]:
-        from ..passes import BACKWARD_PASSES  # what runtime/executors.py runs on the backward graph
-
-        for backward_pass in BACKWARD_PASSES:
-            report = backward_pass(bw)
-            record.report(report.name, str(report))
-        record.backward_graph = bw
-        backward.append(AbsentGradBackward(mark(bw, "backward")))
-        record.backward_runner = backward[-1]
-        return backward[-1].boxed()
-
-    compiler = aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler,
-                            inference_compiler=forward_compiler, partition_fn=default_partition)
-    return compiler(gm, example_inputs)
-
-
 class _MarkedBackend(Backend):
-    """capture/backend.py's Backend with the marked executor in place of the configured one."""
+    """capture/backend.py's Backend running marked copies of the graphs, on fake tensors."""
 
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: List[object]) -> Callable[..., object]:
-        record = GraphRecord(index=len(self.info.records), mode=current_mode(self.training()), dynamo_graph=gm)
-        record.optimizations = run_passes(gm, example_inputs, self.options)
-        compiled = _compile_marked(gm, example_inputs, record)
-        plan = gm.meta.pop(DEFERRED_KEY, None)
-        if plan is not None:
-            compiled = with_deferred(compiled, plan)
-        self.info.records.append(record)
-        self.info.graphs += 1
-        self.info.optimizations.update(record.optimizations)
-        logger.info("profiler captured graph %d (%s): %d nodes", record.index, record.mode, len(gm.graph.nodes))
-        return compiled
+    probe_density = False  # a fake batch has no values to count
+
+    def compile(self, gm: torch.fx.GraphModule, example_inputs: List[object], record: GraphRecord) -> Callable[..., Any]:
+        return compile_eager(gm, example_inputs, record, runnable=mark)
 
 
 def profiling_module(model: torch.nn.Module, optimizations: bool, options: Optional[Options] = None) -> TrainModule:
@@ -158,6 +119,8 @@ def profiling_module(model: torch.nn.Module, optimizations: bool, options: Optio
     tm = TrainModule(model, opts)
     opts = tm.options
     tm._backend = _MarkedBackend(tm._info, opts, lambda: tm.training, f"profile-{type(model).__name__}")
+    # A graph loaded from Options.cache_dir runs marked too: no capture, same attribution.
+    tm._cache.runnable, tm._cache.probe_density = mark, False
     # One capture costs every batch size: symbolic sizes unless the caller asked for static ones.
     dynamic = True if opts.dynamic is None else opts.dynamic
     tm._compiled = {mode: make_entry(tm._backend, dynamic, opts.fullgraph) for mode in (True, False)}

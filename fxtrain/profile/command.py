@@ -39,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sample-batch", type=int, default=8,
                    help="built-in models with optimizations: rows of real token ids the densities are read "
                         "from; the step is then costed at --batch with those densities")
+    p.add_argument("--cache-dir", default=None,
+                   help="on-disk cache of captured graphs (as Options.cache_dir / FXTRAIN_CACHE_DIR): a later run "
+                        "of the same model, inputs and options loads the graphs instead of capturing")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -67,6 +70,7 @@ def _load_factory(spec: str, batch: int, seq: int) -> Tuple[torch.nn.Module, Tup
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
     from ..models import PRESETS, preset_batch
+    from ..options import Options
     from .entry import profile
     from .inputs import fake_inputs
 
@@ -95,7 +99,9 @@ def run(args: argparse.Namespace) -> int:
                              f"or path/to/file.py:factory")
         bar.update(1)
         bar.set_description("capture and fake step" if optimizations else "fake step")
-        report = profile(model, *call_args, optimizer=args.optimizer, optimizations=optimizations, **call_kwargs)
+        options = Options(cache_dir=args.cache_dir) if args.cache_dir else None
+        report = profile(model, *call_args, optimizer=args.optimizer, optimizations=optimizations,
+                         options=options, **call_kwargs)
         bar.update(1)
         bar.set_description(f"scale to batch {args.batch}")
         if report.batch is not None and report.batch != args.batch and args.model in PRESETS:

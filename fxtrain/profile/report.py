@@ -100,6 +100,7 @@ class ProfileReport:
     capture_seconds: float = 0.0
     fit: Optional[BatchFit] = None
     fallback: Optional[str] = None   # why fxtrain's graph could not be costed (eager costed instead)
+    cache: List[str] = field(default_factory=list)  # Options.cache_dir events of the capture (hit, miss, stored)
     _session: Optional[Session] = field(default=None, repr=False, compare=False)
     _cost: Optional[StepCost] = field(default=None, repr=False, compare=False)
 
@@ -175,6 +176,8 @@ class ProfileReport:
                                       f"(peak {human_bytes(self.fit.checked_peak_bytes or 0)} checked)"])
         if self.fallback:
             head.append(["fallback", f"eager PyTorch costed: {self.fallback}"])
+        if self.cache:
+            head.append(["cache", "; ".join(self.cache)])
         head.append(["profiled in", f"{self.seconds:.2f} s (capture {self.capture_seconds:.2f} s)"])
         width = max(len(r[0]) for r in head)
         lines = [f"{k.ljust(width)}  {v}" for k, v in head]
@@ -285,5 +288,5 @@ def build_report(session: Session, cost: StepCost, model_name: str, batch: Optio
         unknown_ops=unknown, assumed_max_sizes=tr.assumed_max,
         passes=dict(info.optimizations) if info is not None else {},
         timeline=_downsample(tr.timeline), seconds=cost.seconds, capture_seconds=session.capture_seconds,
-        fallback=session.fallback_reason,
+        fallback=session.fallback_reason, cache=list(info.cache_log) if info is not None else [],
         _session=session, _cost=cost)

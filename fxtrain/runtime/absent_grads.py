@@ -12,7 +12,8 @@ absent gradient becomes its other operand; any other use gets zeros sized from t
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import sympy
 import torch
@@ -31,9 +32,37 @@ def _python_op_backward() -> Any:
 _ACCEPT_NONE = {_python_op_backward()}
 
 
-def _meta(node: torch.fx.Node) -> Any:
+Size = Union[int, sympy.Expr]
+VALUE_KEY = "fxtrain_value"
+
+
+@dataclass(frozen=True)
+class ValueInfo:
+    """What this runtime reads of a node's value: a size's expression, or a tensor's shape (ints and
+    size expressions), dtype and device. The cache stores these instead of fake tensors, which cost
+    milliseconds each to rebuild."""
+
+    size: Optional[Size] = None                      # a SymInt or int node
+    shape: Optional[Tuple[Size, ...]] = None         # a tensor node
+    dtype: Optional[torch.dtype] = None
+    device: Optional[torch.device] = None
+
+
+def _expr(size: Any) -> Size:
+    return size.node.expr if isinstance(size, torch.SymInt) else int(size)
+
+
+def value_info(node: torch.fx.Node) -> Optional[ValueInfo]:
+    info = node.meta.get(VALUE_KEY)
+    if info is not None:
+        return info
     # "val" on AOTAutograd's graphs, "example_value" on dynamo's.
-    return node.meta.get("val", node.meta.get("example_value"))
+    val = node.meta.get("val", node.meta.get("example_value"))
+    if isinstance(val, torch.Tensor):
+        return ValueInfo(shape=tuple(_expr(d) for d in val.shape), dtype=val.dtype, device=val.device)
+    if isinstance(val, (torch.SymInt, int)) and not isinstance(val, bool):
+        return ValueInfo(size=_expr(val))
+    return None
 
 
 class ShapeSolver:
@@ -42,28 +71,25 @@ class ShapeSolver:
     def __init__(self, placeholders: Sequence[torch.fx.Node]) -> None:
         self.sources: List[Tuple[int, Optional[int], sympy.Symbol]] = []
         for i, node in enumerate(placeholders):
-            val = _meta(node)
-            if isinstance(val, torch.SymInt) and isinstance(val.node.expr, sympy.Symbol):
-                self.sources.append((i, None, val.node.expr))
-            elif isinstance(val, torch.Tensor):
-                for d, size in enumerate(val.shape):
-                    if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
-                        self.sources.append((i, d, size.node.expr))
+            info = value_info(node)
+            if info is None:
+                continue
+            if isinstance(info.size, sympy.Symbol):
+                self.sources.append((i, None, info.size))
+            for d, size in enumerate(info.shape or ()):
+                if isinstance(size, sympy.Symbol):
+                    self.sources.append((i, d, size))
         self.known = {s for _, _, s in self.sources}
 
-    def can_solve(self, shape: Sequence[Any]) -> bool:
-        for size in shape:
-            if isinstance(size, torch.SymInt) and not size.node.expr.free_symbols <= self.known:
-                return False
-        return True
+    def can_solve(self, shape: Sequence[Size]) -> bool:
+        return all(not isinstance(size, sympy.Expr) or size.free_symbols <= self.known for size in shape)
 
-    def solve(self, shape: Sequence[Any], args: Sequence[Any]) -> List[int]:
+    def solve(self, shape: Sequence[Size], args: Sequence[Any]) -> List[int]:
         env: Dict[sympy.Symbol, int] = {}
         for i, d, sym in self.sources:
             if sym not in env and args[i] is not None:
                 env[sym] = int(args[i]) if d is None else int(args[i].shape[d])
-        return [int(s.node.expr.xreplace(env)) if isinstance(s, torch.SymInt)
-                else int(s.xreplace(env)) if isinstance(s, sympy.Expr) else int(s) for s in shape]
+        return [int(s.xreplace(env)) if isinstance(s, sympy.Expr) else int(s) for s in shape]
 
 
 def _eliminate(gm: torch.fx.GraphModule, absent: Sequence[int]) -> Tuple[torch.fx.GraphModule, List[int]]:
@@ -80,8 +106,8 @@ def _eliminate(gm: torch.fx.GraphModule, absent: Sequence[int]) -> Tuple[torch.f
             a, b = node.args
             for zero, other in ((a, b), (b, a)):
                 if zero in absent_nodes and isinstance(other, torch.fx.Node):
-                    ov, nv = _meta(other), _meta(node)
-                    if (isinstance(ov, torch.Tensor) and isinstance(nv, torch.Tensor)
+                    ov, nv = value_info(other), value_info(node)
+                    if (ov is not None and nv is not None and ov.shape is not None
                             and ov.shape == nv.shape and ov.dtype == nv.dtype):
                         env[node] = env[other]
                         break
@@ -107,9 +133,9 @@ class AbsentGradBackward:
         self.tangents = [i for i, n in enumerate(self.placeholders) if n.name.startswith("tangents")]
         self.solver = ShapeSolver(self.placeholders)
         # None is only safe to accept where zeros can be rebuilt if a specialisation needs them.
-        self.accepts_none = all(
-            isinstance(_meta(self.placeholders[i]), torch.Tensor)
-            and self.solver.can_solve(_meta(self.placeholders[i]).shape) for i in self.tangents)
+        infos = {i: value_info(self.placeholders[i]) for i in self.tangents}
+        self.accepts_none = all(info is not None and info.shape is not None and self.solver.can_solve(info.shape)
+                                for info in infos.values())
         self.variants: Dict[Tuple[int, ...], Tuple[Callable[..., Any], List[int]]] = {}
 
     def _variant(self, absent: Tuple[int, ...]) -> Tuple[Callable[..., Any], List[int]]:
@@ -128,8 +154,9 @@ class AbsentGradBackward:
         else:
             run, needs_zeros = self._variant(absent)
             for i in needs_zeros:
-                val = _meta(self.placeholders[i])
-                args[i] = torch.zeros(self.solver.solve(val.shape, args), dtype=val.dtype, device=val.device)
+                info = value_info(self.placeholders[i])
+                assert info is not None and info.shape is not None
+                args[i] = torch.zeros(self.solver.solve(info.shape, args), dtype=info.dtype, device=info.device)
         call_args = list(args)
         args.clear()
         return run(*call_args)

@@ -19,9 +19,21 @@ from ..capture.info import GraphRecord
 from .absent_grads import AbsentGradBackward
 
 Compiled = Callable[..., object]
+Runnable = Callable[[torch.fx.GraphModule, str], torch.fx.GraphModule]
 
 
-def _compile_eager(gm: torch.fx.GraphModule, example_inputs: List[object], record: GraphRecord) -> Compiled:
+def _as_is(graph: torch.fx.GraphModule, _kind: str) -> torch.fx.GraphModule:
+    return graph
+
+
+def compile_eager(gm: torch.fx.GraphModule, example_inputs: List[object], record: GraphRecord,
+                  runnable: Runnable = _as_is) -> Compiled:
+    """AOTAutograd's forward and backward graphs, run op by op.
+
+    ``runnable(graph, "forward" | "backward")`` gives the module that actually runs each graph: the
+    graph itself here, a copy announcing each op to the cost tracker in the profiler. The record
+    keeps the graphs themselves (what the dumps and the cache store).
+    """
     backward: List[AbsentGradBackward] = []
 
     def forward_compiler(fw: torch.fx.GraphModule, _inputs: List[object], inference: bool = False) -> Compiled:
@@ -30,7 +42,7 @@ def _compile_eager(gm: torch.fx.GraphModule, example_inputs: List[object], recor
         context = TracingContext.try_get()
         record.aot_metadata = context.fw_metadata if context is not None else None
         record.inference = inference
-        run = make_boxed_func(fw.forward)
+        run = make_boxed_func(runnable(fw, "forward").forward)
         # Read after the step (absent_grads.release_materialization), when the backward exists.
         run.fxtrain_accepts_none = lambda: bool(backward) and backward[0].accepts_none
         return run
@@ -42,7 +54,7 @@ def _compile_eager(gm: torch.fx.GraphModule, example_inputs: List[object], recor
             report = backward_pass(bw)
             record.report(report.name, str(report))
         record.backward_graph = bw
-        backward.append(AbsentGradBackward(bw))
+        backward.append(AbsentGradBackward(runnable(bw, "backward")))
         record.backward_runner = backward[-1]
         for hook in record.backward_hooks:  # e.g. the debug dump and the cache, waiting for this graph
             hook()
@@ -63,7 +75,7 @@ def _compile_inductor(gm: torch.fx.GraphModule, example_inputs: List[object], re
 
 
 EXECUTORS: Dict[str, Callable[[torch.fx.GraphModule, List[object], GraphRecord], Compiled]] = {
-    "eager": _compile_eager,
+    "eager": compile_eager,
     "inductor": _compile_inductor,
 }
 

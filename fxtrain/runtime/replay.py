@@ -35,13 +35,14 @@ class ReplaySpec:
     non_differentiable: Tuple[int, ...]  # returns that do not require grad
     tangents: Tuple[int, ...]           # returns whose gradient the backward graph takes, in order
     inference: bool                     # no backward graph: the forward is all there is
+    unsafe_views: Tuple[int, ...] = ()  # returns that view a graph intermediate: handed out as non-views
 
 
 def replay_spec(metadata: Any, n_inputs: int, inference: bool) -> ReplaySpec:
     """Build the spec from AOTAutograd's ViewAndMutationMeta, or raise NotReplayable."""
     if any(i.mutates_data or i.mutates_metadata for i in metadata.input_info):
         raise NotReplayable("the graph mutates an input in place (e.g. BatchNorm running statistics)")
-    if metadata.num_intermediate_bases or metadata.num_outputs_aliased or metadata.num_unsafe_view_outputs:
+    if metadata.num_intermediate_bases or metadata.num_outputs_aliased:
         raise NotReplayable("an output aliases an input or another output")
     if metadata.tokens:
         raise NotReplayable("the graph has ordered side effects (effect tokens)")
@@ -54,9 +55,12 @@ def replay_spec(metadata: Any, n_inputs: int, inference: bool) -> ReplaySpec:
             not isinstance(m, int) and type(m).__name__ != "PlainTensorMeta" for m in metadata.subclass_inp_meta):
         raise NotReplayable("an input is a tensor subclass")
     n_returns = metadata.num_forward_returns
+    # AOTAutograd's runtime re-wraps these with _unsafe_view so that the caller holds a plain tensor,
+    # not a view whose base is an intermediate it never sees; the replay does the same.
+    unsafe = tuple(i for i, o in enumerate(metadata.output_info) if o.output_type.name == "unsafe_view_alias")
     if inference:
         empty = slice(0, 0)
-        return ReplaySpec(n_inputs, n_returns, empty, empty, empty, (), (), True)
+        return ReplaySpec(n_inputs, n_returns, empty, empty, empty, (), (), True, unsafe)
     if getattr(metadata, "num_opaque_objects_saved_for_bw", 0):
         raise NotReplayable("the backward needs opaque objects")
     tangents = tuple(
@@ -69,7 +73,14 @@ def replay_spec(metadata: Any, n_inputs: int, inference: bool) -> ReplaySpec:
         saved=metadata.tensors_saved_for_backwards_with_vc_check_slice,
         saved_no_check=metadata.tensors_saved_for_backwards_no_vc_check_slice,
         symints=metadata.symints_saved_for_backwards_slice,
-        non_differentiable=non_diff, tangents=tangents, inference=False)
+        non_differentiable=non_diff, tangents=tangents, inference=False, unsafe_views=unsafe)
+
+
+def _plain_returns(outs: Sequence[Any], spec: ReplaySpec) -> Tuple[Any, ...]:
+    returns = list(outs[:spec.n_returns])
+    for i in spec.unsafe_views:
+        returns[i] = torch.ops.aten._unsafe_view(returns[i], returns[i].size())
+    return tuple(returns)
 
 
 class _Runner:
@@ -84,7 +95,7 @@ class _ReplayFunction(torch.autograd.Function):
     def forward(ctx: Any, runner: _Runner, *args: Any) -> Any:  # type: ignore[override]
         spec = runner.spec
         outs = runner.forward(*args)
-        returns = tuple(outs[:spec.n_returns])
+        returns = _plain_returns(outs, spec)
         # A view saved for backward would keep its base's autograd history: AOTAutograd detaches too.
         ctx.save_for_backward(*[x.detach() if x._is_view() else x for x in outs[spec.saved]])
         ctx.unchecked = [x.detach() if x._is_view() else x for x in outs[spec.saved_no_check]]
@@ -119,7 +130,7 @@ def replayed(forward_graph: torch.fx.GraphModule, backward_graph: Optional[torch
     forward = forward_graph.forward
     if spec.inference:
         def run_inference(*args: Any) -> List[Any]:
-            return list(forward(*args)[:spec.n_returns])
+            return list(_plain_returns(forward(*args), spec))
         return run_inference
     if backward_graph is None:
         raise NotReplayable("no backward graph was saved")
