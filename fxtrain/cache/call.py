@@ -9,10 +9,10 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
-import torch.fx
 import torch.utils._pytree as pytree
 
 from ..runtime.deferred import with_deferred
+from ..runtime.executors import Runnable, as_is
 from ..runtime.density import with_density_probes
 from ..runtime.replay import replayed
 from .entry import Entry
@@ -22,7 +22,7 @@ MISS = object()
 
 class CachedCall:
     def __init__(self, entry: Entry, density: Optional[Dict[str, float]], log_density: bool,
-                 runnable: Callable[[torch.fx.GraphModule, str], torch.fx.GraphModule] = lambda g, _kind: g) -> None:
+                 runnable: Runnable = as_is) -> None:
         """``density``: where each call's densities go (None: not measured, as on fake tensors);
         ``runnable``: the module that runs each loaded graph (the graph itself, or a marked copy)."""
         recipe = entry.recipe

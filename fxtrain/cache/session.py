@@ -14,7 +14,7 @@ from torch import nn
 
 from ..capture.info import CaptureInfo, GraphRecord
 from ..options import Options
-from ..runtime.executors import Runnable
+from ..runtime.executors import Runnable, as_is
 from ..runtime.replay import NotReplayable
 from . import entry as entries
 from .call import MISS, CachedCall
@@ -35,7 +35,7 @@ class ModuleCache:
         self.modules: Tuple[int, ...] = ()
         self.resized: set = set()   # keys whose entry rejected a call's sizes: recapture symbolically
         # What runs a loaded graph (the profiler's marked copies) and whether calls count densities.
-        self.runnable: Runnable = lambda graph, _kind: graph
+        self.runnable: Runnable = as_is
         self.probe_density = True
 
     @property

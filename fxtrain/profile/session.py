@@ -132,9 +132,14 @@ class Session:
 
     # ------------------------------------------------------------------------------------ step
     def _step(self, tracker: CostTracker, args: Any, kwargs: Any) -> None:
+        self._rest_of_step(tracker, self._forward(tracker, args, kwargs))
+
+    def _forward(self, tracker: CostTracker, args: Any, kwargs: Any) -> Any:
         tracker.phase = "forward"
         with torch.autograd.graph.saved_tensors_hooks(tracker.pack_saved, _unpack):
-            out = (self.model if self.eager else self.tm)(*args, **kwargs)
+            return (self.model if self.eager else self.tm)(*args, **kwargs)
+
+    def _rest_of_step(self, tracker: CostTracker, out: Any) -> None:
         loss = loss_of(out)
         tracker.phase = "backward"
         loss.backward()
@@ -203,10 +208,17 @@ class Session:
                 self.optimizer = self._make_optimizer()
             if self.eager or self.warm:
                 self._make_optimizer_state()
-            elif self._loaded(fake_args, fake_kwargs):
-                self._make_optimizer_state()   # graphs from the cache: the backward exists already
             else:
-                self._step(warm, fake_args, fake_kwargs)
+                # Capturing needs the whole step (AOTAutograd compiles the backward at the first
+                # backward); graphs loaded from Options.cache_dir come with their backward.
+                assert self.tm is not None
+                hits = self.tm.capture_info().cache_hits
+                out = self._forward(warm, fake_args, fake_kwargs)
+                if self.tm.capture_info().cache_hits > hits:
+                    del out
+                    self._make_optimizer_state()
+                else:
+                    self._rest_of_step(warm, out)
         if not self.warm:
             self.capture_seconds = time.perf_counter() - started
         self.warm = True
@@ -235,20 +247,6 @@ class Session:
             for g, value in zip(groups, saved):
                 g["foreach"] = value
         self.optimizer.zero_grad(set_to_none=True)
-
-    def _loaded(self, fake_args: Any, fake_kwargs: Any) -> bool:
-        """Whether a forward call found this input schema's graphs in ``Options.cache_dir``.
-
-        Capturing needs a whole warm-up step (AOTAutograd compiles the backward at the first
-        backward); a cache hit loads forward and backward at once, so the forward is enough.
-        """
-        assert self.tm is not None
-        if not self.tm._cache.active:
-            return False
-        hits = self.tm.capture_info().cache_hits
-        out = self.tm(*fake_args, **fake_kwargs)
-        del out
-        return self.tm.capture_info().cache_hits > hits
 
     def _measure(self, fake_args: Any, fake_kwargs: Any, args: Any, kwargs: Any,
                  hints: Optional[List[float]]) -> StepCost:

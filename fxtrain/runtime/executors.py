@@ -22,12 +22,13 @@ Compiled = Callable[..., object]
 Runnable = Callable[[torch.fx.GraphModule, str], torch.fx.GraphModule]
 
 
-def _as_is(graph: torch.fx.GraphModule, _kind: str) -> torch.fx.GraphModule:
+def as_is(graph: torch.fx.GraphModule, _kind: str) -> torch.fx.GraphModule:
+    """The runnable that runs each graph itself."""
     return graph
 
 
 def compile_eager(gm: torch.fx.GraphModule, example_inputs: List[object], record: GraphRecord,
-                  runnable: Runnable = _as_is) -> Compiled:
+                  runnable: Runnable = as_is) -> Compiled:
     """AOTAutograd's forward and backward graphs, run op by op.
 
     ``runnable(graph, "forward" | "backward")`` gives the module that actually runs each graph: the
