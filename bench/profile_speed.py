@@ -1,10 +1,14 @@
 """Profiler speed: BERT-base dimensions at batch 1,000,000 x seq 512, and the profiler's own memory.
 
     python bench/profile_speed.py [--batch 1000000 --seq 512 --optimizer adamw] [--cache-dir DIR]
+                                  [--layers 12] [--sizes symbolic|static]
 
 Prints, per costing mode, the wall time of the first ``fxtrain.profile`` call (includes the warm-up:
 capture for the fxtrain graph, optimizer state) and of a second call at another batch (the session's
 graphs reused), and the process's resident memory after each, which stays flat whatever the batch.
+``--layers 1`` costs a one-layer BERT-base: the least any capture of the model must trace (embeddings,
+one layer, head), hence a floor for designs that trace each distinct layer once. ``--sizes static``
+captures for the given sizes only (each further batch size captures again).
 """
 from __future__ import annotations
 
@@ -30,11 +34,13 @@ def main() -> None:
     p.add_argument("--optimizer", default="adamw")
     p.add_argument("--modes", default="eager,fxtrain")
     p.add_argument("--cache-dir", default=None, help="Options.cache_dir: run twice, the second process loads the graphs")
+    p.add_argument("--layers", type=int, default=12, help="encoder layers (BERT-base has 12)")
+    p.add_argument("--sizes", choices=("symbolic", "static"), default="symbolic")
     a = p.parse_args()
     started = time.perf_counter()
     with torch.device("meta"):
-        model = models.PRESETS["bert-base"].build()
-    print(f"build bert-base on meta: {time.perf_counter() - started:.2f} s, rss {rss_mib():.0f} MiB")
+        model = models.bert_mlm(hidden=768, layers=a.layers, heads=12)
+    print(f"build bert-base ({a.layers} layers) on meta: {time.perf_counter() - started:.2f} s, rss {rss_mib():.0f} MiB")
     B, S = a.batch, a.seq
     for mode in a.modes.split(","):
         optimizations = mode == "fxtrain"
@@ -42,7 +48,7 @@ def main() -> None:
             inputs = fxtrain.fake_inputs(input_ids=((batch, S), torch.long), attention_mask=((batch, S), torch.long),
                                          labels=((batch, S), torch.long))
             started = time.perf_counter()
-            options = fxtrain.Options(cache_dir=a.cache_dir) if a.cache_dir else None
+            options = fxtrain.Options(cache_dir=a.cache_dir, dynamic=a.sizes == "symbolic")
             report = fxtrain.profile(model, optimizer=a.optimizer, optimizations=optimizations, options=options,
                                      **inputs)
             took = time.perf_counter() - started

@@ -267,6 +267,44 @@ def test_memory_fit_finds_the_largest_batch_for_a_budget():
     assert double.flops_forward == pytest.approx(2 * report.flops_forward, rel=0.05)
 
 
+def test_equal_options_reuse_the_capture_and_other_options_do_not(caplog):
+    """A second costing with equal (not identical) Options costs another batch without capturing;
+    options that change the graph (a pass turned off) get their own capture and their own numbers."""
+    model = models.build("bert-tiny")
+    small = models.preset_batch("bert-tiny", 4, 32, padding=0.3, label_density=0.2)
+    large = models.preset_batch("bert-tiny", 8, 32, padding=0.3, label_density=0.2)
+    with caplog.at_level("INFO", logger="fxtrain"):
+        first = fxtrain.profile(model, optimizer="adamw", options=fxtrain.Options(upstream_slicing="off"), **small)
+        captures = sum("captured graph" in r.getMessage() for r in caplog.records)
+        again = fxtrain.profile(model, optimizer="adamw", options=fxtrain.Options(upstream_slicing="off"), **large)
+        assert sum("captured graph" in r.getMessage() for r in caplog.records) == captures > 0
+        off = fxtrain.profile(model, optimizer="adamw", options=fxtrain.Options(label_sparsity="off"), **small)
+        assert sum("captured graph" in r.getMessage() for r in caplog.records) > captures
+    fresh = fxtrain.profile(models.build("bert-tiny"), optimizer="adamw",
+                            options=fxtrain.Options(upstream_slicing="off"), **large)
+    assert first.passes["label_sparsity"].startswith("on") and off.passes["label_sparsity"].startswith("off")
+    assert off.flops_forward > first.flops_forward
+    for field in ("flops_forward", "flops_backward", "peak_memory_bytes", "saved_for_backward_bytes"):
+        assert getattr(again, field) == getattr(fresh, field), field
+
+
+def test_a_step_that_captures_is_measured_again():
+    """With static sizes each batch size captures; that capture happens inside the costed step of
+    the second batch. Its tracing must not count: the numbers equal a fresh model's at that batch."""
+    static = fxtrain.Options(dynamic=False)
+    small = models.preset_batch("bert-tiny", 4, 32, padding=0.3, label_density=0.2)
+    large = models.preset_batch("bert-tiny", 12, 32, padding=0.3, label_density=0.2)
+    model = models.build("bert-tiny")
+    fxtrain.profile(model, optimizer="adamw", options=static, **small)
+    second = fxtrain.profile(model, optimizer="adamw", options=static, **large)
+    fresh = fxtrain.profile(models.build("bert-tiny"), optimizer="adamw", options=static, **large)
+    for field in ("flops_forward", "flops_backward", "peak_memory_bytes", "saved_for_backward_bytes",
+                  "optimizer_state_bytes"):
+        assert getattr(second, field) == getattr(fresh, field), field
+    assert second.by_module == fresh.by_module
+    assert second.timeline == fresh.timeline      # the plotted step holds no tracing of the capture
+
+
 def test_profiling_memory_stays_flat_as_batch_grows():
     model = MLP()
     small = fxtrain.profile(model, fxtrain.shapes_only((10, 32)), fxtrain.shapes_only((10,), torch.long),

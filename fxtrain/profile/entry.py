@@ -1,6 +1,7 @@
 """``fxtrain.profile(model, *args, **kwargs)``: cost a training step on fake tensors."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
 from typing import Any, Dict, Optional, Tuple
@@ -16,7 +17,7 @@ from .step import OptimizerSpec
 logger = logging.getLogger("fxtrain")
 
 # Capturing is the slow part: a model profiled again (another batch, other inputs of the same
-# structure) reuses its session, hence its graphs, as long as the model lives.
+# structure) with equal options reuses its session, hence its graphs, as long as the model lives.
 _sessions: "weakref.WeakKeyDictionary[torch.nn.Module, Dict[Tuple[Any, ...], Session]]" = weakref.WeakKeyDictionary()
 
 
@@ -32,12 +33,14 @@ def _optimizer_name(spec: OptimizerSpec) -> Optional[str]:
 
 def _session_for(model: torch.nn.Module, optimizer: OptimizerSpec, optimizations: bool,
                  options: Optional[Options], reuse: bool) -> Session:
-    if not reuse or options is not None:
+    if not reuse:
         return Session(model, optimizer, optimizations, options)
     per_model = _sessions.setdefault(model, {})
-    if optimizations not in per_model:
-        per_model[optimizations] = Session(model, optimizer, optimizations, options)
-    session = per_model[optimizations]
+    # Options compare by value: a new but equal Options() (or none: the defaults) must not capture again.
+    key = (optimizations, dataclasses.astuple(options or Options()))
+    if key not in per_model:
+        per_model[key] = Session(model, optimizer, optimizations, options)
+    session = per_model[key]
     session.use_optimizer(optimizer)
     return session
 
@@ -52,7 +55,8 @@ def profile(model: torch.nn.Module, *args: Any, optimizer: OptimizerSpec = None,
     from shapes). ``optimizations=True`` costs what ``fxtrain.TrainModule`` runs (its capture and
     passes, decided on the inputs' values where they are real); ``False`` costs eager PyTorch.
     ``optimizer``: a ``torch.optim.Optimizer`` class or instance (or "adamw", "sgd", ...); its
-    state is costed as it exists in steady state. ``reuse=False`` forces a fresh capture.
+    state is costed as it exists in steady state. Later calls on the same model with equal
+    ``options`` reuse its captured graphs; ``reuse=False`` forces a fresh capture.
     """
     from ..module import TrainModule
     if isinstance(model, TrainModule):   # cost the module it wraps, as fxtrain would capture it

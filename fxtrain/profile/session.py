@@ -248,10 +248,33 @@ class Session:
                 g["foreach"] = value
         self.optimizer.zero_grad(set_to_none=True)
 
+    def _captures(self) -> int:
+        info = self.tm.capture_info() if self.tm is not None else None
+        return 0 if info is None else info.graphs + info.cache_hits
+
     def _measure(self, fake_args: Any, fake_kwargs: Any, args: Any, kwargs: Any,
                  hints: Optional[List[float]]) -> StepCost:
         if not self.warm or not self.optimizer_ready:
             self._warm_up(fake_args, fake_kwargs, hints)
+        before = self._captures()
+        cost = self._measure_once(fake_args, fake_kwargs, args, kwargs, hints)
+        if self._captures() == before:
+            return cost
+        # The step captured (or loaded) a graph: new sizes under static capture, a size dynamo
+        # specialises (0 or 1), a new input schema. Tracing allocates fake tensors of its own, and a
+        # first backward compiles, so that step was not the steady state: measure again, now that
+        # the graphs exist.
+        self.capture_seconds += cost.seconds
+        logger.info("fxtrain profile: the step captured a new graph (%.2f s); measuring it again", cost.seconds)
+        before = self._captures()
+        cost = self._measure_once(fake_args, fake_kwargs, args, kwargs, hints)
+        if self._captures() != before:
+            raise ProfileError("fxtrain profile: the model captures a new graph on every call with these inputs; "
+                               "no steady state to cost (see capture_info() of a TrainModule on them)")
+        return cost
+
+    def _measure_once(self, fake_args: Any, fake_kwargs: Any, args: Any, kwargs: Any,
+                      hints: Optional[List[float]]) -> StepCost:
         started = time.perf_counter()
         tracker = CostTracker(self.mode, hints)
         tracker.shadows = self.shadows
