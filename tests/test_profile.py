@@ -305,6 +305,24 @@ def test_a_step_that_captures_is_measured_again():
     assert second.timeline == fresh.timeline      # the plotted step holds no tracing of the capture
 
 
+class RecapturesEveryCall(nn.Module):
+    """Each call adds a dict key its output depends on: every call fails dynamo's guards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.seen: dict = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen[f"call{len(self.seen)}"] = True
+        return (self.lin(x) * len(self.seen)).sum()
+
+
+def test_a_model_that_never_reaches_a_steady_state_is_refused():
+    with pytest.raises(ProfileError, match="captures a new graph on every call"):
+        fxtrain.profile(RecapturesEveryCall(), torch.randn(4, 8), optimizer="adamw")
+
+
 def test_profiling_memory_stays_flat_as_batch_grows():
     model = MLP()
     small = fxtrain.profile(model, fxtrain.shapes_only((10, 32)), fxtrain.shapes_only((10,), torch.long),

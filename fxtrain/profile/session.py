@@ -256,22 +256,19 @@ class Session:
                  hints: Optional[List[float]]) -> StepCost:
         if not self.warm or not self.optimizer_ready:
             self._warm_up(fake_args, fake_kwargs, hints)
-        before = self._captures()
-        cost = self._measure_once(fake_args, fake_kwargs, args, kwargs, hints)
-        if self._captures() == before:
-            return cost
-        # The step captured (or loaded) a graph: new sizes under static capture, a size dynamo
-        # specialises (0 or 1), a new input schema. Tracing allocates fake tensors of its own, and a
-        # first backward compiles, so that step was not the steady state: measure again, now that
+        # A step that captures (or loads) a graph is not the steady state: new sizes under static
+        # capture, a size dynamo specialises (0 or 1), a new input schema. Tracing allocates fake
+        # tensors of its own and a first backward compiles, so such a step is measured again once
         # the graphs exist.
-        self.capture_seconds += cost.seconds
-        logger.info("fxtrain profile: the step captured a new graph (%.2f s); measuring it again", cost.seconds)
-        before = self._captures()
-        cost = self._measure_once(fake_args, fake_kwargs, args, kwargs, hints)
-        if self._captures() != before:
-            raise ProfileError("fxtrain profile: the model captures a new graph on every call with these inputs; "
-                               "no steady state to cost (see capture_info() of a TrainModule on them)")
-        return cost
+        for _ in range(2):
+            before = self._captures()
+            cost = self._measure_once(fake_args, fake_kwargs, args, kwargs, hints)
+            if self._captures() == before:
+                return cost
+            self.capture_seconds += cost.seconds
+            logger.info("fxtrain profile: the step captured a new graph (%.2f s); measuring it again", cost.seconds)
+        raise ProfileError("fxtrain profile: the model captures a new graph on every call with these inputs; "
+                           "no steady state to cost (see capture_info() of a TrainModule on them)")
 
     def _measure_once(self, fake_args: Any, fake_kwargs: Any, args: Any, kwargs: Any,
                       hints: Optional[List[float]]) -> StepCost:
