@@ -64,7 +64,7 @@ def _capture_once(layers: int, dynamic: bool, regional: bool) -> Dict[str, float
                                          else stamps["aot_forward"])
     return {"dynamo": stamps["dynamo"] - started, "aot_forward": stamps["aot_forward"] - stamps["dynamo"],
             "aot_backward": backward,
-            "capture": stamps["dynamo"] - started + stamps["aot_forward"] - stamps["dynamo"] + backward}
+            "capture": stamps["aot_forward"] - started + backward}
 
 
 def _child(layers: int, dynamic: bool, regional: bool) -> None:
