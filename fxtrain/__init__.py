@@ -5,9 +5,11 @@ from .module_with_loss import ModuleWithLoss
 from .options import Options
 from .profile import ProfileReport, fake_inputs, profile, shapes_only
 from .pipeline import Pipe, PipelineError, SplitError, pipe_split, split
+from .runtime.deferred import StaleDeferredOutput
+from .runtime.dense_route import SparseBatchError
 
 __version__ = "0.1.0"
 
 __all__ = ["TrainModule", "ModuleWithLoss", "Options", "is_capturing", "profile", "ProfileReport", "fake_inputs",
            "shapes_only", "CaptureError", "FallbackWarning", "__version__",
-           "split", "pipe_split", "Pipe", "PipelineError", "SplitError"]
+           "split", "pipe_split", "Pipe", "PipelineError", "SplitError", "SparseBatchError", "StaleDeferredOutput"]

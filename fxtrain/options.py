@@ -54,6 +54,11 @@ class Options:
                 "layers' token-wise work for those rows only."})
     sparsity_threshold: float = field(default=0.9, metadata={
         "help": "Density (labelled or non-padding fraction) below which an 'auto' sparsity pass turns on."})
+    sparsity_guard: str = field(default="dense", metadata={
+        "choices": ("dense", "raise"),
+        "help": "A batch that breaks a sparsity pass's per-batch condition (a label or a kept row on a padding "
+                "position): 'dense' runs it through the graph without the passes (eager's numbers, counted in "
+                "capture_info().dense_batches); 'raise' raises before anything runs."})
     log_density: bool = field(default=False, metadata={
         "help": "Log the label and token density of every batch at INFO (the inspector watching)."})
     save_graphs_dir: Optional[str] = field(default=None, metadata={

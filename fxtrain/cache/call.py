@@ -12,6 +12,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..runtime.deferred import with_deferred
+from ..runtime.dense_route import DenseRoute
 from ..runtime.executors import Runnable, as_is
 from ..runtime.density import with_density_probes
 from ..runtime.replay import replayed
@@ -22,10 +23,12 @@ MISS = object()
 
 class CachedCall:
     def __init__(self, entry: Entry, density: Optional[Dict[str, float]], log_density: bool,
-                 runnable: Runnable = as_is) -> None:
+                 runnable: Runnable = as_is, route: Optional[DenseRoute] = None) -> None:
         """``density``: where each call's densities go (None: not measured, as on fake tensors);
-        ``runnable``: the module that runs each loaded graph (the graph itself, or a marked copy)."""
+        ``runnable``: the module that runs each loaded graph (the graph itself, or a marked copy);
+        ``route``: decides which batches the entry's sparse graphs cannot serve (run eagerly)."""
         recipe = entry.recipe
+        self.route = route
         self.entry = entry
         self.inputs: Callable[[Dict[str, Any]], Tuple[Any, ...]] = eval(  # noqa: S307 (our own source names)
             compile(f"lambda L: ({''.join(s + ', ' for s in recipe.sources)})", "<fxtrain cache sources>", "eval"))
@@ -61,6 +64,8 @@ class CachedCall:
         flat = self.flat_inputs(module, args, kwargs)
         if flat is MISS:
             return MISS
+        if self.route is not None and not self.route.admits(flat):
+            return module(*args, **kwargs)  # the dense route: no graph without passes is stored
         outs = self.compiled(*flat)
         leaves = [outs[v] if kind == "out" else v for kind, v in self.entry.leaves]
         return pytree.tree_unflatten(leaves, self.entry.treespec)

@@ -109,10 +109,13 @@ def _lean_meta(gm: Optional[torch.fx.GraphModule], keep_values: bool) -> Iterato
             n.meta = saved[n]
 
 
-def _plan_graphs(plan: Any) -> List[torch.fx.GraphModule]:
+def _plan_graphs(recipe: Recipe) -> List[torch.fx.GraphModule]:
+    """The dynamo-level graphs a recipe holds: the deferred outputs' and the batch guard's."""
+    plan = recipe.plan
+    guard = [recipe.guard.check] if recipe.guard is not None else []
     if plan is None:
-        return []
-    found, stack = [], [plan.gm]
+        return guard
+    found, stack = guard, [plan.gm]
     while stack:
         obj = stack.pop()
         if isinstance(obj, torch.fx.GraphModule):
@@ -128,7 +131,7 @@ def dumps(entry: Entry) -> bytes:
     with contextlib.ExitStack() as stack:
         stack.enter_context(_lean_meta(entry.forward_graph, keep_values=False))
         stack.enter_context(_lean_meta(entry.backward_graph, keep_values=True))
-        for gm in _plan_graphs(entry.recipe.plan):
+        for gm in _plan_graphs(entry.recipe):
             stack.enter_context(_lean_meta(gm, keep_values=False))
         recipe = entry.recipe
         last, recipe.last_outputs = recipe.last_outputs, None
@@ -145,7 +148,7 @@ def loads(payload: bytes) -> Entry:
     entry = GraphPickler.loads(payload, FakeTensorMode(shape_env=ShapeEnv()))
     if not isinstance(entry, Entry):
         raise TypeError(f"payload holds a {type(entry).__name__}, not a cache entry")
-    for gm in [entry.forward_graph, entry.backward_graph, *_plan_graphs(entry.recipe.plan)]:
+    for gm in [entry.forward_graph, entry.backward_graph, *_plan_graphs(entry.recipe)]:
         if gm is not None:
             for n in gm.graph.nodes:
                 if _MODULE_META in n.meta:

@@ -33,6 +33,7 @@ class Recipe:
     bypass: Optional[str] = None                 # why this capture cannot be cached
     plan: Optional[Any] = None                   # portable DeferredPlan
     probes: List[Tuple[str, int, int]] = field(default_factory=list)
+    guard: Optional[Any] = None                  # BatchGuard: batches the sparse graph cannot serve
     watching: bool = True
     last_outputs: Optional[Any] = None           # the graph's outputs on the capturing call
 

@@ -15,6 +15,7 @@ from torch import nn
 from ..capture.info import CaptureInfo, GraphRecord
 from ..options import Options
 from ..runtime.executors import Runnable, as_is
+from ..runtime.dense_route import DenseRoute
 from ..runtime.replay import NotReplayable
 from . import entry as entries
 from .call import MISS, CachedCall
@@ -94,8 +95,11 @@ class ModuleCache:
             return self._miss("%s (%s): source changed since it was stored: %s", disk_key[:12], mode,
                               ", ".join(sorted(stale)[:3]))
         try:
+            guard = entry.recipe.guard
+            route = DenseRoute(guard, self.info.dense_batches, self.options.sparsity_guard, self.owner) \
+                if guard is not None and self.probe_density else None
             call = CachedCall(entry, self.info.density if self.probe_density else None,
-                              self.options.log_density, self.runnable)
+                              self.options.log_density, self.runnable, route)
             out = call(module, args, kwargs)
         except Exception as e:
             warn_once(f"unusable:{self.store.path(disk_key)}", "fxtrain: cache entry %s could not be used (%s: %s); capturing instead",

@@ -10,9 +10,11 @@ import torch.fx
 from ..cache import recipe as cache_recipe
 from ..options import Options
 from ..passes import run_passes
+from ..passes.batch_guard import META_KEY as GUARD_KEY
 from ..passes.defer import META_KEY as DEFERRED_KEY
 from ..runtime import compile_graph
 from ..passes.density import PROBES_KEY
+from ..runtime.dense_route import DenseRoute
 from ..runtime.deferred import with_deferred
 from ..runtime.density import with_density_probes
 from .dump import dump_capture
@@ -48,12 +50,17 @@ class Backend:
         # failure must reach TrainModule, which applies the fallback policy.
         record = GraphRecord(index=len(self.info.records), mode=current_mode(self.training()), dynamo_graph=gm)
         recipe = cache_recipe.start(gm) if self.options.cache_dir else None
+        traced = _copy_graph(gm.graph)
         record.optimizations = run_passes(gm, example_inputs, self.options)
         record.report_to = self.info.optimizations
         compiled = self.compile(gm, example_inputs, record)
         plan = gm.meta.pop(DEFERRED_KEY, None)
         if plan is not None:
             compiled = with_deferred(compiled, plan)
+        guard = gm.meta.pop(GUARD_KEY, None)
+        if guard is not None and self.probe_density:
+            route = DenseRoute(guard, self.info.dense_batches, self.options.sparsity_guard, self.owner)
+            compiled = route.wrap(compiled, torch.fx.GraphModule(gm, traced))
         probes = gm.meta.pop(PROBES_KEY, None)
         if probes and self.probe_density:
             compiled = with_density_probes(compiled, probes, self.info.density, self.options.log_density)
@@ -61,6 +68,7 @@ class Backend:
             cache_recipe.finish(recipe, gm)
             recipe.plan = plan.portable() if plan is not None else None
             recipe.probes = list(probes or [])
+            recipe.guard = guard
             record.cache_recipe = recipe
             compiled = cache_recipe.watch(recipe, compiled)
         self.info.records.append(record)
@@ -78,3 +86,14 @@ class Backend:
 
     def compile(self, gm: torch.fx.GraphModule, example_inputs: List[object], record: GraphRecord) -> Callable[..., object]:
         return compile_graph(gm, example_inputs, self.options.executor, record)
+
+
+def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """The graph as dynamo traced it, before any pass: what a batch the passes cannot serve runs.
+    Nodes are copied (metadata shallowly), so the passes' rewrites of ``graph`` do not reach it."""
+    copy = torch.fx.Graph()
+    copy._codegen = graph._codegen
+    env: dict = {}
+    out = copy.graph_copy(graph, env)
+    copy.output(out)
+    return copy

@@ -12,6 +12,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .frames import ENTRY_NAME
+
 _counter = itertools.count()
 
 
@@ -20,7 +22,7 @@ def _entry(module, args, kwargs):
 
 
 def make_entry(backend: Callable[..., Any], dynamic: Optional[bool], fullgraph: bool) -> Callable[..., Any]:
-    name = f"fxtrain_capture_{next(_counter)}"
+    name = f"{ENTRY_NAME}_{next(_counter)}"
     code = _entry.__code__.replace(co_name=name, co_qualname=name)
     fn = types.FunctionType(code, _entry.__globals__, name)
     return torch.compile(fn, backend=backend, dynamic=dynamic, fullgraph=fullgraph)

@@ -52,6 +52,9 @@ class CaptureInfo:
     cache_hits: int = 0                                     # captures loaded from Options.cache_dir
     cache_misses: int = 0
     cache_log: List[str] = field(default_factory=list)     # what the cache did, one line per event
+    # Batches a sparsity pass could not serve (runtime/dense_route.py), by reason: they ran the graph
+    # without the passes, with eager's numbers.
+    dense_batches: Dict[str, int] = field(default_factory=dict)
     records: List[GraphRecord] = field(default_factory=list, repr=False)
 
     def __str__(self) -> str:
@@ -66,6 +69,8 @@ class CaptureInfo:
         if self.cache_hits or self.cache_misses or self.cache_log:
             lines.append(f"cache:           {self.cache_hits} hit(s), {self.cache_misses} miss(es)")
             lines.extend(f"  cache {event}" for event in self.cache_log[-5:])
+        for reason, n in self.dense_batches.items():
+            lines.append(f"  dense route: {n} batch(es): {reason}")
         for reason in self.break_reasons:
             lines.append(f"  break: {reason}")
         return "\n".join(lines)

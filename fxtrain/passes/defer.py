@@ -15,15 +15,44 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch.fx
 
+from ..capture.frames import ENTRY_PREFIXES, compiled_frame_name
 from ..runtime.deferred import DeferredPlan
 from .rows import Node, Region, copy_subgraph, value
 
 META_KEY = "fxtrain_deferred"
 
 
-def can_defer(gm: torch.fx.GraphModule, region: Region) -> bool:
-    """One head deferral per graph: a second rewrite that needs one leaves its outputs alone."""
-    return not region.outputs or META_KEY not in gm.meta
+def can_defer(gm: torch.fx.GraphModule, region: Region) -> Optional[str]:
+    """Why the region's outputs cannot be deferred (None: they can, or there are none).
+
+    One head deferral per graph: a second rewrite that needs one leaves its outputs alone. And a
+    graph that ends at a graph break returns values the rest of the model reads at once (in the
+    code dynamo resumes after the break): deferring them would only move the work there.
+    """
+    if not region.outputs:
+        return None
+    if META_KEY in gm.meta:
+        return "another rewrite already defers this graph's outputs"
+    return feeds_resumed_code(gm)
+
+
+def feeds_resumed_code(gm: torch.fx.GraphModule) -> Optional[str]:
+    """Why this graph's outputs are read by model code right away (None: they go to the caller).
+
+    Only a graph of fxtrain's own entry frame (or of its resumption after a break) that ends with
+    the frame's return hands its outputs to the training loop. A graph that ends at a graph break,
+    or one of a frame dynamo compiles separately after a break (an inner ``forward``), returns
+    values the model's Python code reads at once: deferring them would only move the work there,
+    into code dynamo traces again.
+    """
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is not None and getattr(reason, "graph_break", False):
+        return "the graph ends at a graph break, so what it returns feeds the rest of the model"
+    frame = compiled_frame_name()
+    if frame is not None and not frame.startswith(ENTRY_PREFIXES):
+        return f"the graph is of {frame}, a frame compiled apart after a graph break, so what it returns " \
+               f"feeds the rest of the model"
+    return None
 
 
 def defer_outputs(gm: torch.fx.GraphModule, region: Region) -> None:

@@ -103,8 +103,9 @@ def _rewrite(gm: torch.fx.GraphModule, ce: torch.fx.Node, bound: inspect.BoundAr
     region = find_region(gm, x, 1, {ce})
     if not region.heavy_ops():
         return False, "no linear layer computes the logits row by row"
-    if not can_defer(gm, region):
-        return False, "another rewrite already defers this graph's outputs"
+    blocked = can_defer(gm, region)
+    if blocked:
+        return False, blocked
     graph = gm.graph
     with graph.inserting_before(ce):
         valid = graph.call_function(torch.ne, (target, ignore))

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 
 from ..options import Options
 from .base import PassReport
-from .defer import defer_dense
+from .batch_guard import GuardBuilder
+from .defer import defer_dense, feeds_resumed_code
 from .label_sparsity import cross_entropy_args, unsupported_cross_entropy
 from .density import add_probe, density_reason, source_example
 from .rows import Node, _same_shape, same_shape_guarded, copy_on_rows, heavy, is_regroup, op_name, row_inputs, value
@@ -303,6 +304,9 @@ def padding_elimination(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     if not matmuls:
         return PassReport(NAME, False, "no projection runs token by token")
     padded = _padded_values(plan)
+    output = next(n for n in graph.nodes if n.op == "output")
+    if any(o in padded for o in output.all_input_nodes) and feeds_resumed_code(gm):
+        return PassReport(NAME, False, f"returned tensors hold padding positions and {feeds_resumed_code(gm)}")
     problem = _check_capturing_batch(gm, plan, tokens)
     if problem:
         return PassReport(NAME, False, problem)
@@ -360,13 +364,11 @@ def _selects_token_rows(node: Node, flat: Any) -> bool:
     return False
 
 
-def _loss_on_real_rows(graph: torch.fx.Graph, ce: Node, rows: Node, valid: Node, index: Node) -> None:
+def _loss_on_real_rows(graph: torch.fx.Graph, ce: Node, rows: Node, index: Node, guard: "_Guard") -> None:
     bound = cross_entropy_args(ce)
     target, ignore = bound.arguments["target"], bound.arguments["ignore_index"]
+    guard.labels_on_real_tokens(target, ignore, ce)
     with graph.inserting_before(ce):
-        ok = graph.call_method("all", (graph.call_function(torch.logical_or, (graph.call_function(
-            torch.eq, (target, ignore)), valid)),))
-        graph.call_function(torch._assert_async, (ok, _ASSERT))
         picked = graph.call_function(torch.index_select, (target, 0, index))
         loss = graph.call_function(F.cross_entropy, (), dict(bound.arguments, input=rows, target=picked))
     loss.meta = dict(ce.meta)
@@ -404,6 +406,7 @@ def _rewrite(gm: torch.fx.GraphModule, plan: _Plan, mask_node: Node, pad_id: Opt
         for s in sizes[1:]:
             n_flat = graph.call_function(operator.mul, (n_flat, s))
     rows: Dict[Node, Node] = {}
+    guard = _Guard(gm, mask_node, pad_id or 0, valid)
 
     def gathered(node: Node, lead: int) -> Node:
         if node not in rows:
@@ -431,7 +434,7 @@ def _rewrite(gm: torch.fx.GraphModule, plan: _Plan, mask_node: Node, pad_id: Opt
     repadded: Dict[Node, Node] = {}
     for node, user, kind in plan.consumers:
         if kind == "loss":
-            _loss_on_real_rows(graph, user, rows[node], valid, index)
+            _loss_on_real_rows(graph, user, rows[node], index, guard)
             continue
         if node not in repadded:
             lead = plan.region[node]
@@ -441,19 +444,77 @@ def _rewrite(gm: torch.fx.GraphModule, plan: _Plan, mask_node: Node, pad_id: Opt
                 full = graph.call_method("index_copy", (zeros, 0, index, rows[node]))
                 repadded[node] = full if lead == 1 else graph.call_method("view", (full, *sizes, *feat))
         user.replace_input_with(node, repadded[node])
-        with graph.inserting_before(user):
-            if kind == "select":
-                column = graph.call_function(operator.getitem, (graph.call_method("view", (valid, *sizes)),
-                                                                (slice(None), user.args[1][1])))
-                graph.call_function(torch._assert_async, (graph.call_method("all", (column,)), _ASSERT))
-    asserted: Set[Node] = set()
+        if kind == "select":
+            guard.position_is_real(user.args[1][1], user, sizes)
     for sel in plan.row_cuts:
-        if sel.args[2] in asserted:
-            continue
-        asserted.add(sel.args[2])
-        with graph.inserting_before(sel):
-            ok = graph.call_method("all", (graph.call_function(torch.index_select, (valid, 0, sel.args[2])),))
-            graph.call_function(torch._assert_async, (ok, _ASSERT))
+        guard.rows_are_real(sel.args[2], sel)
     for node in reversed(list(graph.nodes)):
         if node in plan.region and not node.users:
             graph.erase_node(node)
+    guard.store()
+
+
+class _Guard:
+    """What the rewrite assumes of every batch: labels and kept rows sit on real tokens.
+
+    Each condition goes to the batch guard (checked before the step; a batch that fails runs the
+    graph without the passes). A condition the guard cannot hold (its inputs come from an impure
+    computation) stays in the graph as an assertion: an error, never a different number.
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule, mask: Node, pad: int, valid: Node) -> None:
+        self.gm, self.valid, self.seen = gm, valid, set()
+        self.builder = GuardBuilder(gm)
+        g_mask = self.builder.node(mask)
+        self.g_real = self.builder.call(torch.ne, g_mask, pad)
+        self.g_valid = self.builder.call("flatten", self.g_real, method=True)
+
+    def _require(self, make: Any, fallback: Any, at: Node, reason: str) -> None:
+        ok = make()
+        if ok is not None:
+            self.builder.require(ok, reason)
+            return
+        graph = self.gm.graph
+        with graph.inserting_before(at):
+            graph.call_function(torch._assert_async, (fallback(graph), _ASSERT))
+
+    def labels_on_real_tokens(self, target: Node, ignore: int, at: Node) -> None:
+        b = self.builder
+
+        def make() -> Optional[Node]:
+            t = b.node(target)
+            return None if t is None else b.call("all", b.call(torch.logical_or, b.call(torch.eq, t, ignore),
+                                                               self.g_valid), method=True)
+
+        def fallback(graph: torch.fx.Graph) -> Node:
+            return graph.call_method("all", (graph.call_function(torch.logical_or, (graph.call_function(
+                torch.eq, (target, ignore)), self.valid)),))
+        self._require(make, fallback, at, "a label sits on a padding position")
+
+    def rows_are_real(self, index: Node, at: Node) -> None:
+        if index in self.seen:
+            return
+        self.seen.add(index)
+        b = self.builder
+
+        def make() -> Optional[Node]:
+            i = b.node(index)
+            return None if i is None else b.call("all", b.call(torch.index_select, self.g_valid, 0, i), method=True)
+
+        def fallback(graph: torch.fx.Graph) -> Node:
+            return graph.call_method("all", (graph.call_function(torch.index_select, (self.valid, 0, index)),))
+        self._require(make, fallback, at, "a label sits on a padding position")
+
+    def position_is_real(self, j: int, at: Node, sizes: List[Node]) -> None:
+        b = self.builder
+
+        def make() -> Node:
+            return b.call("all", b.call(operator.getitem, self.g_real, (slice(None), j)), method=True)
+
+        def fallback(graph: torch.fx.Graph) -> Node:
+            return graph.call_method("all", (graph.call_function(operator.getitem, (
+                graph.call_method("view", (self.valid, *sizes)), (slice(None), j))),))
+        self._require(make, fallback, at, f"the model keeps position {j}, which is padding in some rows")
+
+    def store(self) -> None:
+        self.builder.store()

@@ -60,8 +60,9 @@ def upstream_slicing(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], op
             region = find_region(gm, x, d + 1, {node}, regroup=False)
             if not region.heavy_ops():
                 continue  # nothing costly computes these rows: not worth a report line
-            if not can_defer(gm, region):
-                ok, why = False, "another rewrite already defers this graph's outputs"
+            blocked = can_defer(gm, region)
+            if blocked:
+                ok, why = False, blocked
             else:
                 def select(graph: torch.fx.Graph, f: torch.fx.Node, lead: int, index: tuple = index) -> torch.fx.Node:
                     return graph.call_function(operator.getitem, (f, index))

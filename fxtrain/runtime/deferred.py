@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.fx
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_map_only
 
 from .absent_grads import ShapeSolver
@@ -32,15 +34,19 @@ _METADATA = {
 
 
 class StaleDeferredOutput(RuntimeError):
-    """A deferred output read after a tensor it is computed from was changed in place."""
+    """A deferred output read after a tensor it is computed from was changed in place, other than by
+    a ``torch.optim`` optimizer's step (whose updates fxtrain sees coming and keeps values for)."""
 
 
 class _Pending:
     """The inputs of one deferred computation, run once for all outputs that share it.
 
-    The computation reads the parameters as they are when it runs. ``optimizer.step()`` updates
-    them in place, so the versions seen at the forward are recorded and a later read checks them:
-    a stale read raises instead of returning values of the next step's weights.
+    The computation reads the parameters when it runs, so a read after ``optimizer.step()`` would
+    see the next step's weights. Before any optimizer step (a global step pre-hook), every pending
+    computation still alive copies the parameters it reads that the optimizer is about to update:
+    a read after the step then gives its own forward's values, as eager's logits would. The hook
+    costs nothing when the loop has dropped its outputs (nothing pending is alive). Other in-place
+    changes (a hand-written update, ``load_state_dict``) are caught by the version counters.
     """
 
     def __init__(self, gm: Callable[..., Any], inputs: List[Any], grad: bool) -> None:
@@ -48,6 +54,19 @@ class _Pending:
         self.versions = [(i, x._version) for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)]
         self.values: Optional[Tuple[torch.Tensor, ...]] = None
         self.lock = threading.Lock()
+        _watch(self)
+
+    def keep_before_update(self, params: Set[int]) -> None:
+        """Copy the inputs among ``params`` (ids) that have not changed yet: they are about to."""
+        with self.lock:
+            if self.values is not None:
+                return
+            for k, (i, version) in enumerate(self.versions):
+                x = self.inputs[i]
+                if id(x) in params and x._version == version:
+                    kept = _kept_copy(x)
+                    self.inputs[i] = kept
+                    self.versions[k] = (i, kept._version)
 
     def result(self, k: int) -> torch.Tensor:
         with self.lock:
@@ -58,12 +77,48 @@ class _Pending:
                     raise StaleDeferredOutput(
                         f"fxtrain computes this model output on first use (a sparsity pass skipped it in the "
                         f"forward), but {len(changed)} tensor(s) it is computed from (shapes {shapes}) were "
-                        f"modified in place since the forward, e.g. by optimizer.step(). Read the output "
-                        f"before the step, or turn the pass named in capture_info().optimizations off.")
+                        f"modified in place since the forward by something other than a torch.optim optimizer "
+                        f"(a hand-written update, load_state_dict, an in-place op on an input). fxtrain keeps "
+                        f"the values it needs only ahead of an optimizer's step. Read the output before that "
+                        f"change, or turn off the pass named in capture_info().optimizations.")
                 with torch.set_grad_enabled(self.grad):
                     self.values = tuple(self.gm(*self.inputs))
                 self.inputs, self.versions = [], []
         return self.values[k]
+
+
+_pending: "weakref.WeakSet[_Pending]" = weakref.WeakSet()
+_hook: List[Any] = []
+
+
+def _watch(pending: _Pending) -> None:
+    if not _hook:
+        _hook.append(register_optimizer_step_pre_hook(_before_optimizer_step))
+    _pending.add(pending)
+
+
+def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if not _pending:
+        return
+    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for pending in list(_pending):
+        pending.keep_before_update(params)
+
+
+def _stale_gradient(_grad: torch.Tensor) -> None:
+    raise RuntimeError("fxtrain: backward through a model output first read after optimizer.step(): its weights "
+                       "have been updated since its forward (eager PyTorch refuses this too: 'one of the "
+                       "variables needed for gradient computation has been modified by an inplace operation')")
+
+
+def _kept_copy(x: torch.Tensor) -> torch.Tensor:
+    """The value of ``x`` now, for a later read. Differentiating through it cannot reach ``x`` (it has
+    changed since): it raises, as eager's backward through pre-update weights does."""
+    kept = x.detach().clone()
+    if x.requires_grad:
+        kept.requires_grad_(True)
+        kept.register_hook(_stale_gradient)
+    return kept
 
 
 class DeferredTensor(torch.Tensor):

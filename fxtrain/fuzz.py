@@ -1,0 +1,446 @@
+"""Differential fuzzing of edge batches: fxtrain against eager PyTorch, batch by batch.
+
+The sparsity passes are decided on the capturing batch and must stay exact on every later one,
+whatever it looks like. A case here is a small HF model (built from a config, random weights) with
+a loss, trained by ``fxtrain.TrainModule`` with default options and by an untouched eager copy. Its
+first batch makes the passes fire (asserted); later batches roam over the edges a real loop meets:
+batch sizes 1..8, lengths 1..the model's positions, padding 0-100% per row (all-padding rows
+included) on either side, label densities from none through exactly one to all, labels on padding,
+a padding id among real tokens, attention masks as long/bool/float, and, for losses computed by
+``ModuleWithLoss``, ``ignore_index`` other than -100, ``label_smoothing`` and ``reduction="sum"``.
+
+Per batch the oracle is eager: loss, returned tensors (read before or after the optimizer step),
+every gradient (NaN positions included), parameters after an AdamW step. Both copies are then
+re-synchronised so a difference is charged to the batch that made it. The bookkeeping also flags a
+fallback to eager and a capture on an input signature already seen. Every finding carries its seed
+and a one-line command that replays the case up to the failing batch.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import functools
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from . import models
+from .module import TrainModule
+from .module_with_loss import ModuleWithLoss
+from .options import ENV_PREFIX
+
+VOCAB = 300          # above cross_entropy_grad's 256-class floor, so that backward pass fires too
+POSITIONS = 64
+MODELS: Dict[str, Tuple[Callable[[], torch.nn.Module], str, int]] = {
+    # name: (build, batch kind, padding id)
+    "bert-mlm": (lambda: models.bert_mlm(hidden=32, layers=2, heads=2, vocab=VOCAB, max_positions=POSITIONS),
+                 "mlm", 0),
+    "distilbert-mlm": (lambda: _distilbert(), "mlm", 0),
+    "gpt2-clm": (lambda: models.gpt2_lm(hidden=32, layers=2, heads=2, vocab=VOCAB, positions=POSITIONS), "clm", 0),
+    "roberta-cls": (lambda: _roberta_cls(), "cls", 1),
+}
+LOSSES = ("model", "custom")   # the model's own loss from `labels`, or one given to ModuleWithLoss
+PASSES_FIRING = {"mlm": ("label_sparsity", "padding_elimination"), "clm": ("label_sparsity", "padding_elimination"),
+                 "cls": ("upstream_slicing", "padding_elimination")}
+ATOL, RTOL = 1e-5, 1e-4
+
+
+def _distilbert() -> torch.nn.Module:
+    from transformers import DistilBertConfig, DistilBertForMaskedLM
+    cfg = DistilBertConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=2, hidden_dim=128, pad_token_id=0,
+                           max_position_embeddings=POSITIONS, dropout=0.0, attention_dropout=0.0)
+    return DistilBertForMaskedLM(cfg)
+
+
+def _roberta_cls() -> torch.nn.Module:
+    from transformers import RobertaConfig, RobertaForSequenceClassification
+    cfg = RobertaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=128, max_position_embeddings=POSITIONS + 2, pad_token_id=1, num_labels=3,
+                        problem_type="single_label_classification", hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0, classifier_dropout=0.0)
+    return RobertaForSequenceClassification(cfg)
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """The loss of a case: the model's own (ignore -100, mean) or cross_entropy with these settings."""
+
+    custom: bool
+    ignore_index: int = -100
+    label_smoothing: float = 0.0
+    reduction: str = "mean"
+
+    def describe(self) -> str:
+        if not self.custom:
+            return "model's own loss"
+        return (f"cross_entropy(ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}, "
+                f"reduction={self.reduction!r})")
+
+
+def _custom_loss(kind: str, spec: LossSpec, outputs: Any, labels: torch.Tensor) -> torch.Tensor:
+    logits = outputs.logits
+    if kind == "clm":   # next-token prediction: HF's shift (of the labels; the logits stay whole)
+        labels = F.pad(labels, (0, 1), value=spec.ignore_index)[:, 1:]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=spec.ignore_index,
+                           label_smoothing=spec.label_smoothing, reduction=spec.reduction)
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    loss: str
+    seed: int
+
+    def repro(self, batches: int) -> str:
+        return f"python -m fxtrain.fuzz --model {self.model} --loss {self.loss} --seed {self.seed} --batches {batches}"
+
+
+@dataclass
+class Finding:
+    """Everything that differed from eager on one batch."""
+
+    case: Case
+    batch: int                          # index in the case's sequence (0: the capturing batch)
+    problems: List[Tuple[str, str]]     # (what, detail)
+    batch_about: str
+
+    def __str__(self) -> str:
+        shown = [f"  {what}: {detail}" for what, detail in self.problems[:3]]
+        if len(self.problems) > 3:
+            shown.append(f"  ... and {len(self.problems) - 3} more")
+        return "\n".join([f"{self.case.model}/{self.case.loss} seed {self.case.seed} batch {self.batch} "
+                          f"({self.batch_about}):", *shown, f"  repro: {self.case.repro(self.batch + 1)}"])
+
+
+@dataclass
+class CaseResult:
+    case: Case
+    loss: LossSpec
+    batches: int = 0
+    captures: int = 0
+    signatures: int = 0
+    dense_batches: Dict[str, int] = field(default_factory=dict)
+    findings: List[Finding] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+# ------------------------------------------------------------------------------------------- batches
+def _loss_spec(case: Case) -> LossSpec:
+    if case.loss == "model":
+        return LossSpec(custom=False)
+    rng = random.Random(f"{case.seed}/loss")
+    return LossSpec(custom=True, ignore_index=rng.choice([-100, -1, -7]),
+                    label_smoothing=rng.choice([0.0, 0.0, 0.1]), reduction=rng.choice(["mean", "sum"]))
+
+
+def first_batch(kind: str, pad_id: int, ignore: int, rng: random.Random) -> Tuple[Dict[str, torch.Tensor], str]:
+    """A batch the passes fire on: right padding, ~40% padding, ~15% labels, long mask."""
+    g = torch.Generator().manual_seed(rng.randrange(2 ** 31))
+    batch = models.synthetic_batch(kind, 4, 32, VOCAB, padding=0.4, label_density=0.15, pad_id=pad_id, generator=g)
+    if kind in ("mlm", "clm") and ignore != -100:
+        batch["labels"] = batch["labels"].masked_fill(batch["labels"] == -100, ignore)
+    return batch, "capturing batch: 4x32, right padding, 40% padding, 15% labels"
+
+
+def dense_batch(kind: str, pad_id: int, ignore: int, rng: random.Random) -> Tuple[Dict[str, torch.Tensor], str]:
+    """No padding, every position labelled, new sizes: the next capture has the passes off, and the
+    batches after it roam over a graph that was not rewritten."""
+    g = torch.Generator().manual_seed(rng.randrange(2 ** 31))
+    batch = models.synthetic_batch(kind, 3, 24, VOCAB, padding=0.0, label_density=1.0, pad_id=pad_id, generator=g)
+    return batch, "dense batch: 3x24, no padding, every position labelled"
+
+
+def roaming_batch(kind: str, pad_id: int, ignore: int, rng: random.Random,
+                  other_mask: torch.dtype) -> Tuple[Dict[str, torch.Tensor], str]:
+    """One batch from the edges: every choice is drawn from ``rng`` and summarised in the text."""
+    g = torch.Generator().manual_seed(rng.randrange(2 ** 31))
+    b = rng.randint(1, 8)
+    s = rng.choice([1, 2, rng.randint(1, 16), rng.randint(1, POSITIONS), POSITIONS])
+    side = rng.choice(["right", "left"])
+    lengths = []
+    for _ in range(b):
+        pick = rng.random()
+        lengths.append(0 if pick < 0.1 else s if pick < 0.35 else rng.randint(1, s))
+    length = torch.tensor(lengths)
+    pos = torch.arange(s).expand(b, s)
+    real = pos < length[:, None] if side == "right" else pos >= (s - length)[:, None]
+    ids = torch.randint(0, VOCAB, (b, s), generator=g)
+    ids = torch.where(ids == pad_id, (pad_id + 1) % VOCAB, ids)
+    notes = [f"{b}x{s}", f"{side} padding", f"rows {lengths}"]
+    if rng.random() < 0.25 and bool(real.any()):       # the padding id as a real token
+        where = real & (torch.rand(b, s, generator=g) < 0.2)
+        ids = torch.where(where, torch.full_like(ids, pad_id), ids)
+        notes.append("pad id among real tokens")
+    ids = torch.where(real, ids, torch.full_like(ids, pad_id))
+    # Mostly long; each case's other dtype now and then (a dtype is a new input schema: a capture).
+    mask_dtype = torch.long if rng.random() < 0.8 else other_mask
+    batch: Dict[str, torch.Tensor] = {"input_ids": ids, "attention_mask": real.to(mask_dtype)}
+    if mask_dtype != torch.long:
+        notes.append(f"{str(mask_dtype).split('.')[-1]} mask")
+    if kind == "cls":
+        labels = torch.randint(0, 3, (b,), generator=g)
+        if ignore != -100 and rng.random() < 0.3:
+            labels = labels.masked_fill(torch.rand(b, generator=g) < 0.5, ignore)
+            notes.append("some rows ignored")
+        batch["labels"] = labels
+        return batch, ", ".join(notes)
+    density = rng.choice(["none", "one", "all", "random", "random"])
+    on_padding = rng.random() < 0.2
+    allowed = torch.ones(b, s, dtype=torch.bool) if on_padding else real
+    score = torch.rand(b, s, generator=g).masked_fill(~allowed, 2.0).flatten()
+    n_allowed = int(allowed.sum())
+    count = {"none": 0, "one": min(1, n_allowed), "all": n_allowed,
+             "random": int(rng.random() * n_allowed)}[density]
+    labels = torch.full((b * s,), ignore, dtype=torch.long)
+    chosen = score.argsort()[:count]
+    labels[chosen] = torch.randint(0, VOCAB, (count,), generator=g)
+    batch["labels"] = labels.view(b, s)
+    notes.append(f"labels: {density} ({count})" + (", on padding too" if on_padding else ""))
+    return batch, ", ".join(notes)
+
+
+def batches(case: Case, kind: str, pad_id: int, ignore: int) -> Iterator[Tuple[Dict[str, torch.Tensor], str]]:
+    rng = random.Random(f"{case.seed}/{case.model}/{case.loss}/batches")
+    yield first_batch(kind, pad_id, ignore, rng)
+    other_mask = rng.choice([torch.bool, torch.float])
+    if rng.random() < 0.5:  # the next capture (new sizes: symbolic) is made on a dense batch
+        yield dense_batch(kind, pad_id, ignore, rng)
+    while True:
+        yield roaming_batch(kind, pad_id, ignore, rng, other_mask)
+
+
+# ------------------------------------------------------------------------------------------ oracle
+def _tensors(out: Any, prefix: str = "out") -> Dict[str, torch.Tensor]:
+    """Every tensor an output holds, by path (a ModelOutput, a tuple, a tensor)."""
+    if isinstance(out, torch.Tensor):
+        return {prefix: out}
+    items: Sequence[Tuple[Any, Any]]
+    if hasattr(out, "items"):
+        items = list(out.items())
+    elif isinstance(out, (tuple, list)):
+        items = list(enumerate(out))
+    else:
+        return {}
+    found: Dict[str, torch.Tensor] = {}
+    for k, v in items:
+        found.update(_tensors(v, f"{prefix}.{k}"))
+    return found
+
+
+def _differs(a: Any, b: Any, atol: float = ATOL) -> Optional[str]:
+    if (a is None) != (b is None):
+        return f"present {a is not None} vs eager {b is not None}"
+    if a is None:
+        return None
+    a = a.detach() if isinstance(a, torch.Tensor) else a
+    b = b.detach() if isinstance(b, torch.Tensor) else b
+    if tuple(a.shape) != tuple(b.shape):
+        return f"shape {tuple(a.shape)} vs eager {tuple(b.shape)}"
+    try:
+        torch.testing.assert_close(a, b, atol=atol, rtol=RTOL, equal_nan=True)
+    except AssertionError as e:
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        return "; ".join(lines[:3])
+    return None
+
+
+def _loss_of(out: Any) -> torch.Tensor:
+    return out["loss"] if hasattr(out, "keys") else out[0]
+
+
+class _Pair:
+    """The fxtrain model and its eager twin, with their optimizers."""
+
+    def __init__(self, case: Case, loss: LossSpec) -> None:
+        build, self.kind, self.pad_id = MODELS[case.model]
+        torch.manual_seed(case.seed)
+        model = build()
+        if loss.custom:
+            model = ModuleWithLoss(model, functools.partial(_custom_loss, self.kind, loss))
+        self.ref = copy.deepcopy(model)
+        self.tm = TrainModule(model)
+        self.initial = copy.deepcopy(self.ref.state_dict())
+        self.new_optimizers()
+
+    def new_optimizers(self) -> None:
+        # eps 1e-6: Adam divides by sqrt(v) + eps, which turns float noise on a zero-true gradient
+        # (1e-10 against 0) into a full lr step; real gradients (>= 1e-4 here) are unaffected.
+        self.opt = torch.optim.AdamW(self.tm.parameters(), lr=1e-3, eps=1e-6)
+        self.ref_opt = torch.optim.AdamW(self.ref.parameters(), lr=1e-3, eps=1e-6)
+
+    def resync(self) -> None:
+        """Copy eager's parameters and optimizer state over: the next batch starts from equal states."""
+        params = dict(self.ref.named_parameters())
+        finite = all(bool(torch.isfinite(p).all()) for p in params.values())
+        with torch.no_grad():
+            if not finite:   # a NaN step (eager's too) would make every later comparison trivial
+                self.ref.load_state_dict(self.initial)
+            for name, p in self.tm.named_parameters():
+                p.copy_(params[name])
+        if not finite:
+            self.new_optimizers()
+            return
+        mine = dict(self.tm.named_parameters())
+        for name, rp in params.items():
+            state, ref_state = self.opt.state.get(mine[name]), self.ref_opt.state.get(rp)
+            if state and ref_state:
+                for k, v in ref_state.items():
+                    if isinstance(v, torch.Tensor):
+                        state[k].copy_(v)
+
+
+def _signature(batch: Dict[str, torch.Tensor]) -> Tuple[Any, ...]:
+    return tuple((k, v.dtype, tuple(v.shape)) for k, v in sorted(batch.items()))
+
+
+def run_case(case: Case, n_batches: int, stop_at_first: bool = False) -> CaseResult:
+    """Train one case for ``n_batches`` batches; differences from eager become findings."""
+    started = time.perf_counter()
+    loss = _loss_spec(case)
+    pair = _Pair(case, loss)
+    result = CaseResult(case, loss)
+    seen: set = set()
+    rng = random.Random(f"{case.seed}/reads")
+    stream = batches(case, pair.kind, pair.pad_id, loss.ignore_index)
+    for index in range(n_batches):
+        batch, about = next(stream)
+        found = _one_batch(pair, batch, index, rng.random() < 0.5, seen)
+        if index == 0:
+            why = pair.tm.capture_info().optimizations
+            found += [("a pass did not fire on the capturing batch", f"{name}: {why.get(name)}")
+                      for name in PASSES_FIRING[pair.kind] if not why.get(name, "").startswith("on:")]
+        if pair.tm.capture_info().fallback_reason:
+            found.append(("fell back to eager", str(pair.tm.capture_info().fallback_reason)))
+        if found:
+            result.findings.append(Finding(case, index, found, about))
+        result.batches += 1
+        if found and (stop_at_first or pair.tm.capture_info().fallback_reason):
+            break
+    info = pair.tm.capture_info()
+    result.captures, result.signatures = info.graphs, len(seen)
+    result.dense_batches = dict(info.dense_batches)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _one_batch(pair: _Pair, batch: Dict[str, torch.Tensor], index: int, read_before_step: bool,
+               seen: set) -> List[Tuple[str, str]]:
+    found: List[Tuple[str, str]] = []
+    captures = pair.tm.capture_info().graphs
+    try:
+        ref_out = pair.ref(**batch)
+        ref_loss = _loss_of(ref_out)
+        ref_loss.backward()
+    except Exception as e:  # eager refuses the batch: fxtrain must refuse it the same way
+        pair.ref.zero_grad(set_to_none=True)
+        try:
+            pair.tm(**batch)
+        except type(e):
+            return []
+        except Exception as mine:
+            return [("raised another error than eager", f"{type(mine).__name__} vs eager {type(e).__name__}: {e}")]
+        return [("ran where eager raised", f"eager: {type(e).__name__}: {e}")]
+    try:
+        out = pair.tm(**batch)
+        out_loss = _loss_of(out)
+        problem = _differs(out_loss, ref_loss)
+        if problem:
+            found.append(("loss differs", problem))
+        if read_before_step:
+            found.extend(_compare_outputs(out, ref_out, "before the step"))
+        out_loss.backward()
+    except Exception as e:
+        pair.tm.zero_grad(set_to_none=True)
+        pair.ref.zero_grad(set_to_none=True)
+        pair.resync()
+        return [("raised where eager ran", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")]
+    signature = _signature(batch)
+    if pair.tm.capture_info().graphs > captures and signature in seen:
+        found.append(("captured again on an input signature already seen",
+                      f"{pair.tm.capture_info().graphs - captures} capture(s)"))
+    seen.add(signature)
+    mine = dict(pair.tm.named_parameters())
+    for name, rp in pair.ref.named_parameters():
+        problem = _differs(mine[name].grad, rp.grad)
+        if problem:
+            found.append((f"gradient of {name} differs", problem))
+    pair.opt.step()
+    pair.ref_opt.step()
+    if not read_before_step:
+        found.extend(_compare_outputs(out, ref_out, "after the step"))
+    for name, rp in pair.ref.named_parameters():
+        problem = _differs(mine[name], rp)
+        if problem:
+            found.append((f"{name} after the optimizer step differs", problem))
+    pair.opt.zero_grad(set_to_none=True)
+    pair.ref_opt.zero_grad(set_to_none=True)
+    pair.resync()
+    return found
+
+
+def _compare_outputs(out: Any, ref_out: Any, when: str) -> List[Tuple[str, str]]:
+    found = []
+    mine, ref = _tensors(out), _tensors(ref_out)
+    if mine.keys() != ref.keys():
+        return [(f"returned tensors differ {when}", f"{sorted(mine)} vs eager {sorted(ref)}")]
+    for path in ref:
+        try:
+            problem = _differs(mine[path], ref[path])
+        except Exception as e:
+            problem = f"reading it raised {type(e).__name__}: {e}"
+        if problem:
+            found.append((f"returned {path} read {when} differs", problem))
+    return found
+
+
+# ------------------------------------------------------------------------------------------ driver
+def cases(seeds: Sequence[int], model_names: Sequence[str] = tuple(MODELS),
+          losses: Sequence[str] = LOSSES) -> List[Case]:
+    return [Case(m, l, s) for s in seeds for m in model_names for l in losses]
+
+
+def run(all_cases: Sequence[Case], n_batches: int, progress: bool = True) -> List[CaseResult]:
+    """Run every case with ``FXTRAIN_*`` variables cleared: the defaults users get are what is fuzzed."""
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith(ENV_PREFIX) and k != "FXTRAIN_LOG_LEVEL"}
+    try:
+        results = []
+        for case in tqdm(all_cases, desc="fuzz", unit="case", disable=not progress):
+            results.append(run_case(case, n_batches))
+        return results
+    finally:
+        os.environ.update(saved)
+
+
+def summary(results: Sequence[CaseResult]) -> str:
+    from .report import format_table
+    rows = [[f"{r.case.model}/{r.case.loss}", r.case.seed, r.loss.describe(), r.batches, r.captures, r.signatures,
+             sum(r.dense_batches.values()), len(r.findings), r.seconds] for r in results]
+    table = format_table(["case", "seed", "loss", "batches", "captures", "signatures", "dense route", "findings",
+                          "s"], rows)
+    findings = [str(f) for r in results for f in r.findings]
+    return table + ("\n\n" + "\n".join(findings) if findings else "\n\nno difference from eager")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fxtrain.fuzz", description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=sorted(MODELS), action="append", help="default: every model")
+    p.add_argument("--loss", choices=LOSSES, action="append", help="default: both")
+    p.add_argument("--seed", type=int, action="append", help="default: 0")
+    p.add_argument("--seeds", type=int, default=None, help="run seeds 0..N-1 (the long mode)")
+    p.add_argument("--batches", type=int, default=40, help="batches per case, the capturing one included")
+    args = p.parse_args(argv)
+    seeds = list(range(args.seeds)) if args.seeds else (args.seed or [0])
+    results = run(cases(seeds, args.model or tuple(MODELS), args.loss or LOSSES), args.batches)
+    print(summary(results))
+    return 1 if any(r.findings for r in results) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,14 @@
+"""Every test sees the defaults users get: no FXTRAIN_* variable from the environment changes what a
+test means (a test that exercises one sets it itself with monkeypatch)."""
+import os
+
+import pytest
+
+_KEEP = {"FXTRAIN_TEST_DEVICE", "FXTRAIN_LOG_LEVEL"}
+
+
+@pytest.fixture(autouse=True)
+def _no_fxtrain_environment(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith("FXTRAIN_") and name not in _KEEP:
+            monkeypatch.delenv(name)
