@@ -5,20 +5,22 @@ import contextlib
 import itertools
 import logging
 import warnings
-from typing import Any, Dict, Hashable, Iterator, Mapping, Optional, Set, Tuple
+from typing import Any, Dict, Hashable, Iterator, List, Mapping, Optional, Set, Tuple
 
 import torch
 import torch._dynamo
 from torch import nn
-from torch._dynamo.utils import counters
 
 from .cache.call import MISS
 from .cache.session import ModuleCache
 from .capture.backend import Backend, current_mode
+from .capture.breaks import call_breaks, close_window, open_window
 from .capture.entry import make_entry
 from .capture.state import in_fake_run
-from .capture.info import CaptureInfo
+from .capture.info import CaptureInfo, GraphRecord
 from .capture.inputs import call_schema
+from .capture.rollback import Rollback
+from .capture.scalars import ScalarWatch
 from .capture.settings import dynamo_settings
 from .options import Options, resolve
 from .pythonop import routing
@@ -49,10 +51,6 @@ def root_cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {message[0] if message else ''}".strip()
 
 
-def _graph_break_total() -> int:
-    return sum(counters["graph_break"].values())
-
-
 class TrainModule(nn.Module):
     """Wrap ``module`` so its forward and backward run from captured graphs.
 
@@ -70,8 +68,9 @@ class TrainModule(nn.Module):
         self.module = module
         self._options = resolve(options)
         self._info = CaptureInfo(executor=self._options.executor)
+        self._rollback = Rollback(module)
         self._backend = Backend(self._info, self._options, lambda: self.training,
-                               f"{type(module).__name__}-{next(_instances)}")
+                               f"{type(module).__name__}-{next(_instances)}", on_graph=self._rollback.on_graph)
         # One entry (so one dynamo cache) per mode: train and eval are captured separately even
         # for models whose code never reads `self.training`.
         self._compiled = {mode: make_entry(self._backend, self._options.dynamic, self._options.fullgraph)
@@ -82,6 +81,9 @@ class TrainModule(nn.Module):
         self._device: Optional[torch.device] = None
         self._device_known = False
         self._eager = False
+        # Floats are graph constants until a float argument changes value (capture/scalars.py).
+        self._floats = ScalarWatch((float,))
+        self._specialize_float = True
 
     # ----------------------------------------------------------------------------------- running
     @property
@@ -97,6 +99,17 @@ class TrainModule(nn.Module):
         key = (call_schema(args, kwargs, self._module_device()), current_mode(self.training),
                torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
         may_capture = key not in self._seen
+        self._rollback.begin(may_capture)
+        try:
+            out = self._call(key, may_capture, args, kwargs)
+        except Exception as exc:
+            # Whatever failed, on the first call or the thousandth: the fallback policy decides.
+            return self._after_capture_failure(exc, args, kwargs)
+        self._rollback.end()
+        return out
+
+    def _call(self, key: Hashable, may_capture: bool, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        switched = self._switch_floats_if_changed(key, args, kwargs)
         if self._cache.active:
             out = self._cache.call(key, self.module, args, kwargs)
             if out is MISS and may_capture:
@@ -106,35 +119,71 @@ class TrainModule(nn.Module):
                 if torch.is_grad_enabled():
                     release_materialization(out)
                 return out
-        snapshot = self._snapshot_buffers() if may_capture and self._options.fallback == "eager" else None
-        graphs_before, breaks_before = self._info.graphs, _graph_break_total()
+        graphs_before = self._info.graphs
+        window = open_window()
         try:
-            with torch._dynamo.config.patch(dynamo_settings(self._options)), self._routing():
+            with torch._dynamo.config.patch(dynamo_settings(self._options, self._specialize_float)), \
+                    self._routing():
                 out = self._entry_for(key)(self.module, args, kwargs)
-        except Exception as exc:
-            if not (may_capture or self._info.graphs != graphs_before
-                    or isinstance(exc, torch._dynamo.exc.TorchDynamoException)):
-                raise
-            return self._after_capture_failure(exc, snapshot, args, kwargs)
-        if self._info.graphs != graphs_before:
-            new_breaks = _graph_break_total() - breaks_before
-            if self._cache.active:
-                if self._info.graphs == graphs_before + 1 and not new_breaks:
-                    self._cache.stored_after_capture(key, self._info.records[-1], out, key[1],
-                                                     type(self.module).__qualname__)
-                else:
-                    self._info.cache_log.append(f"not stored ({key[1]}): the call made "
-                                                f"{self._info.graphs - graphs_before} graphs (graph breaks)")
-            self._info.graph_breaks += new_breaks
-            if new_breaks:
-                self._info.break_reasons.extend(
-                    r for r in counters["graph_break"] if r not in self._info.break_reasons)
-                logger.warning("fxtrain: %d graph break(s) while capturing %s: %s", new_breaks,
-                               type(self.module).__name__, "; ".join(self._info.break_reasons))
+        finally:
+            filed = close_window(window)
+        if self._info.graphs != graphs_before or filed:
+            self._after_capture(key, may_capture, switched, graphs_before, filed, out, args, kwargs)
         self._seen.add(key)
         if torch.is_grad_enabled():
             release_materialization(out)
         return out
+
+    def _after_capture(self, key: Hashable, may_capture: bool, switched: bool, graphs_before: int,
+                       filed: Dict[str, int], out: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        """Book-keeping of a call that captured: why, its graph breaks, the cache, what to watch."""
+        made = self._info.graphs - graphs_before
+        new = self._info.records[len(self._info.records) - made:] if made else []
+        breaks = call_breaks(filed, [r.break_site for r in new if r.break_site is not None], made)
+        self._label_captures(new, may_capture, switched, graphs_before)
+        if self._cache.active and made:
+            if made == 1 and not breaks:
+                self._cache.stored_after_capture(key, self._info.records[-1], out, key[1],
+                                                 type(self.module).__qualname__, self.module, args, kwargs)
+            else:
+                self._info.cache_log.append(f"not stored ({key[1]}): the call made {made} graphs "
+                                            f"and {len(breaks)} graph break(s)")
+        self._info.graph_breaks += len(breaks)
+        self._info.break_reasons.extend(breaks)
+        if breaks:
+            logger.warning("fxtrain: %d graph break(s) while capturing %s: %s", len(breaks),
+                           type(self.module).__name__, "; ".join(dict.fromkeys(breaks)))
+        self._rollback.after_capture(several_graphs=made > 1 or self._info.graph_breaks > 0)
+        if self._specialize_float:
+            self._floats.record(key, args, kwargs)
+
+    @staticmethod
+    def _label_captures(new: List[GraphRecord], may_capture: bool, switched: bool, graphs_before: int) -> None:
+        """Say why each capture of this call happened (dynamo's guard text is already on the record)."""
+        if may_capture:
+            why = "first call" if graphs_before == 0 else "new input schema or mode"
+        elif switched:
+            why = "a float argument changed value: floats are captured as graph inputs from now on"
+        else:
+            why = "guard failed"
+        for i, record in enumerate(new):
+            base = why if i == 0 else "after a graph break"
+            guard = record.reason if len(record.reason) <= 160 else record.reason[:157] + "..."
+            if not guard or (i == 0 and may_capture):
+                record.reason = base
+            else:
+                record.reason = f"{base}: {guard}" if base == "guard failed" else f"{base}; failed guard: {guard}"
+
+    def _switch_floats_if_changed(self, key: Hashable, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
+        """A float argument has another value than at the capture of this schema: capture floats as
+        graph inputs from now on (True: this call switched). Free for modules without float arguments."""
+        if not self._floats or not self._floats.changed(key, args, kwargs):
+            return False
+        self._specialize_float = False
+        self._floats.clear()  # dynamo's own guards and automatic dynamic take it from here
+        logger.info("fxtrain: a float argument of %s changed value; floats are captured as graph inputs "
+                    "from now on instead of constants", type(self.module).__name__)
+        return True
 
     def _entry_for(self, key: Hashable) -> Any:
         """Dynamo's entry for this call. A cached graph served the first sizes, so dynamo never saw
@@ -154,16 +203,14 @@ class TrainModule(nn.Module):
         if name not in self._info.python_ops:
             self._info.python_ops.append(name)
 
-    def _after_capture_failure(self, exc: Exception, snapshot: Optional[Dict[str, torch.Tensor]],
-                               args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    def _after_capture_failure(self, exc: Exception, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         """Decide between a user error (eager fails too: raise eager's error) and a capture failure."""
-        if snapshot is not None:
-            self._restore_buffers(snapshot)
+        self._rollback.restore()
         try:
             out = self.module(*args, **kwargs)
         except Exception as eager_exc:
             raise eager_exc from None
-        reason = root_cause(exc)
+        reason = self._failure_reason(exc)
         if self._options.fallback == "raise":
             raise CaptureError(f"fxtrain could not capture {type(self.module).__name__}: {reason}") from exc
         self._eager = True
@@ -174,14 +221,13 @@ class TrainModule(nn.Module):
         warnings.warn(message, FallbackWarning, stacklevel=3)
         return out
 
-    def _snapshot_buffers(self) -> Dict[str, torch.Tensor]:
-        return {name: b.detach().clone() for name, b in self.module.named_buffers()}
-
-    def _restore_buffers(self, snapshot: Mapping[str, torch.Tensor]) -> None:
-        with torch.no_grad():
-            for name, b in self.module.named_buffers():
-                if name in snapshot:
-                    b.copy_(snapshot[name])
+    def _failure_reason(self, exc: Exception) -> str:
+        """The root cause, in words a user can act on where dynamo's are not."""
+        if isinstance(exc, torch._dynamo.exc.FailOnRecompileLimitHit):
+            last = next((r.reason for r in reversed(self._info.records) if r.reason), "")
+            return (f"recompile limit reached: {self._options.recompile_limit} captures "
+                    f"(Options.recompile_limit, FXTRAIN_RECOMPILE_LIMIT)" + (f"; the last was: {last}" if last else ""))
+        return root_cause(exc)
 
     def _module_device(self) -> Optional[torch.device]:
         if not self._device_known:
@@ -192,6 +238,7 @@ class TrainModule(nn.Module):
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> "TrainModule":
         self._device_known = False
+        self._rollback.forget()
         return super()._apply(fn, *args, **kwargs)
 
     # ------------------------------------------------------ the wrapped module's names and state
@@ -200,6 +247,7 @@ class TrainModule(nn.Module):
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         self._device_known = False
+        self._rollback.forget()
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,

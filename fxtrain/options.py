@@ -69,7 +69,8 @@ class Options:
                 "inputs and options skips capture (`fxtrain cache ls|clear`). The directory must exist and "
                 "be writable; otherwise fxtrain warns once and runs without the cache."})
     recompile_limit: int = field(default=64, metadata={
-        "help": "Captures allowed for one TrainModule before it stops capturing new input schemas."})
+        "help": "Captures allowed for one TrainModule (per mode); one more counts as a capture failure, "
+                "and `fallback` decides."})
 
     def __post_init__(self) -> None:
         for f in fields(self):

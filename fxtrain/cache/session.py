@@ -13,6 +13,7 @@ from typing import Any, Dict, Hashable, Optional, Tuple
 from torch import nn
 
 from ..capture.info import CaptureInfo, GraphRecord
+from ..capture.scalars import ScalarWatch
 from ..options import Options
 from ..runtime.executors import Runnable, as_is
 from ..runtime.dense_route import DenseRoute
@@ -34,7 +35,11 @@ class ModuleCache:
         self.calls: Dict[Hashable, CachedCall] = {}
         self.disk_keys: Dict[Hashable, str] = {}
         self.modules: Tuple[int, ...] = ()
-        self.resized: set = set()   # keys whose entry rejected a call's sizes: recapture symbolically
+        self.resized: set = set()   # keys whose entry stopped serving (sizes, a scalar): recapture symbolically
+        # The int and float arguments of the calls served by loaded entries and of the calls that
+        # keys were computed from: both are part of the disk key and built into the graphs.
+        self.scalars = ScalarWatch((int, float))
+        self.key_scalars: Dict[Hashable, Tuple[Any, ...]] = {}
         # What runs a loaded graph (the profiler's marked copies) and whether calls count densities.
         self.runnable: Runnable = as_is
         self.probe_density = True
@@ -57,6 +62,13 @@ class ModuleCache:
     def call(self, key: Hashable, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         """The output of a loaded entry for this call, or MISS (then capture as usual)."""
         hit = self.calls.get(key)
+        if hit is not None and self.scalars and self.scalars.changed(key, args, kwargs):
+            # The entry has the int and float arguments of the call it was keyed by built in.
+            self._note("entry for this schema no longer used: a scalar argument changed value")
+            self.scalars.forget(key)
+            del self.calls[key]
+            self.resized.add(key)
+            return MISS
         if hit is not None:
             structure = tuple(map(id, module.modules()))
             if structure == self.modules:
@@ -78,6 +90,7 @@ class ModuleCache:
             self._note("not used for this call: %s", e)
             return MISS
         self.disk_keys[key] = disk_key
+        self.key_scalars[key] = self.scalars.values(args, kwargs)
         started = time.perf_counter()
         try:
             found = self.store.read(disk_key)
@@ -108,6 +121,7 @@ class ModuleCache:
         if out is MISS:
             return self._miss("%s (%s): the entry's guards reject this call", disk_key[:12], mode)
         self.calls[key] = call
+        self.scalars.record(key, args, kwargs)
         self.modules = tuple(map(id, module.modules()))
         self.info.cache_hits += 1
         self._register(entry, mode)
@@ -125,13 +139,19 @@ class ModuleCache:
         self.info.optimizations.update(entry.optimizations)
 
     # ------------------------------------------------------------------------------------- store
-    def stored_after_capture(self, key: Hashable, record: GraphRecord, out: Any, mode: str,
-                             model: str) -> None:
+    def stored_after_capture(self, key: Hashable, record: GraphRecord, out: Any, mode: str, model: str,
+                             module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         """Build the entry for a capture that made exactly one graph; written once it is complete."""
         recipe = record.cache_recipe
         disk_key = self.disk_keys.get(key)
         if self.store is None or recipe is None or disk_key is None:
             return
+        if self.scalars.values(args, kwargs) != self.key_scalars.get(key):
+            # A recapture for other scalar values (a guard on them failed): it belongs under their key.
+            try:
+                disk_key = cache_key(module, args, kwargs, mode, self.options)
+            except Unkeyable:
+                return
         try:
             entry = entries.build(record, recipe, out, {"model": model, "mode": mode, "owner": self.owner,
                                                         "executor": self.options.executor})

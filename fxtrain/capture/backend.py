@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import logging
-from typing import Callable, List
+import re
+from typing import Callable, List, Optional
 
 import torch
 import torch.fx
@@ -17,10 +18,23 @@ from ..passes.density import PROBES_KEY
 from ..runtime.dense_route import DenseRoute
 from ..runtime.deferred import with_deferred
 from ..runtime.density import with_density_probes
+from .breaks import graph_break_site
 from .dump import dump_capture
 from .info import CaptureInfo, GraphRecord
 
 logger = logging.getLogger("fxtrain")
+
+
+def dynamo_recompile_reason() -> str:
+    """The guard that failed when dynamo recompiles a frame ('' on a first compile): dynamo records
+    it only in its compile metrics, whose layout is private, hence the defensive reading."""
+    try:
+        from torch._dynamo.utils import get_metrics_context
+        reason = get_metrics_context()._metrics.get("recompile_reason") or ""
+    except Exception:
+        return ""
+    first = str(reason).strip().splitlines()[0] if str(reason).strip() else ""
+    return re.sub(r"^\d+/\d+: ", "", first.split("#", 1)[0].strip())  # "0/3: L['t'] == 1.5  # source"
 
 
 def current_mode(training: bool) -> str:
@@ -39,16 +53,21 @@ class Backend:
     probe_density = True
 
     def __init__(self, info: CaptureInfo, options: Options, training: Callable[[], bool],
-                 owner: str = "model") -> None:
+                 owner: str = "model", on_graph: Optional[Callable[[], None]] = None) -> None:
         self.info = info
         self.owner = owner
         self.options = options
         self.training = training
+        # Called first for every graph, before anything of it runs (TrainModule copies buffers there).
+        self.on_graph = on_graph
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: List[object]) -> Callable[..., object]:
         # No try/except here: dynamo restarts analysis by raising through its backend, and a real
         # failure must reach TrainModule, which applies the fallback policy.
-        record = GraphRecord(index=len(self.info.records), mode=current_mode(self.training()), dynamo_graph=gm)
+        if self.on_graph is not None:
+            self.on_graph()
+        record = GraphRecord(index=len(self.info.records), mode=current_mode(self.training()), dynamo_graph=gm,
+                             reason=dynamo_recompile_reason(), break_site=graph_break_site(gm))
         recipe = cache_recipe.start(gm) if self.options.cache_dir else None
         traced = _copy_graph(gm.graph)
         record.optimizations = run_passes(gm, example_inputs, self.options)

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from collections import Counter
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch.fx
 
@@ -14,6 +15,10 @@ class GraphRecord:
     index: int
     mode: str                                   # "train" | "eval" | "no_grad"
     dynamo_graph: torch.fx.GraphModule
+    # Why this capture happened ("first call", "new input schema", "guard failed: ...", "after a
+    # graph break") and, when the graph ends at a graph break, dynamo's reason and where it is.
+    reason: str = ""
+    break_site: Optional[Tuple[str, str]] = None
     forward_graph: Optional[torch.fx.GraphModule] = None
     backward_graph: Optional[torch.fx.GraphModule] = None
     backward_runner: Optional[Any] = None       # runtime object running backward_graph (executor's)
@@ -38,7 +43,9 @@ class CaptureInfo:
     """Summary returned by ``TrainModule.capture_info()``.
 
     ``graphs`` counts captures: a forward graph and its backward graph are one capture; a model
-    that breaks into k+1 pieces in one call counts k+1 graphs and k breaks.
+    that breaks into k+1 pieces in one call counts k+1 graphs and k breaks. ``break_reasons`` holds
+    one line per counted break (``len(break_reasons) == graph_breaks``), and each record's
+    ``reason`` says why that capture happened.
     """
 
     graphs: int = 0
@@ -57,6 +64,11 @@ class CaptureInfo:
     dense_batches: Dict[str, int] = field(default_factory=dict)
     records: List[GraphRecord] = field(default_factory=list, repr=False)
 
+    @property
+    def capture_reasons(self) -> List[str]:
+        """Why each capture happened, in order: 'graph 0 (train): first call', ..."""
+        return [f"graph {r.index} ({r.mode}): {r.reason or 'loaded from the cache'}" for r in self.records]
+
     def __str__(self) -> str:
         lines = [f"graphs captured: {self.graphs}", f"graph breaks:    {self.graph_breaks}",
                  f"executor:        {self.executor}",
@@ -71,6 +83,10 @@ class CaptureInfo:
             lines.extend(f"  cache {event}" for event in self.cache_log[-5:])
         for reason, n in self.dense_batches.items():
             lines.append(f"  dense route: {n} batch(es): {reason}")
-        for reason in self.break_reasons:
-            lines.append(f"  break: {reason}")
+        for reason, n in Counter(self.break_reasons).items():
+            lines.append(f"  break: {reason}" + (f" (x{n})" if n > 1 else ""))
+        reasons = [f"  capture {line}" for line in self.capture_reasons]
+        if len(reasons) > 6:
+            reasons[3:-3] = [f"  ... {len(reasons) - 6} more capture(s)"]
+        lines.extend(reasons)
         return "\n".join(lines)

@@ -21,14 +21,16 @@ def logging_functions() -> Set[Callable[..., Any]]:
     return {getattr(logging.Logger, name) for name in _LOG_METHODS if hasattr(logging.Logger, name)}
 
 
-def dynamo_settings(options: Options) -> Dict[str, Any]:
+def dynamo_settings(options: Options, specialize_float: bool = True) -> Dict[str, Any]:
+    """``specialize_float=False`` once a float argument changed value (``capture/scalars.py``)."""
     return dict(
         recompile_limit=options.recompile_limit,
         # Past the limit dynamo would silently run eager; raising sends it through our fallback policy.
         fail_on_recompile_limit_hit=True,
         # Float scalars in model code (scales, eps) otherwise make dynamo restart its analysis once,
-        # which doubles the first step's capture time.
-        specialize_float=True,
+        # which doubles the first step's capture time. A module whose float arguments change value
+        # captures with False from then on: the float becomes a graph input instead of a guard.
+        specialize_float=specialize_float,
         ignore_logging_functions=logging_functions(),
         # Sparsity passes select rows with nonzero(): a size known only at run time, which the
         # shape environment must accept (and user code calling nonzero then stays in the graph).
