@@ -158,7 +158,7 @@ def dense_batch(kind: str, pad_id: int, ignore: int, rng: random.Random) -> Tupl
 
 
 def roaming_batch(kind: str, pad_id: int, ignore: int, rng: random.Random,
-                  other_mask: torch.dtype) -> Tuple[Dict[str, torch.Tensor], str]:
+                  other_mask: torch.dtype) -> Tuple[Dict[str, Any], str]:
     """One batch from the edges: every choice is drawn from ``rng`` and summarised in the text."""
     g = torch.Generator().manual_seed(rng.randrange(2 ** 31))
     b = rng.randint(1, 8)
@@ -181,9 +181,12 @@ def roaming_batch(kind: str, pad_id: int, ignore: int, rng: random.Random,
     ids = torch.where(real, ids, torch.full_like(ids, pad_id))
     # Mostly long; each case's other dtype now and then (a dtype is a new input schema: a capture).
     mask_dtype = torch.long if rng.random() < 0.8 else other_mask
-    batch: Dict[str, torch.Tensor] = {"input_ids": ids, "attention_mask": real.to(mask_dtype)}
+    batch: Dict[str, Any] = {"input_ids": ids, "attention_mask": real.to(mask_dtype)}
     if mask_dtype != torch.long:
         notes.append(f"{str(mask_dtype).split('.')[-1]} mask")
+    if rng.random() < 0.05:
+        batch["output_hidden_states"] = True    # more returned tensors (and, once, HF's hook-installing break)
+        notes.append("output_hidden_states")
     if kind == "cls":
         labels = torch.randint(0, 3, (b,), generator=g)
         if ignore != -100 and rng.random() < 0.3:
@@ -224,6 +227,9 @@ def _tensors(out: Any, prefix: str = "out") -> Dict[str, torch.Tensor]:
     items: Sequence[Tuple[Any, Any]]
     if hasattr(out, "items"):
         items = list(out.items())
+    elif hasattr(out, "layers"):   # a transformers Cache: per layer keys and values
+        items = [(f"{i}.{kv}", getattr(layer, kv, None)) for i, layer in enumerate(out.layers)
+                 for kv in ("keys", "values")]
     elif isinstance(out, (tuple, list)):
         items = list(enumerate(out))
     else:
@@ -296,8 +302,9 @@ class _Pair:
                         state[k].copy_(v)
 
 
-def _signature(batch: Dict[str, torch.Tensor]) -> Tuple[Any, ...]:
-    return tuple((k, v.dtype, tuple(v.shape)) for k, v in sorted(batch.items()))
+def _signature(batch: Dict[str, Any]) -> Tuple[Any, ...]:
+    return tuple((k, v.dtype, tuple(v.shape)) if isinstance(v, torch.Tensor) else (k, v)
+                 for k, v in sorted(batch.items()))
 
 
 def run_case(case: Case, n_batches: int, stop_at_first: bool = False) -> CaseResult:

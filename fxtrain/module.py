@@ -18,13 +18,14 @@ from .capture.breaks import call_breaks, close_window, open_window
 from .capture.entry import make_entry
 from .capture.state import in_fake_run
 from .capture.info import CaptureInfo, GraphRecord
-from .capture.inputs import call_schema
+from .capture.inputs import call_schema, call_sizes, size_change
 from .capture.rollback import Rollback
 from .capture.scalars import ScalarWatch
 from .capture.settings import dynamo_settings
 from .options import Options, resolve
 from .pythonop import routing
 from .runtime.absent_grads import release_materialization
+from .runtime.dense_route import SparseBatchError
 
 logger = logging.getLogger("fxtrain")
 _instances = itertools.count()
@@ -76,6 +77,12 @@ class TrainModule(nn.Module):
         self._compiled = {mode: make_entry(self._backend, self._options.dynamic, self._options.fullgraph)
                           for mode in (True, False)}
         self._symbolic: Dict[bool, Any] = {}
+        # dynamic=None: static entries first; the sizes each call schema first ran with, and the
+        # schemas that have since run with other sizes (the symbolic entry from then on).
+        self._static_first = self._options.dynamic is None
+        self._static_sizes: Dict[Hashable, Hashable] = {}
+        self._symbolic_keys: Set[Hashable] = set()
+        self._size_switch: Optional[str] = None    # why the last call moved to the symbolic entry
         self._cache = ModuleCache(self._options, self._info, self._backend.owner)
         self._seen: Set[Hashable] = set()
         self._device: Optional[torch.device] = None
@@ -102,6 +109,8 @@ class TrainModule(nn.Module):
         self._rollback.begin(may_capture)
         try:
             out = self._call(key, may_capture, args, kwargs)
+        except SparseBatchError:
+            raise  # Options(sparsity_guard="raise") asked for it; raised before anything ran
         except Exception as exc:
             # Whatever failed, on the first call or the thousandth: the fallback policy decides.
             return self._after_capture_failure(exc, args, kwargs)
@@ -124,7 +133,7 @@ class TrainModule(nn.Module):
         try:
             with torch._dynamo.config.patch(dynamo_settings(self._options, self._specialize_float)), \
                     self._routing():
-                out = self._entry_for(key)(self.module, args, kwargs)
+                out = self._entry_for(key, args, kwargs)(self.module, args, kwargs)
         finally:
             filed = close_window(window)
         if self._info.graphs != graphs_before or filed:
@@ -140,7 +149,7 @@ class TrainModule(nn.Module):
         made = self._info.graphs - graphs_before
         new = self._info.records[len(self._info.records) - made:] if made else []
         breaks = call_breaks(filed, [r.break_site for r in new if r.break_site is not None], made)
-        self._label_captures(new, may_capture, switched, graphs_before)
+        self._label_captures(new, may_capture, switched, graphs_before, self._size_switch)
         if self._cache.active and made:
             if made == 1 and not breaks:
                 self._cache.stored_after_capture(key, self._info.records[-1], out, key[1],
@@ -158,10 +167,13 @@ class TrainModule(nn.Module):
             self._floats.record(key, args, kwargs)
 
     @staticmethod
-    def _label_captures(new: List[GraphRecord], may_capture: bool, switched: bool, graphs_before: int) -> None:
+    def _label_captures(new: List[GraphRecord], may_capture: bool, switched: bool, graphs_before: int,
+                        size_switch: Optional[str]) -> None:
         """Say why each capture of this call happened (dynamo's guard text is already on the record)."""
         if may_capture:
             why = "first call" if graphs_before == 0 else "new input schema or mode"
+        elif size_switch:
+            why = size_switch
         elif switched:
             why = "a float argument changed value: floats are captured as graph inputs from now on"
         else:
@@ -185,10 +197,29 @@ class TrainModule(nn.Module):
                     "from now on instead of constants", type(self.module).__name__)
         return True
 
-    def _entry_for(self, key: Hashable) -> Any:
-        """Dynamo's entry for this call. A cached graph served the first sizes, so dynamo never saw
-        them and would capture the next sizes statically too: capture symbolic sizes directly."""
-        if self._options.dynamic is None and key in self._cache.resized:
+    def _entry_for(self, key: Hashable, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        """Dynamo's entry for this call.
+
+        ``dynamic=None``: a call schema runs from the static entry until a call brings other sizes;
+        from then on it runs from a symbolic entry, under which every function dynamo compiles makes
+        all its sizes symbolic. Leaving the size change to the static entry would leave it to dynamo's
+        automatic dynamic shapes, which works per code object and per dimension: only dimensions
+        seen to change become symbolic, and a function dynamo first meets later (the code after a
+        graph break that only symbolic sizes expose) starts static again, so a model with graph
+        breaks recaptures on sizes it has already run (HF Longformer). The switch is for good:
+        dynamo guards every compiled function on the entry it was compiled under (BACKEND_MATCH),
+        so going back would recapture what only the symbolic entry compiled. A cached graph that
+        served the first sizes sends later ones here too (dynamo never saw them).
+        """
+        self._size_switch = None
+        if self._static_first and key not in self._symbolic_keys:
+            sizes = call_sizes(args, kwargs)
+            first = self._static_sizes.setdefault(key, sizes)
+            if key in self._cache.resized or first != sizes:
+                self._symbolic_keys.add(key)
+                self._size_switch = (f"symbolic sizes from the first size change "
+                                     f"({size_change(first, sizes) if first != sizes else 'a cached graph served the first sizes'})")
+        if self._static_first and key in self._symbolic_keys:
             if self.training not in self._symbolic:
                 self._symbolic[self.training] = make_entry(self._backend, True, self._options.fullgraph)
             return self._symbolic[self.training]

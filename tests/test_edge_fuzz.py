@@ -3,7 +3,7 @@ one seed, a few hundred batches in all, against eager PyTorch. The long mode is
 `python -m fxtrain.fuzz --seeds 20 --batches 100` (docs/sparsity.md, "Edge batches")."""
 from fxtrain import fuzz
 
-CI_BATCHES = 36  # per case; 8 cases
+CI_BATCHES = 32  # per case; 8 cases: 256 batches
 
 
 def test_no_batch_differs_from_eager():

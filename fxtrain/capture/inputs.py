@@ -42,3 +42,27 @@ def schema(value: Any, path: str, device: Optional[torch.device]) -> Hashable:
 def call_schema(args: Tuple[Any, ...], kwargs: dict, device: Optional[torch.device]) -> Hashable:
     return (tuple(schema(a, f"args[{i}]", device) for i, a in enumerate(args)),
             tuple((k, schema(v, f"kwargs[{k!r}]", device)) for k, v in kwargs.items()))
+
+
+def call_sizes(args: Tuple[Any, ...], kwargs: dict) -> Hashable:
+    """Every tensor of a call as (path, size), in order: what a static capture is specialised to."""
+    sizes = []
+    stack = [(f"kwargs[{k!r}]", v) for k, v in reversed(list(kwargs.items()))]
+    stack += [(f"args[{i}]", a) for i, a in reversed(list(enumerate(args)))]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            sizes.append((path, tuple(value.shape)))
+        elif isinstance(value, dict):
+            stack.extend((f"{path}[{k!r}]", v) for k, v in reversed(list(value.items())))
+        elif isinstance(value, (list, tuple)):
+            stack.extend((f"{path}[{i}]", v) for i, v in reversed(list(enumerate(value))))
+    return tuple(sizes)
+
+
+def size_change(first: Hashable, now: Hashable) -> str:
+    """The first tensor whose size differs between two ``call_sizes``, for a person to read."""
+    for (path, a), (_, b) in zip(first, now):
+        if a != b:
+            return f"{path} {list(a)} -> {list(b)}"
+    return "sizes changed"

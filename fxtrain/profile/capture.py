@@ -124,4 +124,5 @@ def profiling_module(model: torch.nn.Module, optimizations: bool, options: Optio
     # One capture costs every batch size: symbolic sizes unless the caller asked for static ones.
     dynamic = True if opts.dynamic is None else opts.dynamic
     tm._compiled = {mode: make_entry(tm._backend, dynamic, opts.fullgraph) for mode in (True, False)}
+    tm._static_first = False
     return tm
