@@ -13,7 +13,7 @@ from torch import nn
 
 from .cache.call import MISS
 from .cache.session import ModuleCache
-from .capture.backend import Backend, current_mode
+from .capture.backend import Backend, RecompileLimitReached, current_mode
 from .capture.breaks import call_breaks, close_window, open_window
 from .capture.entry import make_entry
 from .capture.state import in_fake_run
@@ -39,15 +39,18 @@ class FallbackWarning(UserWarning):
     """Capture failed and the module now runs eagerly (``fallback="eager"``)."""
 
 
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and the exceptions it wraps (dynamo wraps a backend's error in its own)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = getattr(exc, "inner_exception", None) or exc.__cause__
+
+
 def root_cause(exc: BaseException) -> str:
     """The innermost exception of a chain, as 'Type: first line', which is what a user can act on."""
-    seen = set()
-    while id(exc) not in seen:
-        seen.add(id(exc))
-        inner = getattr(exc, "inner_exception", None) or exc.__cause__
-        if inner is None:
-            break
-        exc = inner
+    *_, exc = _chain(exc)
     message = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {message[0] if message else ''}".strip()
 
@@ -206,20 +209,27 @@ class TrainModule(nn.Module):
         automatic dynamic shapes, which works per code object and per dimension: only dimensions
         seen to change become symbolic, and a function dynamo first meets later (the code after a
         graph break that only symbolic sizes expose) starts static again, so a model with graph
-        breaks recaptures on sizes it has already run (HF Longformer). The switch is for good:
-        dynamo guards every compiled function on the entry it was compiled under (BACKEND_MATCH),
-        so going back would recapture what only the symbolic entry compiled. A cached graph that
-        served the first sizes sends later ones here too (dynamo never saw them).
+        breaks recaptures on sizes it has already run (HF Longformer). The switch is for good, but
+        for the first sizes themselves in a model without graph breaks: dynamo guards every compiled
+        function on the entry it was compiled under (BACKEND_MATCH), so going back would recapture
+        what only the symbolic entry compiled. A cached graph that served the first sizes sends
+        every later call here (dynamo never saw them).
         """
         self._size_switch = None
-        if self._static_first and key not in self._symbolic_keys:
-            sizes = call_sizes(args, kwargs)
-            first = self._static_sizes.setdefault(key, sizes)
-            if key in self._cache.resized or first != sizes:
-                self._symbolic_keys.add(key)
-                self._size_switch = (f"symbolic sizes from the first size change "
-                                     f"({size_change(first, sizes) if first != sizes else 'a cached graph served the first sizes'})")
-        if self._static_first and key in self._symbolic_keys:
+        if not self._static_first:
+            return self._compiled[self.training]
+        sizes = call_sizes(args, kwargs)
+        first = self._static_sizes.setdefault(key, sizes)
+        if key not in self._symbolic_keys and (key in self._cache.resized or first != sizes):
+            self._symbolic_keys.add(key)
+            self._size_switch = (f"symbolic sizes from the first size change "
+                                 f"({size_change(first, sizes) if first != sizes else 'a cached graph served the first sizes'})")
+        # The first sizes stay with the static entry, which captured them: the symbolic graph may not
+        # serve them (dynamo specialises sizes 0 and 1), and they would be captured a second time. Not
+        # for a model with graph breaks: the frames it compiled apart were compiled again under the
+        # symbolic entry, and their static versions no longer match (HF Longformer: 19 captures).
+        back = sizes == first and key not in self._cache.resized and not self._info.graph_breaks
+        if key in self._symbolic_keys and not back:
             if self.training not in self._symbolic:
                 self._symbolic[self.training] = make_entry(self._backend, True, self._options.fullgraph)
             return self._symbolic[self.training]
@@ -254,7 +264,7 @@ class TrainModule(nn.Module):
 
     def _failure_reason(self, exc: Exception) -> str:
         """The root cause, in words a user can act on where dynamo's are not."""
-        if isinstance(exc, torch._dynamo.exc.FailOnRecompileLimitHit):
+        if any(isinstance(e, (torch._dynamo.exc.FailOnRecompileLimitHit, RecompileLimitReached)) for e in _chain(exc)):
             last = next((r.reason for r in reversed(self._info.records) if r.reason), "")
             return (f"recompile limit reached: {self._options.recompile_limit} captures "
                     f"(Options.recompile_limit, FXTRAIN_RECOMPILE_LIMIT)" + (f"; the last was: {last}" if last else ""))

@@ -33,8 +33,10 @@ class Options:
         "help": "When capture fails: warn once and run the model eagerly, or raise."})
     dynamic: Optional[bool] = field(default=None, metadata={
         "help": "Symbolic sizes. None: capture with the first batch's sizes (fastest capture) and once more "
-                "with symbolic sizes when a size changes, as torch.compile does; True: symbolic from the first "
-                "capture (no recapture on a new batch size or sequence length); False: a capture per size."})
+                "with all sizes symbolic when a size changes (torch.compile instead makes symbolic only the "
+                "dimensions it saw change, function by function, so a model with graph breaks can recapture on "
+                "sizes it has run); True: symbolic from the first capture (no recapture on a new batch size or "
+                "sequence length); False: a capture per size."})
     fullgraph: bool = field(default=False, metadata={
         "help": "Treat any graph break as a capture failure (then `fallback` decides)."})
     custom_autograd: bool = field(default=True, metadata={
@@ -69,8 +71,8 @@ class Options:
                 "inputs and options skips capture (`fxtrain cache ls|clear`). The directory must exist and "
                 "be writable; otherwise fxtrain warns once and runs without the cache."})
     recompile_limit: int = field(default=64, metadata={
-        "help": "Captures allowed for one TrainModule (per mode); one more counts as a capture failure, "
-                "and `fallback` decides."})
+        "help": "Graphs one TrainModule may capture (all modes, graph-break pieces included); one more "
+                "counts as a capture failure, and `fallback` decides."})
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -142,7 +142,7 @@ def test_keeping_costs_nothing_when_the_loop_drops_its_outputs(monkeypatch):
     from fxtrain.runtime import deferred
     kept = []
     original = deferred._kept_copy
-    monkeypatch.setattr(deferred, "_kept_copy", lambda x: kept.append(x) or original(x))
+    monkeypatch.setattr(deferred, "_kept_copy", lambda x, owner: kept.append(x) or original(x, owner))
     torch.manual_seed(0)
     tm = fxtrain.TrainModule(models.bert_mlm(hidden=32, layers=2, heads=2, vocab=300, max_positions=64))
     opt = torch.optim.AdamW(tm.parameters(), lr=1e-3)
@@ -172,6 +172,22 @@ def test_a_hand_written_update_still_makes_a_stale_read_raise():
         for p in tm.parameters():
             p -= 0.1 * p.grad
     with pytest.raises(StaleDeferredOutput, match="hand-written update"):
+        out.logits.sum()
+
+
+def test_weights_heavier_than_the_outputs_are_not_kept(monkeypatch):
+    """Keeping never costs more memory than eager's outputs (beyond a small floor): a model whose
+    weights outweigh its logits refuses the read after the step, saying why and what to do."""
+    from fxtrain.runtime import deferred
+    monkeypatch.setattr(deferred, "KEEP_ANYWAY", 0)
+    torch.manual_seed(0)
+    tm = fxtrain.TrainModule(models.bert_mlm(hidden=32, layers=2, heads=2, vocab=300, max_positions=64))
+    opt = torch.optim.SGD(tm.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(4)
+    out = tm(**models.synthetic_batch("mlm", 2, 8, 300, padding=0.4, label_density=0.3, generator=g))
+    out.loss.backward()
+    opt.step()
+    with pytest.raises(StaleDeferredOutput, match="more memory than the output itself"):
         out.logits.sum()
 
 

@@ -26,7 +26,7 @@ from torch import nn
 from ..options import Options
 
 # Options that do not change a captured graph: where files go, logging, what happens on failure.
-_NOT_IN_KEY = {"cache_dir", "save_graphs_dir", "log_density", "fallback", "recompile_limit"}
+_NOT_IN_KEY = {"cache_dir", "save_graphs_dir", "log_density", "fallback", "recompile_limit", "sparsity_guard"}
 _PLAIN = (bool, int, float, complex, str, bytes, type(None))
 
 

@@ -37,6 +37,14 @@ def dynamo_recompile_reason() -> str:
     return re.sub(r"^\d+/\d+: ", "", first.split("#", 1)[0].strip())  # "0/3: L['t'] == 1.5  # source"
 
 
+class RecompileLimitReached(RuntimeError):
+    """This TrainModule made ``Options.recompile_limit`` graphs: a new one is a capture failure.
+
+    Dynamo's own limit counts per code object, and a TrainModule compiles through two entries
+    (static sizes, then symbolic) plus whatever frames graph breaks create; the option's promise is
+    per module, so the backend counts."""
+
+
 def current_mode(training: bool) -> str:
     if not torch.is_grad_enabled():
         return "no_grad"
@@ -64,6 +72,8 @@ class Backend:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: List[object]) -> Callable[..., object]:
         # No try/except here: dynamo restarts analysis by raising through its backend, and a real
         # failure must reach TrainModule, which applies the fallback policy.
+        if self.info.graphs >= self.options.recompile_limit:
+            raise RecompileLimitReached(f"{self.info.graphs} graphs captured already")
         if self.on_graph is not None:
             self.on_graph()
         record = GraphRecord(index=len(self.info.records), mode=current_mode(self.training()), dynamo_graph=gm,
