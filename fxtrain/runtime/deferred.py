@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_map_only
 
@@ -73,7 +74,8 @@ class _Pending:
             if self.values is not None:
                 return
             todo = [(k, i) for k, (i, version) in enumerate(self.versions)
-                    if id(self.inputs[i]) in params and self.inputs[i]._version == version]
+                    if id(self.inputs[i]) in params and self.inputs[i]._version == version
+                    and not _without_values(self.inputs[i])]
             size = sum(self.inputs[i].numel() * self.inputs[i].element_size() for _, i in todo)
             if size > max(self.out_bytes, KEEP_ANYWAY):
                 self.not_kept = size
@@ -129,6 +131,11 @@ def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: 
     params = {id(p) for group in optimizer.param_groups for p in group["params"]}
     for pending in list(_pending):
         pending.keep_before_update(params)
+
+
+def _without_values(x: torch.Tensor) -> bool:
+    """Fake or meta tensors (the profiler's step): nothing to keep, and a copy would be costed."""
+    return x.device.type == "meta" or isinstance(x, FakeTensor)
 
 
 def _stale_gradient(_grad: torch.Tensor) -> None:
