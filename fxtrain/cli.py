@@ -128,6 +128,16 @@ def _cache(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _fuzz_args(p: argparse.ArgumentParser) -> None:
+    from .fuzz import add_arguments
+    add_arguments(p)
+
+
+def _fuzz(args: argparse.Namespace) -> int:
+    from .fuzz import run_command
+    return run_command(args)
+
+
 # Subcommand -> (add its arguments, run it, one-line help). Later features register here.
 COMMANDS: Dict[str, Command] = {
     "demo": (_demo_args, _demo, "train the DESIGN §7 BERT-MLM with eager and with fxtrain side by side"),
@@ -136,6 +146,7 @@ COMMANDS: Dict[str, Command] = {
     "options": (_options_args, _options, "print every option with its environment variable and default"),
     "split": (_split_args, _split, "cut a built-in model into pipeline stages and print the plan"),
     "cache": (_cache_args, _cache, "list (ls) or delete (clear) the entries of the on-disk graph cache"),
+    "fuzz": (_fuzz_args, _fuzz, "train small HF models on edge batches against eager PyTorch (differential fuzzer)"),
 }
 
 

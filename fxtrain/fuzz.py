@@ -448,19 +448,26 @@ def summary(results: Sequence[CaseResult]) -> str:
     return table + ("\n\n" + "\n".join(findings) if findings else "\n\nno difference from eager")
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fxtrain.fuzz", description=__doc__.splitlines()[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=sorted({**MODELS, **EXTRA_MODELS}), action="append",
                    help=f"default: {', '.join(MODELS)} (add {', '.join(EXTRA_MODELS)} by name)")
     p.add_argument("--loss", choices=LOSSES, action="append", help="default: both")
     p.add_argument("--seed", type=int, action="append", help="default: 0")
     p.add_argument("--seeds", type=int, default=None, help="run seeds 0..N-1 (the long mode)")
     p.add_argument("--batches", type=int, default=40, help="batches per case, the capturing one included")
-    args = p.parse_args(argv)
+
+
+def run_command(args: argparse.Namespace) -> int:
     seeds = list(range(args.seeds)) if args.seeds else (args.seed or [0])
     results = run(cases(seeds, args.model or tuple(MODELS), args.loss or LOSSES), args.batches)
     print(summary(results))
     return 1 if any(r.findings for r in results) else 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fxtrain.fuzz", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run_command(p.parse_args(argv))
 
 
 if __name__ == "__main__":
