@@ -14,6 +14,7 @@ import torch.utils._pytree as pytree
 from ..runtime.deferred import with_deferred
 from ..runtime.dense_route import DenseRoute
 from ..runtime.executors import Runnable, as_is
+from ..capture.info import Densities
 from ..runtime.density import with_density_probes
 from ..runtime.replay import replayed
 from .entry import Entry
@@ -22,7 +23,7 @@ MISS = object()
 
 
 class CachedCall:
-    def __init__(self, entry: Entry, density: Optional[Dict[str, float]], log_density: bool,
+    def __init__(self, entry: Entry, density: Optional[Densities], log_density: bool,
                  runnable: Runnable = as_is, route: Optional[DenseRoute] = None) -> None:
         """``density``: where each call's densities go (None: not measured, as on fake tensors);
         ``runnable``: the module that runs each loaded graph (the graph itself, or a marked copy);

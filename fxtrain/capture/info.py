@@ -3,9 +3,37 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from collections import Counter
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
+import torch
 import torch.fx
+
+
+class Densities(Mapping[str, float]):
+    """What -> the last batch's density. Stored as (count tensor, size): counting per call stays on the
+    device, and only a read converts (one host synchronisation per read, none per step)."""
+
+    def __init__(self) -> None:
+        self._values: Dict[str, Any] = {}
+
+    def record(self, what: str, count: torch.Tensor, size: int) -> None:
+        self._values[what] = (count, max(size, 1))
+
+    def __getitem__(self, what: str) -> float:
+        value = self._values[what]
+        if isinstance(value, tuple):
+            count, size = value
+            value = self._values[what] = float(count) / size
+        return value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
 
 
 @dataclass
@@ -55,7 +83,8 @@ class CaptureInfo:
     fallback_reason: Optional[str] = None
     executor: str = "eager"
     break_reasons: List[str] = field(default_factory=list)
-    density: Dict[str, float] = field(default_factory=dict)  # last batch: "label density", "token density"
+    # The last batch's "label density", "token density": counted on the device per call, read as floats.
+    density: Densities = field(default_factory=Densities)
     cache_hits: int = 0                                     # captures loaded from Options.cache_dir
     cache_misses: int = 0
     cache_log: List[str] = field(default_factory=list)     # what the cache did, one line per event
