@@ -86,6 +86,7 @@ class TrainModule(nn.Module):
         self._static_sizes: Dict[Hashable, Hashable] = {}
         self._symbolic_keys: Set[Hashable] = set()
         self._size_switch: Optional[str] = None    # why the last call moved to the symbolic entry
+        self._capturing_calls = 0                  # calls that captured (Options.recompile_limit)
         self._cache = ModuleCache(self._options, self._info, self._backend.owner)
         self._seen: Set[Hashable] = set()
         self._device: Optional[torch.device] = None
@@ -132,6 +133,7 @@ class TrainModule(nn.Module):
                     release_materialization(out)
                 return out
         graphs_before = self._info.graphs
+        self._backend.may_capture = self._capturing_calls < self._options.recompile_limit
         window = open_window()
         try:
             with torch._dynamo.config.patch(dynamo_settings(self._options, self._specialize_float)), \
@@ -139,6 +141,8 @@ class TrainModule(nn.Module):
                 out = self._entry_for(key, args, kwargs)(self.module, args, kwargs)
         finally:
             filed = close_window(window)
+        if self._info.graphs != graphs_before:
+            self._capturing_calls += 1
         if self._info.graphs != graphs_before or filed:
             self._after_capture(key, may_capture, switched, graphs_before, filed, out, args, kwargs)
         self._seen.add(key)

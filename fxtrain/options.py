@@ -71,8 +71,8 @@ class Options:
                 "inputs and options skips capture (`fxtrain cache ls|clear`). The directory must exist and "
                 "be writable; otherwise fxtrain warns once and runs without the cache."})
     recompile_limit: int = field(default=64, metadata={
-        "help": "Graphs one TrainModule may capture (all modes, graph-break pieces included); one more "
-                "counts as a capture failure, and `fallback` decides."})
+        "help": "Calls of one TrainModule that may capture (a call whose model breaks into several graphs "
+                "counts once); one more counts as a capture failure, and `fallback` decides."})
 
     def __post_init__(self) -> None:
         for f in fields(self):

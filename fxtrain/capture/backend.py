@@ -38,11 +38,12 @@ def dynamo_recompile_reason() -> str:
 
 
 class RecompileLimitReached(RuntimeError):
-    """This TrainModule made ``Options.recompile_limit`` graphs: a new one is a capture failure.
+    """This TrainModule captured in ``Options.recompile_limit`` calls already: another is a failure.
 
     Dynamo's own limit counts per code object, and a TrainModule compiles through two entries
-    (static sizes, then symbolic) plus whatever frames graph breaks create; the option's promise is
-    per module, so the backend counts."""
+    (static sizes, then symbolic): the option's promise is per module, so TrainModule counts the
+    calls that captured (a call whose model breaks into pieces is one capture, whatever its graphs)
+    and tells the backend whether a new call may capture."""
 
 
 def current_mode(training: bool) -> str:
@@ -68,12 +69,13 @@ class Backend:
         self.training = training
         # Called first for every graph, before anything of it runs (TrainModule copies buffers there).
         self.on_graph = on_graph
+        self.may_capture = True   # set by TrainModule per call (Options.recompile_limit)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: List[object]) -> Callable[..., object]:
         # No try/except here: dynamo restarts analysis by raising through its backend, and a real
         # failure must reach TrainModule, which applies the fallback policy.
-        if self.info.graphs >= self.options.recompile_limit:
-            raise RecompileLimitReached(f"{self.info.graphs} graphs captured already")
+        if not self.may_capture:
+            raise RecompileLimitReached(f"{self.options.recompile_limit} calls captured already")
         if self.on_graph is not None:
             self.on_graph()
         record = GraphRecord(index=len(self.info.records), mode=current_mode(self.training()), dynamo_graph=gm,
