@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import types
 import warnings
 from typing import Any, Dict, Hashable, Iterator, List, Mapping, Optional, Set, Tuple
 
@@ -24,7 +25,8 @@ from .capture.scalars import ScalarWatch
 from .capture.settings import dynamo_settings
 from .options import Options, resolve
 from .pythonop import routing
-from .runtime.absent_grads import release_materialization
+from .runtime.executors import Executor
+from .torch_private import dynamo_config_patch
 from .runtime.dense_route import SparseBatchError
 
 logger = logging.getLogger("fxtrain")
@@ -63,7 +65,10 @@ class TrainModule(nn.Module):
     tensors as without the wrapper. Parameter and state-dict names are the wrapped module's own.
     """
 
-    def __init__(self, module: nn.Module, options: Optional[Options] = None) -> None:
+    def __init__(self, module: nn.Module, options: Optional[Options] = None, *,
+                 executor: Optional[Executor] = None) -> None:
+        """``executor``: an Executor object to compile the captured graphs with, instead of the one
+        ``options.executor`` names (the profiler passes one that runs marked copies)."""
         if not isinstance(module, nn.Module):
             raise TypeError(f"fxtrain.TrainModule wraps a torch.nn.Module, got {type(module).__name__}")
         if isinstance(module, TrainModule):
@@ -71,23 +76,26 @@ class TrainModule(nn.Module):
         super().__init__()
         self.module = module
         self._options = resolve(options)
-        self._info = CaptureInfo(executor=self._options.executor)
+        self._info = CaptureInfo(executor=executor.name if executor is not None else self._options.executor)
         self._rollback = Rollback(module)
         self._backend = Backend(self._info, self._options, lambda: self.training,
-                               f"{type(module).__name__}-{next(_instances)}", on_graph=self._rollback.on_graph)
+                               f"{type(module).__name__}-{next(_instances)}", on_graph=self._rollback.on_graph,
+                               executor=executor)
         # One entry (so one dynamo cache) per mode: train and eval are captured separately even
         # for models whose code never reads `self.training`.
-        self._compiled = {mode: make_entry(self._backend, self._options.dynamic, self._options.fullgraph)
-                          for mode in (True, False)}
+        self._compiled = {mode: make_entry(self._backend, self._options.dynamic, self._options.fullgraph,
+                                           self._compiling) for mode in (True, False)}
         self._symbolic: Dict[bool, Any] = {}
         # dynamic=None: static entries first; the sizes each call schema first ran with, and the
         # schemas that have since run with other sizes (the symbolic entry from then on).
         self._static_first = self._options.dynamic is None
-        self._static_sizes: Dict[Hashable, Hashable] = {}
+        self._static_sizes: Dict[Hashable, Tuple[Hashable, Hashable]] = {}  # key -> (shapes, call_sizes)
         self._symbolic_keys: Set[Hashable] = set()
-        self._size_switch: Optional[str] = None    # why the last call moved to the symbolic entry
+        # Why the last call moved to the symbolic entry (a plain object: nn.Module's __setattr__ is slow).
+        self._sizes = types.SimpleNamespace(switch=None)
         self._capturing_calls = 0                  # calls that captured (Options.recompile_limit)
-        self._cache = ModuleCache(self._options, self._info, self._backend.owner)
+        self._cache = ModuleCache(self._options, self._info, self._backend.owner, self._backend.executor,
+                                  self._backend.context)
         self._seen: Set[Hashable] = set()
         self._device: Optional[torch.device] = None
         self._device_known = False
@@ -107,12 +115,13 @@ class TrainModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._eager or in_fake_run():
             return self.module(*args, **kwargs)
-        key = (call_schema(args, kwargs, self._module_device()), current_mode(self.training),
+        shapes: List[Any] = []
+        key = (call_schema(args, kwargs, self._module_device(), shapes), current_mode(self.training),
                torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
         may_capture = key not in self._seen
         self._rollback.begin(may_capture)
         try:
-            out = self._call(key, may_capture, args, kwargs)
+            out = self._call(key, may_capture, args, kwargs, tuple(shapes))
         except SparseBatchError:
             raise  # Options(sparsity_guard="raise") asked for it; raised before anything ran
         except Exception as exc:
@@ -121,7 +130,8 @@ class TrainModule(nn.Module):
         self._rollback.end()
         return out
 
-    def _call(self, key: Hashable, may_capture: bool, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    def _call(self, key: Hashable, may_capture: bool, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+              shapes: Tuple[Any, ...]) -> Any:
         switched = self._switch_floats_if_changed(key, args, kwargs)
         if self._cache.active:
             out = self._cache.call(key, self.module, args, kwargs)
@@ -129,16 +139,12 @@ class TrainModule(nn.Module):
                 out = self._cache.load(key, self.module, args, kwargs, key[1])
             if out is not MISS:
                 self._seen.add(key)
-                if torch.is_grad_enabled():
-                    release_materialization(out)
                 return out
         graphs_before = self._info.graphs
         self._backend.may_capture = self._capturing_calls < self._options.recompile_limit
         window = open_window()
         try:
-            with torch._dynamo.config.patch(dynamo_settings(self._options, self._specialize_float)), \
-                    self._routing():
-                out = self._entry_for(key, args, kwargs)(self.module, args, kwargs)
+            out = self._entry_for(key, args, kwargs, shapes)(self.module, args, kwargs)
         finally:
             filed = close_window(window)
         if self._info.graphs != graphs_before:
@@ -146,8 +152,6 @@ class TrainModule(nn.Module):
         if self._info.graphs != graphs_before or filed:
             self._after_capture(key, may_capture, switched, graphs_before, filed, out, args, kwargs)
         self._seen.add(key)
-        if torch.is_grad_enabled():
-            release_materialization(out)
         return out
 
     def _after_capture(self, key: Hashable, may_capture: bool, switched: bool, graphs_before: int,
@@ -156,7 +160,7 @@ class TrainModule(nn.Module):
         made = self._info.graphs - graphs_before
         new = self._info.records[len(self._info.records) - made:] if made else []
         breaks = call_breaks(filed, [r.break_site for r in new if r.break_site is not None], made)
-        self._label_captures(new, may_capture, switched, graphs_before, self._size_switch)
+        self._label_captures(new, may_capture, switched, graphs_before, self._sizes.switch)
         if self._cache.active and made:
             if made == 1 and not breaks:
                 self._cache.stored_after_capture(key, self._info.records[-1], out, key[1],
@@ -204,7 +208,7 @@ class TrainModule(nn.Module):
                     "from now on instead of constants", type(self.module).__name__)
         return True
 
-    def _entry_for(self, key: Hashable, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    def _entry_for(self, key: Hashable, args: Tuple[Any, ...], kwargs: Dict[str, Any], sizes: Tuple[Any, ...]) -> Any:
         """Dynamo's entry for this call.
 
         ``dynamic=None``: a call schema runs from the static entry until a call brings other sizes;
@@ -219,15 +223,16 @@ class TrainModule(nn.Module):
         what only the symbolic entry compiled. A cached graph that served the first sizes sends
         every later call here (dynamo never saw them).
         """
-        self._size_switch = None
+        self._sizes.switch = None
         if not self._static_first:
             return self._compiled[self.training]
-        sizes = call_sizes(args, kwargs)
-        first = self._static_sizes.setdefault(key, sizes)
+        first, first_paths = self._static_sizes.get(key) or self._static_sizes.setdefault(
+            key, (sizes, call_sizes(args, kwargs)))
         if key not in self._symbolic_keys and (key in self._cache.resized or first != sizes):
             self._symbolic_keys.add(key)
-            self._size_switch = (f"symbolic sizes from the first size change "
-                                 f"({size_change(first, sizes) if first != sizes else 'a cached graph served the first sizes'})")
+            change = size_change(first_paths, call_sizes(args, kwargs)) if first != sizes else \
+                "a cached graph served the first sizes"
+            self._sizes.switch = f"symbolic sizes from the first size change ({change})"
         # The first sizes stay with the static entry, which captured them: the symbolic graph may not
         # serve them (dynamo specialises sizes 0 and 1), and they would be captured a second time. Not
         # for a model with graph breaks: the frames it compiled apart were compiled again under the
@@ -235,14 +240,18 @@ class TrainModule(nn.Module):
         back = sizes == first and key not in self._cache.resized and not self._info.graph_breaks
         if key in self._symbolic_keys and not back:
             if self.training not in self._symbolic:
-                self._symbolic[self.training] = make_entry(self._backend, True, self._options.fullgraph)
+                self._symbolic[self.training] = make_entry(self._backend, True, self._options.fullgraph,
+                                                           self._compiling)
             return self._symbolic[self.training]
         return self._compiled[self.training]
 
-    def _routing(self) -> Any:
-        if not self._options.custom_autograd:
-            return contextlib.nullcontext()
-        return routing(self._record_python_op)
+    @contextlib.contextmanager
+    def _compiling(self) -> Iterator[None]:
+        """Entered by dynamo whenever it compiles a frame of this module (capture/entry.py): the
+        settings fxtrain captures under, which cost nothing on calls that run captured graphs."""
+        with dynamo_config_patch(dynamo_settings(self._options, self._specialize_float)), \
+                (routing(self._record_python_op) if self._options.custom_autograd else contextlib.nullcontext()):
+            yield
 
     def _record_python_op(self, name: str) -> None:
         if name not in self._info.python_ops:

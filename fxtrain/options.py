@@ -28,6 +28,12 @@ class Options:
         "choices": ("eager", "inductor"),
         "help": "What runs the captured aten graphs: 'eager' (aten ops one by one; fast first step) "
                 "or 'inductor' (generated kernels; slow first step)."})
+    backward: str = field(default="auto", metadata={
+        "choices": ("auto", "autograd", "graph"),
+        "help": "How the eager executor runs a step: 'autograd' runs the rewritten torch-level graph under "
+                "PyTorch's autograd engine (fewest Python calls per step); 'graph' replays the aten forward and "
+                "backward graphs (where fxtrain's backward passes apply); 'auto' picks 'graph' only where those "
+                "passes save more than the replay costs. The inductor executor always runs the aten graphs."})
     fallback: str = field(default="eager", metadata={
         "choices": ("eager", "raise"),
         "help": "When capture fails: warn once and run the model eagerly, or raise."})

@@ -183,11 +183,11 @@ def _failing_passes(monkeypatch, fail_on_call):
     """run_passes raises on its ``fail_on_call``-th invocation (1-based) and after."""
     real, calls = backend.run_passes, []
 
-    def flaky(gm, example_inputs, options):
+    def flaky(gm, example_inputs, options, plans):
         calls.append(1)
         if len(calls) >= fail_on_call:
             raise NotImplementedError("pass cannot handle aten.frobnicate")
-        return real(gm, example_inputs, options)
+        return real(gm, example_inputs, options, plans)
 
     monkeypatch.setattr(backend, "run_passes", flaky)
 
@@ -216,13 +216,14 @@ def test_recapture_that_fails_after_a_graph_of_the_call_ran(monkeypatch, fallbac
     assert int(tm.module.bn.num_batches_tracked) == 4
 
 
-def _failing_runtime(monkeypatch, fail_on_run, graphs=lambda record: True):
+def _failing_runtime(monkeypatch, fail_on_run, graphs=lambda index: True):
     """Graphs compiled from now on raise on the ``fail_on_run``-th run (counted over all of them)."""
-    real, runs = backend.compile_graph, []
+    real, runs, built = backend.runner.build, [], []
 
-    def compile_graph(gm, example_inputs, executor, record):
-        compiled = real(gm, example_inputs, executor, record)
-        if not graphs(record):
+    def build(step, executor, context, preference="auto"):
+        compiled = real(step, executor, context, preference)
+        built.append(step)
+        if not graphs(len(built) - 1):
             return compiled
 
         def run(*args):
@@ -232,7 +233,7 @@ def _failing_runtime(monkeypatch, fail_on_run, graphs=lambda record: True):
             return compiled(*args)
         return run
 
-    monkeypatch.setattr(backend, "compile_graph", compile_graph)
+    monkeypatch.setattr(backend.runner, "build", build)
 
 
 @pytest.mark.parametrize("fallback", ["eager", "raise"])
@@ -262,7 +263,7 @@ def test_runtime_error_on_the_nth_call_follows_the_policy(monkeypatch, fallback)
 def test_runtime_error_in_a_later_graph_does_not_update_buffers_twice(monkeypatch):
     """Several graphs per call and the first updates BatchNorm: a failure in the second graph, on a
     call that captures nothing, must leave the statistics as one eager step would."""
-    _failing_runtime(monkeypatch, fail_on_run=4, graphs=lambda record: record.index > 0)
+    _failing_runtime(monkeypatch, fail_on_run=4, graphs=lambda index: index > 0)
     torch.manual_seed(0)
     tm, ref = wrap_pair(NormedBranch(), fallback="eager")
     for _ in range(3):

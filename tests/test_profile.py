@@ -208,7 +208,9 @@ def test_peak_memory_matches_a_real_step(case):
     torch.manual_seed(0)
     model = build()
     args, kwargs = make_inputs()
-    real_tm = fxtrain.TrainModule(model, fxtrain.Options(fallback="raise"))
+    # The profiler costs the aten-graph runtime (profile/capture.py: MarkedExecutor); the default
+    # runtime may pick the autograd mode on a model this small, which peaks a few percent higher.
+    real_tm = fxtrain.TrainModule(model, fxtrain.Options(fallback="raise", backward="graph"))
     for optimizer in (None, torch.optim.AdamW):
         for optimizations in (False, True):
             report = fxtrain.profile(model, *args, optimizer=optimizer, optimizations=optimizations, **kwargs)

@@ -11,23 +11,24 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 import torch.utils._pytree as pytree
 
-from ..runtime.deferred import with_deferred
+from .. import torch_private as tp
+from ..capture.step import CapturedStep
+from ..passes.plans import Plans
+from ..runtime import runner
+from ..runtime.absent_grads import AbsentGradBackward
 from ..runtime.dense_route import DenseRoute
-from ..runtime.executors import Runnable, as_is
-from ..capture.info import Densities
-from ..runtime.density import with_density_probes
-from ..runtime.replay import replayed
+from ..runtime.executors import Executor
 from .entry import Entry
 
 MISS = object()
 
 
 class CachedCall:
-    def __init__(self, entry: Entry, density: Optional[Densities], log_density: bool,
-                 runnable: Runnable = as_is, route: Optional[DenseRoute] = None) -> None:
-        """``density``: where each call's densities go (None: not measured, as on fake tensors);
-        ``runnable``: the module that runs each loaded graph (the graph itself, or a marked copy);
-        ``route``: decides which batches the entry's sparse graphs cannot serve (run eagerly)."""
+    def __init__(self, entry: Entry, executor: Executor, context: runner.RunContext,
+                 route: Optional[DenseRoute] = None) -> None:
+        """``executor``: compiles the loaded graphs (the module's own; the profiler's runs marked
+        copies); ``context``: where calls report; ``route``: decides which batches the entry's sparse
+        graphs cannot serve (run eagerly)."""
         recipe = entry.recipe
         self.route = route
         self.entry = entry
@@ -37,14 +38,17 @@ class CachedCall:
                        for i, c in enumerate(recipe.checks) if c is not None for dtype, grad in [c]]
         self.guard = compile(recipe.guard_code, "<fxtrain cache guards>", "eval") if recipe.guard_code else None
         self.names = [f"t{i}" for i in range(len(recipe.sources))]
-        backward = entry.backward_graph
-        compiled = replayed(runnable(entry.forward_graph, "forward"),
-                            runnable(backward, "backward") if backward is not None else None, entry.spec)
-        if recipe.plan is not None:
-            compiled = with_deferred(compiled, recipe.plan)
-        if recipe.probes and density is not None:
-            compiled = with_density_probes(compiled, recipe.probes, density, log_density)
-        self.compiled = compiled
+        forward, backward, spec = entry.forward_graph, entry.backward_graph, entry.spec
+        step = CapturedStep(graph=None, dense_graph=None, forward_graph=forward, backward_graph=backward,
+                            plans=Plans(deferred=recipe.plan, probes=list(recipe.probes), guard=recipe.guard),
+                            inference=spec.inference, spec=spec)
+        step.compiled_forward = executor.compile(forward, "inference" if spec.inference else "forward",
+                                                 tp.placeholder_examples(forward))
+        if backward is not None:
+            examples = tp.placeholder_examples(backward)
+            step.backward = AbsentGradBackward(backward, lambda g: executor.compile(g, "backward", examples))
+        self.step = step
+        self.compiled = runner.build(step, executor, context)
 
     def flat_inputs(self, module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         try:

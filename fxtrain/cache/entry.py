@@ -61,16 +61,17 @@ def build(record: Any, recipe: Recipe, out: Any, about: Dict[str, Any]) -> Entry
     """The entry for a finished capture (backward graph filled in later), or NotReplayable."""
     if recipe.bypass:
         raise NotReplayable(recipe.bypass)
-    if record.forward_graph is None or record.aot_metadata is None:
-        raise NotReplayable("the executor does not produce aten graphs (only executor='eager' is cached)")
-    for gm in (record.forward_graph,):
+    step = record.step
+    if step is None or step.forward_graph is None or step.spec is None:
+        raise NotReplayable(getattr(step, "not_replayable", "") or "the capture has no aten graphs")
+    for gm in (step.forward_graph,):
         if any(n.op == "call_function" and str(n.target).startswith("fxtrain.") for n in gm.graph.nodes):
             raise NotReplayable("the graph holds custom autograd Functions (PythonOps), which are not cached yet")
-    spec = replay_spec(record.aot_metadata, len(recipe.sources), record.inference)
-    check_graph_arity(record.forward_graph, None, spec, recipe.sources)
+    spec = step.spec
+    check_graph_arity(step.forward_graph, None, spec, recipe.sources)
     treespec, leaves = output_recipe(out, recipe.last_outputs)
     header = dict(about, format=FORMAT, created=time.time(), **versions())
-    return Entry(recipe=recipe, spec=spec, forward_graph=record.forward_graph, backward_graph=None,
+    return Entry(recipe=recipe, spec=spec, forward_graph=step.forward_graph, backward_graph=step.backward_graph,
                  treespec=treespec, leaves=leaves, header=header)
 
 

@@ -15,7 +15,8 @@ from torch import nn
 from ..capture.info import CaptureInfo, GraphRecord
 from ..capture.scalars import ScalarWatch
 from ..options import Options
-from ..runtime.executors import Runnable, as_is
+from ..runtime.executors import Executor
+from ..runtime.runner import RunContext
 from ..runtime.dense_route import DenseRoute
 from ..runtime.replay import NotReplayable
 from . import entry as entries
@@ -27,7 +28,8 @@ logger = logging.getLogger("fxtrain")
 
 
 class ModuleCache:
-    def __init__(self, options: Options, info: CaptureInfo, owner: str) -> None:
+    def __init__(self, options: Options, info: CaptureInfo, owner: str, executor: Executor,
+                 context: RunContext) -> None:
         self.options, self.info, self.owner = options, info, owner
         self.store: Optional[Store] = Store.open(options.cache_dir) if options.cache_dir else None
         if options.cache_dir and self.store is None:
@@ -40,9 +42,8 @@ class ModuleCache:
         # keys were computed from: both are part of the disk key and built into the graphs.
         self.scalars = ScalarWatch((int, float))
         self.key_scalars: Dict[Hashable, Tuple[Any, ...]] = {}
-        # What runs a loaded graph (the profiler's marked copies) and whether calls count densities.
-        self.runnable: Runnable = as_is
-        self.probe_density = True
+        # What compiles a loaded graph (the profiler's executor runs marked copies on fake tensors).
+        self.executor, self.context = executor, context
 
     @property
     def active(self) -> bool:
@@ -110,9 +111,8 @@ class ModuleCache:
         try:
             guard = entry.recipe.guard
             route = DenseRoute(guard, self.info.dense_batches, self.options.sparsity_guard, self.owner) \
-                if guard is not None and self.probe_density else None
-            call = CachedCall(entry, self.info.density if self.probe_density else None,
-                              self.options.log_density, self.runnable, route)
+                if guard is not None and self.executor.measures_batches else None
+            call = CachedCall(entry, self.executor, self.context, route)
             out = call(module, args, kwargs)
         except Exception as e:
             warn_once(f"unusable:{self.store.path(disk_key)}", "fxtrain: cache entry %s could not be used (%s: %s); capturing instead",
@@ -160,10 +160,7 @@ class ModuleCache:
             return
         finally:
             recipe.last_outputs = None
-        if record.inference or record.backward_graph is not None:  # AOTAutograd may compile it eagerly
-            self._write(disk_key, entry, record)
-        else:
-            record.backward_hooks.append(lambda: self._write(disk_key, entry, record))
+        self._write(disk_key, entry, record)
 
     def _write(self, disk_key: str, entry: entries.Entry, record: GraphRecord) -> None:
         assert self.store is not None

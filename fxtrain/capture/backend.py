@@ -10,17 +10,15 @@ import torch.fx
 
 from ..cache import recipe as cache_recipe
 from ..options import Options
-from ..passes import run_passes
-from ..passes.batch_guard import META_KEY as GUARD_KEY
-from ..passes.defer import META_KEY as DEFERRED_KEY
-from ..runtime import compile_graph
-from ..passes.density import PROBES_KEY
-from ..runtime.dense_route import DenseRoute
-from ..runtime.deferred import with_deferred
-from ..runtime.density import with_density_probes
+from ..passes import Plans, run_passes
+from ..runtime import runner
+from ..runtime.executors import Executor, executor_named
+from ..runtime.replay import NotReplayable, check_graph_arity, replay_spec
+from .aot import split
 from .breaks import graph_break_site
 from .dump import dump_capture
 from .info import CaptureInfo, GraphRecord
+from .step import CapturedStep
 
 logger = logging.getLogger("fxtrain")
 
@@ -55,17 +53,20 @@ def current_mode(training: bool) -> str:
 class Backend:
     """One per TrainModule: owns the CaptureInfo that capture fills in.
 
-    Subclasses change how a graph is compiled (``compile``) and whether each call measures the
-    batch's densities (``probe_density``: impossible on fake tensors, where values are unknown).
+    Each graph dynamo hands over becomes a ``CapturedStep`` (passes, plans, AOTAutograd's split)
+    and then the runtime's callable for it. ``executor`` compiles the aten graphs and says what it
+    supports (the profiler passes its own, which runs marked copies on fake tensors).
     """
 
-    probe_density = True
-
     def __init__(self, info: CaptureInfo, options: Options, training: Callable[[], bool],
-                 owner: str = "model", on_graph: Optional[Callable[[], None]] = None) -> None:
+                 owner: str = "model", on_graph: Optional[Callable[[], None]] = None,
+                 executor: Optional[Executor] = None) -> None:
         self.info = info
         self.owner = owner
         self.options = options
+        self.executor = executor if executor is not None else executor_named(options.executor)
+        self.context = runner.RunContext(info.density, options.log_density, info.dense_batches,
+                                         options.sparsity_guard, owner)
         self.training = training
         # Called first for every graph, before anything of it runs (TrainModule copies buffers there).
         self.on_graph = on_graph
@@ -81,25 +82,22 @@ class Backend:
         record = GraphRecord(index=len(self.info.records), mode=current_mode(self.training()), dynamo_graph=gm,
                              reason=dynamo_recompile_reason(), break_site=graph_break_site(gm))
         recipe = cache_recipe.start(gm) if self.options.cache_dir else None
-        traced = _copy_graph(gm.graph)
-        record.optimizations = run_passes(gm, example_inputs, self.options)
-        record.report_to = self.info.optimizations
-        compiled = self.compile(gm, example_inputs, record)
-        plan = gm.meta.pop(DEFERRED_KEY, None)
-        if plan is not None:
-            compiled = with_deferred(compiled, plan)
-        guard = gm.meta.pop(GUARD_KEY, None)
-        if guard is not None and self.probe_density:
-            route = DenseRoute(guard, self.info.dense_batches, self.options.sparsity_guard, self.owner)
-            compiled = route.wrap(compiled, torch.fx.GraphModule(gm, traced))
-        probes = gm.meta.pop(PROBES_KEY, None)
-        if probes and self.probe_density:
-            compiled = with_density_probes(compiled, probes, self.info.density, self.options.log_density)
+        dense = torch.fx.GraphModule(gm, _copy_graph(gm.graph))
+        plans = Plans()
+        record.optimizations = run_passes(gm, example_inputs, self.options, plans)
+        step = capture_step(gm, dense, plans, example_inputs, self.executor)
+        for report in step.backward_reports:
+            record.optimizations[report.name] = str(report)
+        compiled = runner.build(step, self.executor, self.context, self.options.backward)
+        record.step = step
+        record.forward_graph, record.backward_graph = step.forward_graph, step.backward_graph
+        record.backward_runner, record.inference = step.backward, step.inference
+        record.runtime = f"{step.mode}: {step.mode_reason}"
         if recipe is not None:
             cache_recipe.finish(recipe, gm)
-            recipe.plan = plan.portable() if plan is not None else None
-            recipe.probes = list(probes or [])
-            recipe.guard = guard
+            recipe.plan = plans.deferred.portable() if plans.deferred is not None else None
+            recipe.probes = list(plans.probes)
+            recipe.guard = plans.guard
             record.cache_recipe = recipe
             compiled = cache_recipe.watch(recipe, compiled)
         self.info.records.append(record)
@@ -107,16 +105,28 @@ class Backend:
         self.info.optimizations.update(record.optimizations)
         if self.options.save_graphs_dir:
             dump_capture(self.options.save_graphs_dir, self.owner, self.info, record)
-            if record.backward_graph is None and not record.inference:
-                # AOTAutograd compiles the backward at the first backward: dump it then.
-                record.backward_hooks.append(lambda: dump_capture(self.options.save_graphs_dir, self.owner,
-                                                                  self.info, record))
-        logger.info("captured graph %d (%s): %d nodes, executor %s", record.index, record.mode,
-                    len(gm.graph.nodes), self.options.executor)
+        logger.info("captured graph %d (%s): %d nodes, executor %s, runtime %s", record.index, record.mode,
+                    len(gm.graph.nodes), self.executor.name, record.runtime)
         return compiled
 
-    def compile(self, gm: torch.fx.GraphModule, example_inputs: List[object], record: GraphRecord) -> Callable[..., object]:
-        return compile_graph(gm, example_inputs, self.options.executor, record)
+
+def capture_step(gm: torch.fx.GraphModule, dense: Optional[torch.fx.GraphModule], plans: Plans,
+                 example_inputs: List[object], executor: Executor) -> CapturedStep:
+    """The rewritten graph, split by AOTAutograd into aten graphs compiled by ``executor``."""
+    parts = split(gm, example_inputs, executor)
+    step = CapturedStep(graph=gm, dense_graph=dense, plans=plans, forward_graph=parts.forward_graph,
+                        backward_graph=parts.backward_graph, inference=parts.inference,
+                        backward_reports=parts.backward_reports, compiled_forward=parts.compiled_forward,
+                        backward=parts.backward, aot_callable=parts.aot_callable)
+    if parts.forward_graph is None or parts.metadata is None:
+        step.not_replayable = "AOTAutograd produced no forward graph"
+        return step
+    try:
+        step.spec = replay_spec(parts.metadata, len(example_inputs), parts.inference)
+        check_graph_arity(parts.forward_graph, parts.backward_graph, step.spec, example_inputs)
+    except NotReplayable as e:
+        step.not_replayable = str(e)
+    return step
 
 
 def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import itertools
 import types
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ContextManager, Optional
 
-import torch
-
+from ..torch_private import dynamo_compile
 from .frames import ENTRY_NAME
 
 _counter = itertools.count()
@@ -21,8 +20,11 @@ def _entry(module, args, kwargs):
     return module(*args, **kwargs)
 
 
-def make_entry(backend: Callable[..., Any], dynamic: Optional[bool], fullgraph: bool) -> Callable[..., Any]:
+def make_entry(backend: Callable[..., Any], dynamic: Optional[bool], fullgraph: bool,
+               around_compile: Callable[[], ContextManager[Any]]) -> Callable[..., Any]:
+    """``torch.compile`` of a fresh entry function; ``around_compile()`` is entered whenever dynamo
+    compiles a frame for it (not on calls that hit its cache)."""
     name = f"{ENTRY_NAME}_{next(_counter)}"
     code = _entry.__code__.replace(co_name=name, co_qualname=name)
     fn = types.FunctionType(code, _entry.__globals__, name)
-    return torch.compile(fn, backend=backend, dynamic=dynamic, fullgraph=fullgraph)
+    return dynamo_compile(fn, backend, dynamic, fullgraph, around_compile)

@@ -51,19 +51,12 @@ class GraphRecord:
     backward_graph: Optional[torch.fx.GraphModule] = None
     backward_runner: Optional[Any] = None       # runtime object running backward_graph (executor's)
     optimizations: Dict[str, str] = field(default_factory=dict)
-    # CaptureInfo.optimizations: a backward graph may be compiled only at the first backward.
-    report_to: Optional[Dict[str, str]] = field(default=None, repr=False)
-    # For the on-disk cache: AOTAutograd's metadata of the graphs, whether they are an inference
-    # pair (no backward), and a callback once the backward graph exists (it is compiled lazily).
-    aot_metadata: Optional[Any] = field(default=None, repr=False)
-    inference: bool = False
-    backward_hooks: List[Callable[[], None]] = field(default_factory=list, repr=False)
+    inference: bool = False                     # an inference pair: no backward graph
+    # How the runtime runs this capture ("autograd" | "graph" | "aot") and why (runtime/runner.py).
+    runtime: str = ""
+    # The captured step itself (capture/step.py) and what the on-disk cache needs of the capture.
+    step: Optional[Any] = field(default=None, repr=False)
     cache_recipe: Optional[Any] = field(default=None, repr=False)
-
-    def report(self, name: str, why: str) -> None:
-        self.optimizations[name] = why
-        if self.report_to is not None:
-            self.report_to[name] = why
 
 
 @dataclass

@@ -5,7 +5,7 @@ call may trigger a capture, so that only those calls pay for the safety net of t
 """
 from __future__ import annotations
 
-from typing import Any, Hashable, Optional, Tuple
+from typing import Any, Hashable, List, Optional, Tuple
 
 import torch
 
@@ -16,9 +16,12 @@ def _is_numpy(x: Any) -> bool:
     return type(x).__module__ == "numpy" and type(x).__name__ in ("ndarray", "matrix")
 
 
-def schema(value: Any, path: str, device: Optional[torch.device]) -> Hashable:
-    """Hashable summary of one input; raises TypeError/ValueError for inputs that cannot work."""
+def schema(value: Any, path: str, device: Optional[torch.device], shapes: Optional[List[Any]] = None) -> Hashable:
+    """Hashable summary of one input; raises TypeError/ValueError for inputs that cannot work.
+    ``shapes`` (if given) receives every tensor's size in order: the call's sizes, in the same walk."""
     if isinstance(value, torch.Tensor):
+        if shapes is not None:
+            shapes.append(value.shape)
         if device is not None and value.device != device and value.dim() > 0:
             raise ValueError(
                 f"fxtrain.TrainModule: input {path} is on device '{value.device}' but the module's "
@@ -32,16 +35,17 @@ def schema(value: Any, path: str, device: Optional[torch.device]) -> Hashable:
     if isinstance(value, (int, float, complex)):
         return (type(value),)
     if isinstance(value, dict):
-        return (type(value), tuple((k, schema(v, f"{path}[{k!r}]", device)) for k, v in value.items()))
+        return (type(value), tuple((k, schema(v, f"{path}[{k!r}]", device, shapes)) for k, v in value.items()))
     if isinstance(value, (list, tuple)):
-        return (type(value), tuple(schema(v, f"{path}[{i}]", device) for i, v in enumerate(value)))
+        return (type(value), tuple(schema(v, f"{path}[{i}]", device, shapes) for i, v in enumerate(value)))
     # Any other object (a cache, a config, an enum): dynamo guards on it itself.
     return (type(value), id(value))
 
 
-def call_schema(args: Tuple[Any, ...], kwargs: dict, device: Optional[torch.device]) -> Hashable:
-    return (tuple(schema(a, f"args[{i}]", device) for i, a in enumerate(args)),
-            tuple((k, schema(v, f"kwargs[{k!r}]", device)) for k, v in kwargs.items()))
+def call_schema(args: Tuple[Any, ...], kwargs: dict, device: Optional[torch.device],
+                shapes: Optional[List[Any]] = None) -> Hashable:
+    return (tuple(schema(a, f"args[{i}]", device, shapes) for i, a in enumerate(args)),
+            tuple((k, schema(v, f"kwargs[{k!r}]", device, shapes)) for k, v in kwargs.items()))
 
 
 def call_sizes(args: Tuple[Any, ...], kwargs: dict) -> Hashable:

@@ -32,6 +32,12 @@ def _copy(buffers: List[torch.Tensor]) -> _Snapshot:
     return [(b, b.detach().clone(), b._version) for b in buffers]
 
 
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if isinstance(a, torch._subclasses.FakeTensor) or a.device.type == "meta":
+        return True  # no values to compare (the profiler's fake runs): versions decide
+    return bool(torch.equal(a, b))
+
+
 def _entry_frame(prefix: str) -> bool:
     """Whether dynamo is converting fxtrain's entry function (nothing of the call ran yet) rather
     than a resume function or a frame called after a graph break."""
@@ -76,7 +82,11 @@ class Rollback:
         moved) and whether later calls must be copied."""
         if self._snapshot is None:
             return
-        moved = {id(buffer) for buffer, _, version in self._snapshot if buffer._version != version}
+        # Versions alone miss kernels that write a buffer in place without bumping its version (the
+        # batch norm kernel's running statistics, under the autograd runtime): compare values too,
+        # which only capturing calls pay.
+        moved = {id(buffer) for buffer, copy, version in self._snapshot
+                 if buffer._version != version or not _same_values(buffer, copy)}
         names = [name for name, b in self.module.named_buffers() if id(b) in moved and name not in self.updated]
         if names:
             self.updated.extend(names)

@@ -1,11 +1,15 @@
-"""Graph passes. A pass is a function ``(GraphModule, example_inputs, Options) -> PassReport``.
+"""Graph passes.
 
-Passes run on the dynamo-level graph, before AOTAutograd, so their rewrites are differentiated by
-autograd like any other torch code and the backward graph shrinks with the forward.
+Forward passes are functions ``(GraphModule, example_inputs, Options, Plans) -> PassReport``: they
+rewrite the dynamo-level graph before AOTAutograd (so their rewrites are differentiated like any
+other torch code and the backward shrinks with the forward) and put what the runtime needs besides
+the graph (deferred outputs, density probes, the batch guard) into the capture's ``Plans``.
+Backward passes are ``GraphModule -> PassReport`` on the aten backward graph after partitioning.
+Ordering needs are declared in ``RUNS_AFTER`` and checked, not left to a list's order.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch.fx
 
@@ -15,20 +19,46 @@ from .cross_entropy_grad import cross_entropy_grad
 from .embedding_grad import tied_embedding_grad
 from .label_sparsity import label_sparsity
 from .padding_elimination import padding_elimination
+from .plans import Plans
 from .upstream_slicing import upstream_slicing
 
-# In the order they must run.
-# Padding elimination runs last: it keeps the row selections the others inserted, and checks them.
-PASSES: List[Pass] = [label_sparsity, upstream_slicing, padding_elimination]
-# On the aten backward graph AOTAutograd partitions out (the "eager" executor runs it as is).
+# Padding elimination keeps the row selections the others inserted and checks them on real tokens.
+RUNS_AFTER: Dict[str, Tuple[str, ...]] = {"padding_elimination": ("label_sparsity", "upstream_slicing")}
+
+
+def ordered(passes: Sequence[Pass]) -> List[Pass]:
+    """``passes`` in an order that meets ``RUNS_AFTER`` (stable otherwise); raises on a cycle."""
+    by_name = {p.__name__: p for p in passes}
+    done: List[Pass] = []
+    visiting: set = set()
+
+    def visit(p: Pass) -> None:
+        if p in done:
+            return
+        if p.__name__ in visiting:
+            raise ValueError(f"pass ordering cycle through {p.__name__}")
+        visiting.add(p.__name__)
+        for name in RUNS_AFTER.get(p.__name__, ()):
+            if name in by_name:
+                visit(by_name[name])
+        visiting.discard(p.__name__)
+        done.append(p)
+
+    for p in passes:
+        visit(p)
+    return done
+
+
+PASSES: List[Pass] = ordered([label_sparsity, upstream_slicing, padding_elimination])
 BACKWARD_PASSES: List[Callable[[torch.fx.GraphModule], PassReport]] = [cross_entropy_grad, tied_embedding_grad]
 
 
-def run_passes(gm: torch.fx.GraphModule, example_inputs: Sequence[object], options: Options) -> Dict[str, str]:
+def run_passes(gm: torch.fx.GraphModule, example_inputs: Sequence[object], options: Options,
+               plans: Plans) -> Dict[str, str]:
     reports: Dict[str, str] = {}
     changed = False
     for p in PASSES:
-        report = p(gm, example_inputs, options)
+        report = p(gm, example_inputs, options, plans)
         reports[report.name] = str(report)
         changed |= report.applied
     if changed:
@@ -37,4 +67,4 @@ def run_passes(gm: torch.fx.GraphModule, example_inputs: Sequence[object], optio
     return reports
 
 
-__all__ = ["BACKWARD_PASSES", "PASSES", "Pass", "PassReport", "run_passes"]
+__all__ = ["BACKWARD_PASSES", "PASSES", "Pass", "PassReport", "Plans", "RUNS_AFTER", "ordered", "run_passes"]

@@ -15,8 +15,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.fx
 
+from .plans import Plans
+
 Node = torch.fx.Node
-META_KEY = "fxtrain_batch_guard"
 _INPLACE_OPERATORS = {getattr(operator, n) for n in ("iadd", "iand", "iconcat", "ifloordiv", "ilshift", "imatmul",
                                                      "imod", "imul", "ior", "ipow", "irshift", "isub",
                                                      "itruediv", "ixor")}
@@ -66,14 +67,14 @@ class GuardBuilder:
         """``condition``: a 0-d bool node of the guard graph that must hold for the rewrite to be exact."""
         self.conditions.append((condition, reason))
 
-    def store(self) -> None:
-        """Attach the finished guard to the captured graph for the backend (nothing if no condition)."""
+    def store(self, plans: "Plans") -> None:
+        """Hand the finished guard to the runtime through the capture's plans (nothing if no condition)."""
         if not self.conditions:
             return
         stacked = self.graph.call_function(torch.stack, ([c for c, _ in self.conditions],))
         self.graph.output(stacked)
         guard = torch.fx.GraphModule(self.gm, self.graph)
-        self.gm.meta[META_KEY] = BatchGuard(guard, [r for _, r in self.conditions])
+        plans.guard = BatchGuard(guard, [r for _, r in self.conditions])
 
 
 class BatchGuard:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from .base import PassReport
+from .base import PassReport, bytes_of
 
 NAME = "cross_entropy_grad"
 aten = torch.ops.aten
@@ -26,7 +26,7 @@ MIN_CLASSES = 256
 
 def cross_entropy_grad(bw: torch.fx.GraphModule) -> PassReport:
     graph = bw.graph
-    rewritten, skipped = 0, False
+    rewritten, skipped, saved = 0, False, 0
     for nll in list(graph.nodes):
         if nll.op != "call_function" or nll.target is not aten.nll_loss_backward.default or len(nll.users) != 1:
             continue
@@ -63,10 +63,12 @@ def cross_entropy_grad(bw: torch.fx.GraphModule) -> PassReport:
         graph.erase_node(lsm)
         graph.erase_node(nll)
         rewritten += 1
+        saved += 3 * bytes_of(lv.shape, lv.dtype)   # the one-hot's fill, write and the product's read
     if not rewritten:
         why = f"fewer than {MIN_CLASSES} classes: nothing worth removing" if skipped \
             else "no unweighted log_softmax + nll_loss gradient"
         return PassReport(NAME, False, why)
     graph.lint()
     bw.recompile()
-    return PassReport(NAME, True, f"{rewritten} cross-entropy gradient(s) formed in one pass over the logits")
+    return PassReport(NAME, True, f"{rewritten} cross-entropy gradient(s) formed in one pass over the logits",
+                      saved_bytes=saved)

@@ -17,12 +17,10 @@ import torch.fx
 
 from ..capture.frames import ENTRY_PREFIXES, compiled_frame_name
 from ..runtime.deferred import DeferredPlan
+from .plans import Plans
 from .rows import Node, Region, copy_subgraph, value
 
-META_KEY = "fxtrain_deferred"
-
-
-def can_defer(gm: torch.fx.GraphModule, region: Region) -> Optional[str]:
+def can_defer(gm: torch.fx.GraphModule, plans: Plans, region: Region) -> Optional[str]:
     """Why the region's outputs cannot be deferred (None: they can, or there are none).
 
     One head deferral per graph: a second rewrite that needs one leaves its outputs alone. And a
@@ -31,7 +29,7 @@ def can_defer(gm: torch.fx.GraphModule, region: Region) -> Optional[str]:
     """
     if not region.outputs:
         return None
-    if META_KEY in gm.meta:
+    if plans.deferred is not None:
         return "another rewrite already defers this graph's outputs"
     return feeds_resumed_code(gm)
 
@@ -55,7 +53,7 @@ def feeds_resumed_code(gm: torch.fx.GraphModule) -> Optional[str]:
     return None
 
 
-def defer_outputs(gm: torch.fx.GraphModule, region: Region) -> None:
+def defer_outputs(gm: torch.fx.GraphModule, plans: Plans, region: Region) -> None:
     graph = gm.graph
     output = next(n for n in graph.nodes if n.op == "output")
     outs = list(output.args[0])
@@ -71,7 +69,7 @@ def defer_outputs(gm: torch.fx.GraphModule, region: Region) -> None:
     direct = [o for o in outs if o not in region.outputs]
     deferred = [(i, region.outputs.index(o), value(o)) for i, o in enumerate(outs) if o in region.outputs]
     output.args = (tuple(direct + extra),)
-    gm.meta[META_KEY] = DeferredPlan(gm=sub, n_direct=len(direct), inputs=plan_inputs, deferred=deferred,
+    plans.deferred = DeferredPlan(gm=sub, n_direct=len(direct), inputs=plan_inputs, deferred=deferred,
                                      placeholders=placeholders, n_outputs=len(region.outputs))
 
 
@@ -92,7 +90,7 @@ class _DenseThenHead:
         return head_out + tuple(dense[i] for i in self.dense_outputs)
 
 
-def defer_dense(gm: torch.fx.GraphModule, affected: Set[Node]) -> int:
+def defer_dense(gm: torch.fx.GraphModule, plans: Plans, affected: Set[Node]) -> int:
     """Return the graph outputs in ``affected`` as deferred, recomputed from the graph's inputs.
 
     Call before rewriting, while the graph still computes them densely. Outputs that an earlier
@@ -102,7 +100,7 @@ def defer_dense(gm: torch.fx.GraphModule, affected: Set[Node]) -> int:
     graph = gm.graph
     output = next(n for n in graph.nodes if n.op == "output")
     outs = list(output.args[0])
-    old: Optional[DeferredPlan] = gm.meta.get(META_KEY)
+    old: Optional[DeferredPlan] = plans.deferred
     n_direct = old.n_direct if old else len(outs)
     direct, extras = outs[:n_direct], outs[n_direct:]
     hit_direct = [i for i, o in enumerate(direct) if o in affected]
@@ -144,6 +142,6 @@ def defer_dense(gm: torch.fx.GraphModule, affected: Set[Node]) -> int:
                         [roots.index(direct[i]) for i in hit_direct])
     new_direct = [o for i, o in enumerate(direct) if i not in hit_direct]
     output.args = (tuple(new_direct + [extras[j] for j in keep_extra]),)
-    gm.meta[META_KEY] = DeferredPlan(gm=fn, n_direct=len(new_direct), inputs=inputs, deferred=deferred,
+    plans.deferred = DeferredPlan(gm=fn, n_direct=len(new_direct), inputs=inputs, deferred=deferred,
                                      placeholders=placeholders, n_outputs=n_head_out + len(hit_direct))
     return len(hit_direct) + len(hit_extra)

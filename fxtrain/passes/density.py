@@ -11,6 +11,8 @@ from typing import Any, List, Optional, Tuple
 import torch
 import torch.fx
 
+from .plans import Plans
+
 
 def source_example(node: Any) -> Optional[torch.Tensor]:
     """The real tensor behind a placeholder during capture, or None."""
@@ -38,15 +40,11 @@ def density_reason(what: str, density: Optional[float], mode: str, threshold: fl
     return False, f"{what} {density:.2f} >= {threshold}: nothing worth skipping"
 
 
-PROBES_KEY = "fxtrain_density_probes"
-
-
-def add_probe(gm: torch.fx.GraphModule, what: str, placeholder: Any, absent: int) -> None:
+def add_probe(gm: torch.fx.GraphModule, plans: Plans, what: str, placeholder: Any, absent: int) -> None:
     """Remember how to measure ``what`` on later batches: the share of ``placeholder``'s elements
     that differ from ``absent`` (the ignore index, the padding id). Read per call by the runtime, one
     comparison over a [batch, seq] integer tensor: cheap next to the step."""
     if isinstance(placeholder, torch.fx.Node) and placeholder.op == "placeholder":
         index = [n for n in gm.graph.nodes if n.op == "placeholder"].index(placeholder)
-        probes: List[Tuple[str, int, int]] = gm.meta.setdefault(PROBES_KEY, [])
-        if (what, index, absent) not in probes:
-            probes.append((what, index, absent))
+        if (what, index, absent) not in plans.probes:
+            plans.probes.append((what, index, absent))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from .base import PassReport
+from .base import PassReport, bytes_of
 
 NAME = "tied_embedding_grad"
 aten = torch.ops.aten
@@ -35,7 +35,7 @@ def _private(node: torch.fx.Node) -> bool:
 
 def tied_embedding_grad(bw: torch.fx.GraphModule) -> PassReport:
     graph = bw.graph
-    rewritten = 0
+    rewritten, saved = 0, 0
     for emb in list(graph.nodes):
         if emb.op != "call_function" or emb.target is not aten.embedding_dense_backward.default:
             continue
@@ -65,8 +65,10 @@ def tied_embedding_grad(bw: torch.fx.GraphModule) -> PassReport:
         graph.erase_node(add)
         graph.erase_node(emb)
         rewritten += 1
+        saved += 3 * bytes_of(ev.shape, ev.dtype)   # the zero fill, and the add's read and write
     if not rewritten:
         return PassReport(NAME, False, "no tied embedding gradient summed with a private dense gradient")
     graph.lint()
     bw.recompile()
-    return PassReport(NAME, True, f"{rewritten} embedding gradient(s) accumulated in place into the tied weight's")
+    return PassReport(NAME, True, f"{rewritten} embedding gradient(s) accumulated in place into the tied weight's",
+                      saved_bytes=saved)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from ..options import Options
 from .base import PassReport
+from .plans import Plans
 from .density import add_probe, density_reason, source_example
 from .defer import can_defer, defer_outputs
 from .rows import erase_dead, find_region, index_rows, replay_on_rows, value
@@ -72,7 +73,8 @@ def _label_placeholder(node: Any) -> Optional[torch.fx.Node]:
     return node if isinstance(node, torch.fx.Node) else None
 
 
-def label_sparsity(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: Options) -> PassReport:
+def label_sparsity(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: Options,
+                   plans: Plans) -> PassReport:
     if options.label_sparsity == "off":
         return PassReport(NAME, False, "off by option")
     losses = [(n, b) for n in gm.graph.nodes for b in [cross_entropy_args(n)] if b is not None]
@@ -81,21 +83,21 @@ def label_sparsity(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opti
     reasons: List[str] = []
     applied = False
     for node, bound in losses:
-        ok, why = _rewrite(gm, node, bound, options)
+        ok, why = _rewrite(gm, node, bound, options, plans)
         applied |= ok
         reasons.append(why)
     return PassReport(NAME, applied, "; ".join(reasons))
 
 
 def _rewrite(gm: torch.fx.GraphModule, ce: torch.fx.Node, bound: inspect.BoundArguments,
-             options: Options) -> Tuple[bool, str]:
+             options: Options, plans: Plans) -> Tuple[bool, str]:
     blocked = unsupported_cross_entropy(bound)
     if blocked:
         return False, blocked
     x, target, ignore = bound.arguments["input"], bound.arguments["target"], bound.arguments["ignore_index"]
     source = _label_placeholder(target)
     labels = source_example(source)
-    add_probe(gm, "label density", source, ignore)
+    add_probe(gm, plans, "label density", source, ignore)
     density = None if labels is None else float((labels != ignore).float().mean()) if labels.numel() else 0.0
     decision = density_reason("label density", density, options.label_sparsity, options.sparsity_threshold)
     if not decision[0]:
@@ -103,7 +105,7 @@ def _rewrite(gm: torch.fx.GraphModule, ce: torch.fx.Node, bound: inspect.BoundAr
     region = find_region(gm, x, 1, {ce})
     if not region.heavy_ops():
         return False, "no linear layer computes the logits row by row"
-    blocked = can_defer(gm, region)
+    blocked = can_defer(gm, plans, region)
     if blocked:
         return False, blocked
     graph = gm.graph
@@ -119,7 +121,7 @@ def _rewrite(gm: torch.fx.GraphModule, ce: torch.fx.Node, bound: inspect.BoundAr
     ce.replace_all_uses_with(loss)
     deferred = ""
     if region.outputs:
-        defer_outputs(gm, region)
+        defer_outputs(gm, plans, region)
         deferred = "; the logits it also returns are computed on first use"
     erase_dead(gm, [ce] + list(region.lead))
     ops = region.heavy_ops()

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from ..options import Options
 from .base import PassReport
+from .plans import Plans
 from .batch_guard import GuardBuilder
 from .defer import defer_dense, feeds_resumed_code
 from .label_sparsity import cross_entropy_args, unsupported_cross_entropy
@@ -271,7 +272,8 @@ def _layout_to_attention_from(node: Node, user: Node) -> bool:
     return layout and _layout_to_attention(user)
 
 
-def padding_elimination(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: Options) -> PassReport:
+def padding_elimination(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: Options,
+                        plans: Plans) -> PassReport:
     if options.padding_elimination == "off":
         return PassReport(NAME, False, "off by option")
     graph = gm.graph
@@ -284,7 +286,7 @@ def padding_elimination(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     if mask_node is None:
         return PassReport(NAME, False, why)
     real = source_example(mask_node)
-    add_probe(gm, "token density", mask_node, pad_id if pad_id is not None else 0)
+    add_probe(gm, plans, "token density", mask_node, pad_id if pad_id is not None else 0)
     tokens = None if real is None else (real != (pad_id if pad_id is not None else 0))
     density = None if tokens is None else float(tokens.float().mean())
     on, reason = density_reason("token density", density, options.padding_elimination, options.sparsity_threshold)
@@ -310,10 +312,10 @@ def padding_elimination(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     problem = _check_capturing_batch(gm, plan, tokens)
     if problem:
         return PassReport(NAME, False, problem)
-    deferred = defer_dense(gm, padded)
+    deferred = defer_dense(gm, plans, padded)
     _erase_unused(gm, padded)
     plan.consumers = [c for c in plan.consumers if c[1].op != "output" and c[1] in gm.graph.nodes]
-    _rewrite(gm, plan, mask_node, pad_id)
+    _rewrite(gm, plan, mask_node, pad_id, plans)
     note = f"; {deferred} returned tensor(s) that hold padding positions are computed on first use" if deferred else ""
     return PassReport(NAME, True, f"{reason}: {matmuls} matmul(s) on real tokens only{note}")
 
@@ -395,7 +397,7 @@ def _check_capturing_batch(gm: torch.fx.GraphModule, plan: _Plan, tokens: torch.
     return ""
 
 
-def _rewrite(gm: torch.fx.GraphModule, plan: _Plan, mask_node: Node, pad_id: Optional[int]) -> None:
+def _rewrite(gm: torch.fx.GraphModule, plan: _Plan, mask_node: Node, pad_id: Optional[int], plans: Plans) -> None:
     graph = gm.graph
     first = next(n for n in graph.nodes if n.op != "placeholder")
     with graph.inserting_before(first):
@@ -451,7 +453,7 @@ def _rewrite(gm: torch.fx.GraphModule, plan: _Plan, mask_node: Node, pad_id: Opt
     for node in reversed(list(graph.nodes)):
         if node in plan.region and not node.users:
             graph.erase_node(node)
-    guard.store()
+    guard.store(plans)
 
 
 class _Guard:
@@ -516,5 +518,5 @@ class _Guard:
                 graph.call_method("view", (self.valid, *sizes)), (slice(None), j))),))
         self._require(make, fallback, at, f"the model keeps position {j}, which is padding in some rows")
 
-    def store(self) -> None:
-        self.builder.store()
+    def store(self, plans: Plans) -> None:
+        self.builder.store(plans)

@@ -15,6 +15,7 @@ import torch.fx
 
 from ..options import Options
 from .base import PassReport
+from .plans import Plans
 from .defer import can_defer, defer_outputs
 from .density import density_reason
 from .rows import erase_dead, find_region, replay_on_rows, value
@@ -43,7 +44,8 @@ def _kept_fraction(x: torch.Tensor, d: int) -> Optional[float]:
     return None if hint is None else 1.0 / max(int(hint), 1)
 
 
-def upstream_slicing(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: Options) -> PassReport:
+def upstream_slicing(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: Options,
+                     plans: Plans) -> PassReport:
     if options.upstream_slicing == "off":
         return PassReport(NAME, False, "off by option")
     reasons: List[str] = []
@@ -60,7 +62,7 @@ def upstream_slicing(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], op
             region = find_region(gm, x, d + 1, {node}, regroup=False)
             if not region.heavy_ops():
                 continue  # nothing costly computes these rows: not worth a report line
-            blocked = can_defer(gm, region)
+            blocked = can_defer(gm, plans, region)
             if blocked:
                 ok, why = False, blocked
             else:
@@ -69,7 +71,7 @@ def upstream_slicing(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], op
                 rows = replay_on_rows(gm, region, select, insert_before=node)
                 node.replace_all_uses_with(rows[x])
                 if region.outputs:
-                    defer_outputs(gm, region)
+                    defer_outputs(gm, plans, region)
                 erase_dead(gm, [node] + list(region.lead))
                 why = f"{why}: {region.heavy_ops()} matmul(s) run on the kept rows only"
         applied |= ok

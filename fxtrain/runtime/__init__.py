@@ -1,4 +1,4 @@
-"""Runtime: executors that run the captured graphs."""
-from .executors import EXECUTORS, compile_graph
+"""Runtime: executors compile aten graphs; runner.build turns a captured step into what runs."""
+from .executors import EXECUTORS, EagerExecutor, Executor, InductorExecutor, executor_named
 
-__all__ = ["EXECUTORS", "compile_graph"]
+__all__ = ["EXECUTORS", "EagerExecutor", "Executor", "InductorExecutor", "executor_named"]

@@ -124,11 +124,26 @@ def _eliminate(gm: torch.fx.GraphModule, absent: Sequence[int]) -> Tuple[torch.f
     return new_gm, still_used
 
 
-class AbsentGradBackward:
-    """Backward callable: specialises ``gm`` per pattern of ``None`` tangents."""
+def _run_as_is(gm: torch.fx.GraphModule) -> Callable[[List[Any]], Any]:
+    def run(args: List[Any]) -> Any:
+        call_args = list(args)
+        args.clear()
+        return gm.forward(*call_args)
+    return run
 
-    def __init__(self, gm: torch.fx.GraphModule) -> None:
+
+class AbsentGradBackward:
+    """Backward callable: specialises ``gm`` per pattern of ``None`` tangents.
+
+    ``compile(graph)`` gives the executor's boxed callable for the graph and for each specialisation
+    (compiled when a pattern first occurs); by default the graph runs as it is.
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule,
+                 compile: Callable[[torch.fx.GraphModule], Callable[[List[Any]], Any]] = _run_as_is) -> None:
         self.gm = gm
+        self.compile = compile
+        self._full: Optional[Callable[[List[Any]], Any]] = None
         self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.tangents = [i for i, n in enumerate(self.placeholders) if n.name.startswith("tangents")]
         self.solver = ShapeSolver(self.placeholders)
@@ -143,23 +158,23 @@ class AbsentGradBackward:
             gm, needs_zeros = _eliminate(self.gm, absent)
             logger.debug("backward specialised for %d absent output gradient(s); %d still materialised",
                          len(absent), len(needs_zeros))
-            self.variants[absent] = (gm.forward, needs_zeros)
+            self.variants[absent] = (self.compile(gm), needs_zeros)
         return self.variants[absent]
 
     def __call__(self, args: List[Any]) -> Any:
-        """Boxed call (AOTAutograd passes one list and expects us to release it)."""
+        """Boxed call: the list is handed on and cleared, so values die after their last use."""
         absent = tuple(i for i in self.tangents if args[i] is None)
         if not absent:
-            run = self.gm.forward
+            if self._full is None:
+                self._full = self.compile(self.gm)
+            run = self._full
         else:
             run, needs_zeros = self._variant(absent)
             for i in needs_zeros:
                 info = value_info(self.placeholders[i])
                 assert info is not None and info.shape is not None
                 args[i] = torch.zeros(self.solver.solve(info.shape, args), dtype=info.dtype, device=info.device)
-        call_args = list(args)
-        args.clear()
-        return run(*call_args)
+        return run(args)
 
     def boxed(self) -> Callable[[List[Any]], Any]:
         def run(args: List[Any]) -> Any:

@@ -1,90 +1,89 @@
-"""Executors: what turns a captured dynamo graph into something that runs forward and backward.
+"""Executors: what turns one aten graph (a forward or a backward) into something that runs.
 
-"eager" splits the graph with AOTAutograd into aten forward/backward graphs and runs them op by op
-(no code generation, so the first step costs little more than eager PyTorch). "inductor" hands the
-graph to torch's code generator: faster kernels on some workloads, tens of seconds on the first step.
+An executor is an object that says what it supports; the runtime (runtime/runner.py) asks it to
+compile each graph and never branches on its name. Two ship:
+
+- ``EagerExecutor`` ("eager", the default): no code generation, so a first step costs little more
+  than eager PyTorch. Graphs run op by op with the boxed calling convention (the graph clears its
+  argument list and drops every value after its last use, so the backward frees each saved tensor
+  as soon as it has read it). It also allows the *autograd* runtime mode: the torch-level graph
+  runs under PyTorch's own autograd engine, which costs the fewest Python calls per step.
+- ``InductorExecutor`` ("inductor"): torch's code generator on the same aten graphs (after
+  fxtrain's backward passes), with the recomputing partitioner that pays when kernels are fused.
+
+The profiler's executor (profile/capture.py) is a third: the eager one running marked copies.
 """
 from __future__ import annotations
 
-import functools
-from typing import Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.fx
-from functorch.compile import default_partition, make_boxed_func
-from torch._dynamo.backends.common import aot_autograd
-from torch._guards import TracingContext
 
-from ..capture.info import GraphRecord
-from .absent_grads import AbsentGradBackward
+from .. import torch_private as tp
 
-Compiled = Callable[..., object]
-Runnable = Callable[[torch.fx.GraphModule, str], torch.fx.GraphModule]
+Compiled = Callable[[List[Any]], Any]   # boxed: takes the argument list, may clear it
 
 
-def as_is(graph: torch.fx.GraphModule, _kind: str) -> torch.fx.GraphModule:
-    """The runnable that runs each graph itself."""
-    return graph
+class Executor:
+    """How graphs are compiled, and what the runtime may do with this executor's output.
 
-
-def compile_eager(gm: torch.fx.GraphModule, example_inputs: List[object], record: GraphRecord,
-                  runnable: Runnable = as_is) -> Compiled:
-    """AOTAutograd's forward and backward graphs, run op by op.
-
-    ``runnable(graph, "forward" | "backward")`` gives the module that actually runs each graph: the
-    graph itself here, a copy announcing each op to the cost tracker in the profiler. The record
-    keeps the graphs themselves (what the dumps and the cache store).
+    ``autograd_mode``: the runtime may skip the aten graphs and run the torch-level graph under eager
+    autograd (only an executor that runs ops as written can promise eager's numbers there).
+    ``measures_batches``: calls see real values (density probes, batch guards); false on fake tensors.
+    ``kind``: "forward", "backward" or "inference".
     """
-    backward: List[AbsentGradBackward] = []
 
-    def forward_compiler(fw: torch.fx.GraphModule, _inputs: List[object], inference: bool = False) -> Compiled:
-        record.forward_graph = fw
-        # What the cache needs to run these graphs without AOTAutograd (runtime/replay.py).
-        context = TracingContext.try_get()
-        record.aot_metadata = context.fw_metadata if context is not None else None
-        record.inference = inference
-        run = make_boxed_func(runnable(fw, "forward").forward)
-        # Read after the step (absent_grads.release_materialization), when the backward exists.
-        run.fxtrain_accepts_none = lambda: bool(backward) and backward[0].accepts_none
-        return run
+    name = "executor"
+    autograd_mode = False
+    measures_batches = True
 
-    def backward_compiler(bw: torch.fx.GraphModule, _inputs: List[object]) -> Compiled:
-        from ..passes import BACKWARD_PASSES  # passes import the runtime: resolve at compile time
+    def partition(self, joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
+        return tp.default_partition(joint, joint_inputs, **kwargs)
 
-        for backward_pass in BACKWARD_PASSES:
-            report = backward_pass(bw)
-            record.report(report.name, str(report))
-        record.backward_graph = bw
-        backward.append(AbsentGradBackward(runnable(bw, "backward")))
-        record.backward_runner = backward[-1]
-        for hook in record.backward_hooks:  # e.g. the debug dump and the cache, waiting for this graph
-            hook()
-        record.backward_hooks.clear()
-        return backward[-1].boxed()
+    def decompositions(self) -> Optional[Dict[Any, Callable[..., Any]]]:
+        return None
 
-    # default_partition saves what the backward needs instead of recomputing it: recomputation only
-    # pays when a code generator fuses it away, which this executor does not do.
-    compiler = aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler,
-                            inference_compiler=functools.partial(forward_compiler, inference=True),
-                            partition_fn=default_partition)
-    return compiler(gm, example_inputs)
+    def compile(self, graph: torch.fx.GraphModule, kind: str, example_inputs: Sequence[Any]) -> Compiled:
+        raise NotImplementedError
+
+    def torch_level(self, graph: torch.fx.GraphModule) -> Callable[..., Any]:
+        """What runs the torch-level graph in the autograd mode (unboxed)."""
+        return graph.forward
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
 
 
-def _compile_inductor(gm: torch.fx.GraphModule, example_inputs: List[object], record: GraphRecord) -> Compiled:
-    from torch._inductor.compile_fx import compile_fx
-    return compile_fx(gm, example_inputs)
+class EagerExecutor(Executor):
+    name = "eager"
+    autograd_mode = True
+
+    def compile(self, graph: torch.fx.GraphModule, kind: str, example_inputs: Sequence[Any]) -> Compiled:
+        return tp.boxed_copy(graph).forward
 
 
-EXECUTORS: Dict[str, Callable[[torch.fx.GraphModule, List[object], GraphRecord], Compiled]] = {
-    "eager": compile_eager,
-    "inductor": _compile_inductor,
-}
+class InductorExecutor(Executor):
+    name = "inductor"
+
+    def partition(self, joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
+        # Recomputing cheap ops in the backward pays here: inductor fuses them into kernels it runs anyway.
+        return tp.min_cut_partition(joint, joint_inputs, **kwargs)
+
+    def decompositions(self) -> Optional[Dict[Any, Callable[..., Any]]]:
+        # Inductor's own table, less the ops fxtrain's backward passes rewrite (they must see them).
+        return tp.inductor_decompositions(keep=tp.BACKWARD_PASS_OPS)
+
+    def compile(self, graph: torch.fx.GraphModule, kind: str, example_inputs: Sequence[Any]) -> Compiled:
+        return tp.inductor_compile(graph, example_inputs, is_backward=kind == "backward",
+                                   is_inference=kind == "inference")
 
 
-def compile_graph(gm: torch.fx.GraphModule, example_inputs: List[object], executor: str,
-                  record: GraphRecord) -> Compiled:
+EXECUTORS: Dict[str, Callable[[], Executor]] = {"eager": EagerExecutor, "inductor": InductorExecutor}
+
+
+def executor_named(name: str) -> Executor:
     try:
-        build = EXECUTORS[executor]
+        return EXECUTORS[name]()
     except KeyError:
-        raise ValueError(f"unknown executor {executor!r}; available: {sorted(EXECUTORS)}") from None
-    return build(gm, example_inputs, record)
+        raise ValueError(f"unknown executor {name!r}; available: {sorted(EXECUTORS)}") from None

@@ -1,11 +1,13 @@
-"""Run saved aten forward/backward graphs without AOTAutograd: what a cache hit executes.
+"""Run aten forward/backward graphs without AOTAutograd's runtime: live captures and cache hits.
 
 AOTAutograd wraps its graphs in a runtime that handles input mutations, aliased outputs, tensor
-subclasses, effect tokens and RNG state. For graphs that need none of that (checked from its own
-metadata at capture, :func:`replay_spec`), the runtime is one autograd.Function: run the forward
-graph, save what it says the backward needs, and hand the backward graph the saved values and the
-gradients of the outputs that have one. Rebuilding that from a pickle costs milliseconds; rebuilding
-it through AOTAutograd means re-tracing the whole model.
+subclasses, effect tokens and RNG state, in several layers of Python per call. For graphs that need
+none of that but in-place updates of inputs that take no gradient (BatchNorm's running statistics),
+checked from AOTAutograd's own metadata at capture (:func:`replay_spec`), the runtime is one
+autograd.Function: run the forward graph, write the updated buffers back, save what the backward
+needs, and hand the backward graph the saved values and the gradients of the outputs that have one.
+The same object runs a graph just captured and one loaded from the cache, where rebuilding it costs
+milliseconds instead of a re-trace. Graphs outside that (``NotReplayable``) keep AOTAutograd's runtime.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 import torch.fx
 from torch.autograd.function import once_differentiable
 
+from ..torch_private import release_saved_tensors
 from .absent_grads import AbsentGradBackward
 
 
@@ -36,12 +39,20 @@ class ReplaySpec:
     tangents: Tuple[int, ...]           # returns whose gradient the backward graph takes, in order
     inference: bool                     # no backward graph: the forward is all there is
     unsafe_views: Tuple[int, ...] = ()  # returns that view a graph intermediate: handed out as non-views
+    mutated: Tuple[int, ...] = ()       # inputs updated in place: their new values are the first returns
 
 
 def replay_spec(metadata: Any, n_inputs: int, inference: bool) -> ReplaySpec:
     """Build the spec from AOTAutograd's ViewAndMutationMeta, or raise NotReplayable."""
-    if any(i.mutates_data or i.mutates_metadata for i in metadata.input_info):
-        raise NotReplayable("the graph mutates an input in place (e.g. BatchNorm running statistics)")
+    for i in metadata.input_info:
+        if i.mutates_metadata or getattr(i, "mutates_storage_metadata", False):
+            raise NotReplayable("the graph changes an input's shape or storage in place")
+        if i.mutates_data and i.requires_grad:
+            raise NotReplayable("the graph updates an input that takes a gradient in place")
+    mutated = tuple(i for i, info in enumerate(metadata.input_info) if info.mutates_data)
+    if len(mutated) != metadata.num_mutated_inp_runtime_indices:
+        raise NotReplayable("the graph's input updates are not laid out as expected")
+    m = len(mutated)
     if metadata.num_intermediate_bases or metadata.num_outputs_aliased:
         raise NotReplayable("an output aliases an input or another output")
     if metadata.tokens:
@@ -57,23 +68,23 @@ def replay_spec(metadata: Any, n_inputs: int, inference: bool) -> ReplaySpec:
     n_returns = metadata.num_forward_returns
     # AOTAutograd's runtime re-wraps these with _unsafe_view so that the caller holds a plain tensor,
     # not a view whose base is an intermediate it never sees; the replay does the same.
-    unsafe = tuple(i for i, o in enumerate(metadata.output_info) if o.output_type.name == "unsafe_view_alias")
+    unsafe = tuple(m + i for i, o in enumerate(metadata.output_info) if o.output_type.name == "unsafe_view_alias")
     if inference:
         empty = slice(0, 0)
-        return ReplaySpec(n_inputs, n_returns, empty, empty, empty, (), (), True, unsafe)
+        return ReplaySpec(n_inputs, n_returns, empty, empty, empty, tuple(range(m)), (), True, unsafe, mutated)
     if getattr(metadata, "num_opaque_objects_saved_for_bw", 0):
         raise NotReplayable("the backward needs opaque objects")
     tangents = tuple(
-        i for i, o in enumerate(metadata.output_info)
+        m + i for i, o in enumerate(metadata.output_info)
         if o.output_type.name in ("non_alias", "unsafe_view_alias", "custom_function_view")
         and o.raw_type is not None and issubclass(o.raw_type, torch.Tensor) and o.requires_grad_for_backward)
-    non_diff = tuple(i for i, o in enumerate(metadata.output_info) if not o.requires_grad)
+    non_diff = tuple(range(m)) + tuple(m + i for i, o in enumerate(metadata.output_info) if not o.requires_grad)
     return ReplaySpec(
         n_inputs=n_inputs, n_returns=n_returns,
         saved=metadata.tensors_saved_for_backwards_with_vc_check_slice,
         saved_no_check=metadata.tensors_saved_for_backwards_no_vc_check_slice,
         symints=metadata.symints_saved_for_backwards_slice,
-        non_differentiable=non_diff, tangents=tangents, inference=False, unsafe_views=unsafe)
+        non_differentiable=non_diff, tangents=tangents, inference=False, unsafe_views=unsafe, mutated=mutated)
 
 
 def _plain_returns(outs: Sequence[Any], spec: ReplaySpec) -> Tuple[Any, ...]:
@@ -84,9 +95,12 @@ def _plain_returns(outs: Sequence[Any], spec: ReplaySpec) -> Tuple[Any, ...]:
 
 
 class _Runner:
-    """The compiled pieces one _ReplayFunction.apply needs (passed as its first argument)."""
+    """The compiled pieces one _ReplayFunction.apply needs (passed as its first argument).
 
-    def __init__(self, forward: Callable[..., Any], backward: Optional[AbsentGradBackward], spec: ReplaySpec) -> None:
+    ``forward``: boxed (takes the argument list); ``backward``: AbsentGradBackward, boxed too."""
+
+    def __init__(self, forward: Callable[[List[Any]], Any], backward: Optional[AbsentGradBackward],
+                 spec: ReplaySpec) -> None:
         self.forward, self.backward, self.spec = forward, backward, spec
 
 
@@ -94,7 +108,7 @@ class _ReplayFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, runner: _Runner, *args: Any) -> Any:  # type: ignore[override]
         spec = runner.spec
-        outs = runner.forward(*args)
+        outs = runner.forward(list(args))
         returns = _plain_returns(outs, spec)
         # A view saved for backward would keep its base's autograd history: AOTAutograd detaches too.
         ctx.save_for_backward(*[x.detach() if x._is_view() else x for x in outs[spec.saved]])
@@ -117,6 +131,10 @@ class _ReplayFunction(torch.autograd.Function):
                     for i in runner.spec.tangents]
         args = [*ctx.symints, *ctx.saved_tensors, *ctx.unchecked, *tangents]
         ctx.unchecked = []
+        del tangents, grads
+        # The list is the only owner of the saved tensors now: the boxed backward graph frees each
+        # one after its last use, as eager's engine frees a node's saved tensors when it has run.
+        release_saved_tensors(ctx)
         assert runner.backward is not None
         input_grads = list(runner.backward(args))
         if len(input_grads) < ctx.n_args:
@@ -124,20 +142,32 @@ class _ReplayFunction(torch.autograd.Function):
         return (None, *input_grads[:ctx.n_args])
 
 
-def replayed(forward_graph: torch.fx.GraphModule, backward_graph: Optional[torch.fx.GraphModule],
+def _write_back(spec: ReplaySpec, args: Sequence[Any], returns: Sequence[Any]) -> List[Any]:
+    """Apply the graph's in-place input updates; the user's outputs follow them."""
+    m = len(spec.mutated)
+    if m:
+        with torch.no_grad():
+            for i, new in zip(spec.mutated, returns):
+                args[i].copy_(new)
+    return list(returns[m:])
+
+
+def replayed(forward: Callable[[List[Any]], Any], backward: Optional[AbsentGradBackward],
              spec: ReplaySpec) -> Callable[..., List[Any]]:
-    """A callable with the calling convention of AOTAutograd's: flat graph inputs in, outputs out."""
-    forward = forward_graph.forward
+    """A callable with the calling convention of AOTAutograd's: flat graph inputs in, outputs out.
+
+    ``forward`` is an executor's compiled forward graph (boxed), ``backward`` the backward graph's
+    runner (None for an inference graph)."""
     if spec.inference:
         def run_inference(*args: Any) -> List[Any]:
-            return list(_plain_returns(forward(*args), spec))
+            return _write_back(spec, args, _plain_returns(forward(list(args)), spec))
         return run_inference
-    if backward_graph is None:
+    if backward is None:
         raise NotReplayable("no backward graph was saved")
-    runner = _Runner(forward, AbsentGradBackward(backward_graph), spec)
+    runner = _Runner(forward, backward, spec)
 
     def run(*args: Any) -> List[Any]:
-        return list(_ReplayFunction.apply(runner, *args))
+        return _write_back(spec, args, _ReplayFunction.apply(runner, *args))
 
     return run
 

@@ -1,0 +1,78 @@
+"""Split a rewritten dynamo graph into aten forward and backward graphs (AOTAutograd), as values.
+
+AOTAutograd is used for its tracing and partitioning; what it compiles is handed back here, not
+kept in closures: the partition hook gets the backward graph at capture time (AOTAutograd would
+compile it only at the first backward), runs fxtrain's backward passes on it, and the result is a
+``Split`` the capture puts into its ``CapturedStep``. The callable AOTAutograd returns is kept only
+for graphs fxtrain's runtime cannot replay (``runtime/replay.py: NotReplayable``).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.fx
+
+from .. import torch_private as tp
+from ..passes.base import PassReport
+from ..runtime.absent_grads import AbsentGradBackward
+from ..runtime.executors import Executor
+
+
+@dataclass
+class Split:
+    forward_graph: Optional[torch.fx.GraphModule] = None
+    backward_graph: Optional[torch.fx.GraphModule] = None
+    metadata: Any = None                     # AOTAutograd's ViewAndMutationMeta
+    inference: bool = False
+    compiled_forward: Optional[Callable[[List[Any]], Any]] = None
+    backward: Optional[AbsentGradBackward] = None
+    backward_reports: List[PassReport] = field(default_factory=list)
+    aot_callable: Optional[Callable[..., Any]] = None   # AOTAutograd's own runtime around the above
+
+
+def split(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], executor: Executor) -> Split:
+    from ..passes import BACKWARD_PASSES  # the passes import the runtime: resolve at call time
+
+    result = Split()
+
+    def partition(joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
+        fw, bw = executor.partition(joint, joint_inputs, **kwargs)
+        for backward_pass in BACKWARD_PASSES:
+            result.backward_reports.append(backward_pass(bw))
+        result.backward_graph = bw
+        examples = tp.placeholder_examples(bw)
+        result.backward = AbsentGradBackward(bw, lambda g: executor.compile(g, "backward", examples))
+        return fw, bw
+
+    def forward_compiler(fw: torch.fx.GraphModule, inputs: List[Any], inference: bool = False) -> Callable[..., Any]:
+        result.forward_graph = fw
+        result.metadata = tp.aot_metadata()
+        result.inference = inference
+        result.compiled_forward = executor.compile(fw, "inference" if inference else "forward", inputs)
+        compiled = result.compiled_forward
+
+        def run(args: List[Any]) -> Any:
+            return compiled(args)
+        run._boxed_call = True  # type: ignore[attr-defined]
+        # Read by absent_grads.release_materialization when AOTAutograd's runtime runs this graph.
+        run.fxtrain_accepts_none = lambda: result.backward is not None and result.backward.accepts_none  # type: ignore[attr-defined]
+        return run
+
+    def backward_compiler(bw: torch.fx.GraphModule, _inputs: List[Any]) -> Callable[..., Any]:
+        assert result.backward is not None
+        if bw is not result.backward_graph:  # AOTAutograd copied it after partitioning: run its copy
+            result.backward = AbsentGradBackward(bw, result.backward.compile)
+            result.backward_graph = bw
+        return result.backward.boxed()
+
+    kwargs: Dict[str, Any] = dict(fw_compiler=forward_compiler, bw_compiler=backward_compiler,
+                                  inference_compiler=functools.partial(forward_compiler, inference=True),
+                                  partition_fn=partition)
+    decompositions = executor.decompositions()
+    if decompositions is not None:
+        kwargs["decompositions"] = decompositions
+    result.aot_callable = tp.aot_autograd(**kwargs)(gm, example_inputs)
+    return result

@@ -1,0 +1,116 @@
+"""The one runtime: a ``CapturedStep`` in, the callable dynamo (or a cache hit) runs out.
+
+Three ways to run a step's core, chosen per capture (``choose_mode``):
+
+- "autograd": the torch-level graph after fxtrain's forward passes runs under PyTorch's own
+  autograd; the C++ engine runs the backward, node by node, freeing saved tensors as it goes. The
+  fewest Python calls per step: on small or dense models the aten replay's per-op Python call
+  (several µs each) is the step. Only an executor that runs ops as written offers it.
+- "graph": the aten forward and backward graphs run through ``runtime/replay.py`` with the
+  executor's compiled code. Chosen when fxtrain's backward passes (which exist only on the aten
+  backward graph: the vocabulary-wide one-hot of cross-entropy, a tied embedding's zero-filled
+  gradient) save more memory traffic than replaying the backward op by op costs, or when the
+  executor compiles (inductor), or on the profiler's fake tensors.
+- "aot": AOTAutograd's own runtime, for graphs whose metadata the replay does not handle
+  (aliased outputs, subclasses, ...; ``NotReplayable`` says which).
+
+Around the core, the same wrappers whatever the mode: deferred outputs (the passes' plan), the
+dense route (batches the rewritten graph cannot serve), the density probes.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+
+from ..capture.info import Densities
+from ..capture.step import CapturedStep
+from .absent_grads import release_materialization
+from .deferred import with_deferred
+from .dense_route import DenseRoute
+from .density import with_density_probes
+from .executors import Executor
+from .replay import replayed
+
+logger = logging.getLogger("fxtrain")
+
+# Replaying one aten op of the backward from Python costs a few µs more than the C++ engine running
+# it (measured: ~2 µs/op on this machine's tiny MLP and GPT-2 steps); a byte of memory traffic a
+# backward pass saves is worth ~0.2 ns (5 GB/s fill-and-add). The graph mode pays when the passes
+# save more than ~10 kB of traffic per backward op.
+BYTES_PER_BACKWARD_OP = 10_000
+MODES = ("auto", "autograd", "graph")
+
+
+@dataclass
+class RunContext:
+    """Where a step's calls report (the module's CaptureInfo) and how they behave."""
+
+    density: Optional[Densities]
+    log_density: bool
+    dense_batches: Dict[str, int]
+    sparsity_guard: str
+    owner: str
+
+
+def choose_mode(step: CapturedStep, executor: Executor, preference: str = "auto") -> Tuple[str, str]:
+    """("autograd" | "graph" | "aot", why)."""
+    if preference not in MODES:
+        raise ValueError(f"unknown backward mode {preference!r}; choose one of {MODES}")
+    graph_mode = ("graph", "") if step.spec is not None else ("aot", f"not replayable: {step.not_replayable}")
+    can_autograd = executor.autograd_mode and step.graph is not None
+    if preference == "graph" or not can_autograd:
+        why = f"executor {executor.name} compiles the aten graphs" if not executor.autograd_mode else \
+            "asked for (Options.backward)" if preference == "graph" else "no torch-level graph (cache entry)"
+        return graph_mode[0], graph_mode[1] or why
+    if preference == "autograd":
+        return "autograd", "asked for (Options.backward)"
+    if step.inference:
+        return "autograd", "no backward to run"
+    saved = sum(r.saved_bytes for r in step.backward_reports if r.applied)
+    ops = sum(1 for n in step.backward_graph.graph.nodes if n.op == "call_function") if step.backward_graph else 0
+    if saved and saved > ops * BYTES_PER_BACKWARD_OP:
+        return graph_mode[0], graph_mode[1] or (
+            f"backward passes save {saved / 2 ** 20:.1f} MiB of memory traffic, more than replaying "
+            f"{ops} backward ops costs")
+    if saved:
+        return "autograd", (f"backward passes would save {saved / 2 ** 20:.2f} MiB, less than replaying {ops} "
+                            f"backward ops costs")
+    return "autograd", "no backward pass applies: PyTorch's engine runs the backward"
+
+
+def _aot_runtime(aot_callable: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args: Any) -> Any:
+        out = aot_callable(*args)
+        if torch.is_grad_enabled():
+            release_materialization(out)
+        return out
+    return run
+
+
+def build(step: CapturedStep, executor: Executor, context: RunContext, preference: str = "auto") -> Callable[..., Any]:
+    """The callable for ``step``: flat graph inputs in, the dynamo graph's outputs out."""
+    step.mode, step.mode_reason = choose_mode(step, executor, preference)
+    if step.mode == "autograd":
+        assert step.graph is not None
+        core: Callable[..., Any] = executor.torch_level(step.graph)
+    elif step.mode == "graph":
+        assert step.spec is not None and step.compiled_forward is not None
+        core = replayed(step.compiled_forward, step.backward, step.spec)
+    else:
+        assert step.aot_callable is not None
+        core = _aot_runtime(step.aot_callable)
+    logger.debug("%s: runtime mode %s (%s)", context.owner, step.mode, step.mode_reason)
+    plans = step.plans
+    if plans.deferred is not None:
+        core = with_deferred(core, plans.deferred)
+    if plans.guard is not None and executor.measures_batches:
+        route = DenseRoute(plans.guard, context.dense_batches, context.sparsity_guard, context.owner)
+        if step.dense_graph is not None:   # a cache hit has none: cache/call.py runs the module instead
+            core = route.wrap(core, step.dense_graph.forward)
+    if plans.probes and executor.measures_batches and context.density is not None:
+        core = with_density_probes(core, plans.probes, context.density, context.log_density)
+    return core
+
