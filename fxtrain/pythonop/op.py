@@ -45,6 +45,9 @@ _AUTOGRAD_SET = _C.DispatchKeySet(_AUTOGRAD_KEYS[0])
 for _key in _AUTOGRAD_KEYS[1:]:
     _AUTOGRAD_SET = _AUTOGRAD_SET | _C.DispatchKeySet(_key)
 _AFTER_AUTOGRAD = _C._after_autograd_keyset
+# Dispatch keys of a call that a tracer or a tensor subclass sees (FakeTensor, FunctionalTensor,
+# TorchDispatchMode: the Python key; C++ functionalization).
+_TRACED = _C.DispatchKeySet(_C.DispatchKey.Python) | _C.DispatchKeySet(_C.DispatchKey.Functionalize)
 _run_backward = torch.autograd.Variable._execution_engine.run_backward
 
 
@@ -228,9 +231,38 @@ class _Formula(torch.autograd.Function):
         return (None, None, *input_grads)
 
 
+def _apply_eagerly(key: int, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    """python_op under eager autograd on plain tensors: the user's Function itself, on the real inputs.
+
+    Its node then is the graph's node, exactly as in eager (retain_graph, create_graph, hooks), with
+    no pool entry, no detached copies and no re-entrant backward: the opaque formula exists for
+    tracers (AOTAutograd, the profiler), which must see python_op and python_op_backward.
+    """
+    spec = SPECS[key]
+    result = spec.fn_cls.apply(*spec.arguments(tensors))
+    if spec.single:
+        outs = [result] if spec.outputs[0][0] != CONSTANT else []
+    else:
+        outs = [result[i] for i, (kind, _) in enumerate(spec.outputs) if kind != CONSTANT]
+    for o in outs:
+        for i in tensors:
+            if o is i:
+                raise RuntimeError(f"fxtrain: {spec.name} modifies an input in place (ctx.mark_dirty), which a "
+                                   f"PythonOp cannot reproduce; make its forward traceable by torch (it then is "
+                                   f"traced with in-place semantics) or use Options(custom_autograd=False)")
+    if spec.seen is not None and [(o.shape, o.dtype) for o in outs] != [(s, d) for s, d, _ in spec.seen]:
+        raise RuntimeError(f"fxtrain: {spec.name} returned {[tuple(o.shape) for o in outs]}, but at capture it "
+                           f"returned {[tuple(s) for s, _, _ in spec.seen]} for inputs of the same sizes; give "
+                           f"it an infer_shape static method or make its output shape depend on sizes only")
+    outs.append(_new_handle(0))
+    return outs
+
+
 def _python_op_autograd(keyset: Any, key: int, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
     if _C.is_grad_enabled() and _C._any_requires_grad(tensors):
-        return list(_Formula.apply(keyset, key, *tensors))
+        if (keyset & _TRACED).raw_repr():  # fake or functional tensors, a dispatch mode: keep the op opaque
+            return list(_Formula.apply(keyset, key, *tensors))
+        return _apply_eagerly(key, tensors)
     return _FORWARD_OP._handle.redispatch_boxed(keyset & _AFTER_AUTOGRAD, key, tensors)
 
 
