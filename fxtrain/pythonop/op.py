@@ -259,11 +259,15 @@ def _apply_eagerly(key: int, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
 
 
 def _python_op_autograd(keyset: Any, key: int, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    traced = (keyset & _TRACED).raw_repr()   # fake or functional tensors, a dispatch mode: keep the op opaque
     if _C.is_grad_enabled() and _C._any_requires_grad(tensors):
-        if (keyset & _TRACED).raw_repr():  # fake or functional tensors, a dispatch mode: keep the op opaque
+        if traced:
             return list(_Formula.apply(keyset, key, *tensors))
         return _apply_eagerly(key, tensors)
-    return _FORWARD_OP._handle.redispatch_boxed(keyset & _AFTER_AUTOGRAD, key, tensors)
+    if traced or keyset.has(_C.DispatchKey.Meta):   # the Meta kernel is the fake one
+        return _FORWARD_OP._handle.redispatch_boxed(keyset & _AFTER_AUTOGRAD, key, tensors)
+    # Below autograd only fallthrough keys remain before the CompositeExplicitAutograd kernel: call it.
+    return python_op._init_fn(key, tensors)
 
 
 def _python_op_backward_autograd(keyset: Any, key: int, handle: torch.Tensor,
@@ -271,7 +275,9 @@ def _python_op_backward_autograd(keyset: Any, key: int, handle: torch.Tensor,
     if _C.is_grad_enabled() and _C._any_requires_grad(grads):
         raise RuntimeError(f"fxtrain: a higher-order gradient (create_graph=True) through the PythonOp "
                            f"{SPECS[key].name} is not supported")
-    return _BACKWARD_OP._handle.redispatch_boxed(keyset & _AFTER_AUTOGRAD, key, handle, grads, sizes)
+    if (keyset & _TRACED).raw_repr() or keyset.has(_C.DispatchKey.Meta):
+        return _BACKWARD_OP._handle.redispatch_boxed(keyset & _AFTER_AUTOGRAD, key, handle, grads, sizes)
+    return python_op_backward._init_fn(key, handle, grads, sizes)
 
 
 _FORWARD_OP = torch.ops.fxtrain.python_op.default
