@@ -16,10 +16,12 @@ Cost. Both ops run once per Function call per step, so their dispatch is kept le
 declared with ``torch.library.custom_op`` (torch then knows them as custom ops: fake kernels, the
 profiler's ``OPDEFS`` lookup), but their CompositeExplicitAutograd and Autograd kernels are replaced
 by plain functions, without custom_op's Python wrappers (``backend_impl``/``wrapped_fn``/
-``autograd_impl``, about 20 us per call). The Autograd kernel of ``python_op`` redispatches below
-autograd when no gradient is wanted (the aten replay, where AOTAutograd's node owns the gradient) and
-otherwise applies ``_Formula``, the op's autograd formula (``_setup_context``/``_backward``), which
-the C++ autograd engine runs when the op is called under eager autograd.
+``autograd_impl``, about 20 us per call). The Autograd kernel of ``python_op`` goes straight to the
+kernel below when no gradient is wanted (the aten replay, where AOTAutograd's node owns the
+gradient); when one is wanted it applies the user's Function itself on plain tensors (the graph run
+under eager autograd: ``_apply_eagerly``) and ``_Formula``, the op's autograd formula
+(``_setup_context``/``_backward``), on fake or functional tensors and under dispatch modes (tracers,
+the profiler), which must see the op pair.
 """
 from __future__ import annotations
 
