@@ -1,5 +1,7 @@
 """Per-call cost of a custom autograd.Function: eager ``Function.apply`` vs the same call as a
-PythonOp inside a TrainModule graph.
+PythonOp inside a TrainModule graph (``fxtrain``: AOTAutograd's graphs replayed op by op, the
+backward through ``python_op_backward``) and inside the dynamo-level graph run directly under eager
+autograd (``autograd``: ``python_op``'s Autograd kernel builds the gradient).
 
 A tiny Function (``x * 2`` / ``g * 2`` on a small tensor) makes the per-call bookkeeping the whole
 cost. Each model chains the Function ``calls`` times; the per-call figure is the step-time slope
@@ -47,6 +49,42 @@ class Chain(nn.Module):
         return h.sum()
 
 
+class AutogradChain(nn.Module):
+    """Chain with its own forward code object (dynamo's cache is per code object)."""
+
+    def __init__(self, calls: int, size: int) -> None:
+        super().__init__()
+        self.calls = calls
+        self.w = nn.Parameter(torch.full((size,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * self.w
+        for _ in range(self.calls):
+            h = Tiny.apply(h)
+        return h.sum()
+
+
+class DynamoGraph(nn.Module):
+    """The dynamo-level graph, Function.apply routed to PythonOps as fxtrain captures it, run as is."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        from fxtrain.pythonop import routing
+        self.model = model
+        self.python_ops = 0
+        self._routing = routing
+        self._compiled = torch.compile(model, backend=self._backend, fullgraph=True, dynamic=False)
+
+    def _backend(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        calls = sum(1 for n in gm.graph.nodes if n.target is torch.ops.fxtrain.python_op)
+        self.python_ops = max(self.python_ops, calls)   # one graph per grad mode
+        return gm.forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with self._routing(lambda name: None):
+            return self._compiled(x)
+
+
 def _train_step(model: nn.Module, x: torch.Tensor) -> None:
     model(x).backward()
     model.zero_grad(set_to_none=True)
@@ -69,6 +107,7 @@ def measure(calls: int, rounds: int, steps: int, size: int) -> Dict[str, Dict[st
     models: Dict[str, Dict[int, nn.Module]] = {
         "eager": {n: Chain(n, size) for n in (1, calls)},
         "fxtrain": {n: fxtrain.TrainModule(Chain(n, size), fxtrain.Options(fallback="raise")) for n in (1, calls)},
+        "autograd": {n: DynamoGraph(AutogradChain(n, size)) for n in (1, calls)},
     }
     kinds = {"train step": _train_step, "forward, no_grad": _forward_no_grad}
     samples: Dict[str, Dict[str, List[float]]] = {k: {m: [] for m in models} for k in kinds}
@@ -86,6 +125,7 @@ def measure(calls: int, rounds: int, steps: int, size: int) -> Dict[str, Dict[st
                 samples[kind][mode].append((long_chain - short_chain) / (calls - 1))
     info = models["fxtrain"][calls].capture_info()
     assert info.graph_breaks == 0 and info.python_ops, "the Function must be a PythonOp in one graph"
+    assert models["autograd"][calls].python_ops == calls, "the Function must be a PythonOp in the dynamo graph"
     return {kind: {mode: statistics.median(v) * 1e6 for mode, v in per_mode.items()}
             for kind, per_mode in samples.items()}
 
@@ -106,10 +146,11 @@ def main() -> None:
         return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, tensor {args.size}x{args.size}, "
           f"{args.calls} vs 1 chained calls, median of {args.rounds} interleaved rounds x {args.steps} steps")
-    print(f"{'per Function call':<20} {'eager us':>10} {'fxtrain us':>11} {'extra us':>9}")
+    print(f"{'per Function call':<20} {'eager us':>10} {'fxtrain us':>11} {'extra us':>9} "
+          f"{'autograd us':>12} {'extra us':>9}")
     for kind, per_mode in result.items():
-        e, f = per_mode["eager"], per_mode["fxtrain"]
-        print(f"{kind:<20} {e:>10.1f} {f:>11.1f} {f - e:>9.1f}")
+        e, f, a = per_mode["eager"], per_mode["fxtrain"], per_mode["autograd"]
+        print(f"{kind:<20} {e:>10.1f} {f:>11.1f} {f - e:>9.1f} {a:>12.1f} {a - e:>9.1f}")
 
 
 if __name__ == "__main__":
