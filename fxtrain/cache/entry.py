@@ -61,6 +61,11 @@ def build(record: Any, recipe: Recipe, out: Any, about: Dict[str, Any]) -> Entry
     """The entry for a finished capture (backward graph filled in later), or NotReplayable."""
     if recipe.bypass:
         raise NotReplayable(recipe.bypass)
+    if about.get("executor") != "eager":
+        # Compiling a loaded graph with a code generator needs its inputs as fake tensors with the
+        # capture's symbolic sizes; the entry keeps plain descriptions (fast to load) instead.
+        raise NotReplayable(f"entries of the {about.get('executor')} executor are not cached yet "
+                            f"(inductor keeps its own kernel cache)")
     step = record.step
     if step is None or step.forward_graph is None or step.spec is None:
         raise NotReplayable(getattr(step, "not_replayable", "") or "the capture has no aten graphs")

@@ -48,8 +48,9 @@ def cross_entropy_grad(bw: torch.fx.GraphModule) -> PassReport:
             scale = graph.call_function(aten.div.Tensor, (grad, total)) if reduction == 1 else grad
             # where, not valid * scale: a batch whose labels are all ignored has total 0, so scale is
             # inf, and 0 * inf would put NaN where eager's kernel leaves its zero fill.
-            per_row = graph.call_function(aten._to_copy.default, (graph.call_function(
-                aten.where.ScalarOther, (valid, scale, 0.0)),), {"dtype": lv.dtype})
+            # prims' dtype conversion: what code generators lower directly (aten._to_copy they decompose).
+            per_row = graph.call_function(torch.ops.prims.convert_element_type.default, (graph.call_function(
+                aten.where.ScalarOther, (valid, scale, 0.0)), lv.dtype))
             # exp allocates the result; scaling and the target column update it in place (an
             # out-of-place chain would cost two more passes over the logits than it saves).
             probs = graph.call_function(aten.exp.default, (output,))

@@ -56,9 +56,10 @@ def tied_embedding_grad(bw: torch.fx.GraphModule) -> PassReport:
             idx = graph.call_function(aten.reshape.default, (indices, [-1]))
             rows = graph.call_function(aten.reshape.default, (grad, [-1, ev.shape[-1]]))
             if isinstance(padding_idx, int) and padding_idx >= 0:
-                pad = graph.call_function(aten.unsqueeze.default, (graph.call_function(
-                    aten.eq.Scalar, (idx, padding_idx)), -1))
-                rows = graph.call_function(aten.masked_fill.Scalar, (rows, pad, 0))
+                real = graph.call_function(aten.unsqueeze.default, (graph.call_function(
+                    aten.ne.Scalar, (idx, padding_idx)), -1))
+                # where, not masked_fill: code generators lower where itself (masked_fill they decompose).
+                rows = graph.call_function(aten.where.ScalarOther, (real, rows, 0.0))
             summed = graph.call_function(aten.index_put_.default, (other, [idx], rows, True))
         summed.meta = dict(add.meta)
         add.replace_all_uses_with(summed)

@@ -1,0 +1,102 @@
+"""The same features through every way fxtrain runs a step: the eager executor's autograd and
+aten-graph runtimes, and the inductor executor. Eager PyTorch is the oracle."""
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import fxtrain
+from fxtrain import models
+from utils import assert_grads_equal, train_parity, wrap_pair
+
+RUNS = {"eager-autograd": dict(executor="eager", backward="autograd"),
+        "eager-graph": dict(executor="eager", backward="graph"),
+        "inductor": dict(executor="inductor")}
+
+
+class Scale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, k: float):
+        ctx.k = k
+        return x * k
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.k, None
+
+
+class WithFunction(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.b(Scale.apply(torch.tanh(self.a(x)), 1.5)).sum()
+
+
+@pytest.mark.parametrize("run", sorted(RUNS))
+def test_sparse_lm_step_with_every_feature(run, tmp_path):
+    """Label sparsity and padding elimination fire, logits are deferred and read, densities are
+    measured, graphs are dumped: all with eager's numbers."""
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(models.bert_mlm(hidden=32, layers=2, heads=2, vocab=400), save_graphs_dir=str(tmp_path),
+                        **RUNS[run])
+    g = torch.Generator().manual_seed(0)
+    batches = [models.synthetic_batch("mlm", 4, n, 400, padding=0.5, label_density=0.15, generator=g)
+               for n in (24, 20)]
+    train_parity(tm, ref, batches, lambda out, _: out.loss,
+                 compare_outputs=lambda a, b: torch.testing.assert_close(a.logits, b.logits, atol=1e-5, rtol=1e-4))
+    info = tm.capture_info()
+    assert info.optimizations["label_sparsity"].startswith("on:"), info.optimizations
+    assert info.optimizations["padding_elimination"].startswith("on:"), info.optimizations
+    assert set(info.density) == {"label density", "token density"}
+    expected = "graph" if run != "eager-autograd" else "autograd"
+    assert all(r.runtime.startswith(expected) for r in info.records), [r.runtime for r in info.records]
+    dumped = os.listdir(tmp_path)
+    assert dumped and all(os.path.exists(tmp_path / d / "backward_graph.py") for d in dumped)
+
+
+@pytest.mark.parametrize("run", sorted(RUNS))
+def test_python_op_and_absent_gradient(run):
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(WithFunction(), **RUNS[run])
+    for b in (4, 6):
+        x = torch.randn(b, 8)
+        tm(x).backward(); ref(x).backward()
+        assert_grads_equal(tm.module, ref)
+        tm.zero_grad(); ref.zero_grad()
+    assert tm.capture_info().python_ops == [f"{__name__}.Scale"]
+
+
+def test_inductor_captures_are_not_cached_and_say_why(tmp_path):
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 2))
+    tm = fxtrain.TrainModule(model, fxtrain.Options(fallback="raise", cache_dir=str(tmp_path), executor="inductor"))
+    tm(torch.randn(5, 8)).sum().backward()
+    assert any("not stored" in line and "inductor" in line for line in tm.capture_info().cache_log)
+
+
+@pytest.mark.parametrize("run", ["eager-autograd", "eager-graph"])
+def test_cache_hit_runs_through_the_same_runtime(run, tmp_path):
+    x = torch.randn(5, 8)
+    grads = []
+    for attempt in range(2):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 2))
+        tm = fxtrain.TrainModule(model, fxtrain.Options(fallback="raise", cache_dir=str(tmp_path), **RUNS[run]))
+        tm(x).pow(2).sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        info = tm.capture_info()
+        assert (info.cache_hits, info.cache_misses) == ((0, 1) if attempt == 0 else (1, 0)), info.cache_log
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 2))
+    ref(x).pow(2).sum().backward()
+    for a, p in zip(grads[1], ref.parameters()):
+        torch.testing.assert_close(a, p.grad)
+
+
+def test_unknown_backward_mode_is_refused():
+    with pytest.raises(ValueError, match="backward"):
+        fxtrain.Options(backward="sometimes")
