@@ -12,6 +12,8 @@ own backward (torch's pipeline tracer inlines the forward and loses the backward
 """
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import logging
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -155,7 +157,8 @@ def capture(model: nn.Module, args: Sequence[Any], kwargs: Dict[str, Any], *,
         return stop
 
     wrapper = _WithLoss(model, loss_fn, want_loss)
-    entry = make_entry(backend, dynamic=False, fullgraph=True)
+    # One capture, then the entry is dropped: the settings can wrap the whole call (below).
+    entry = make_entry(backend, dynamic=False, fullgraph=True, around_compile=contextlib.nullcontext)
     was_training = model.training
     model.train()
     try:
