@@ -124,9 +124,13 @@ def inductor_compile(graph: torch.fx.GraphModule, example_inputs: Sequence[Any],
     boxed callable; it looks the graph up in inductor's on-disk FX graph cache first.
     """
     from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor import config
     _inductor_runs_backward_pass_ops()
-    compiled = compile_fx_inner(graph, list(example_inputs), is_backward=is_backward, is_inference=is_inference)
-    return compiled
+    # fxtrain compiles the forward and the backward apart, each against AOTAutograd's fake values:
+    # the forward must hand the backward its saved tensors with those strides, which inductor's
+    # layout optimisation (channels-last convolutions) would change.
+    with config.patch(layout_optimization=False):
+        return compile_fx_inner(graph, list(example_inputs), is_backward=is_backward, is_inference=is_inference)
 
 
 _fallbacks_made = False

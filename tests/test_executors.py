@@ -100,3 +100,16 @@ def test_cache_hit_runs_through_the_same_runtime(run, tmp_path):
 def test_unknown_backward_mode_is_refused():
     with pytest.raises(ValueError, match="backward"):
         fxtrain.Options(backward="sometimes")
+
+
+def test_inductor_convolution_saved_input_keeps_its_layout():
+    """The forward and backward are compiled apart: the input a convolution saves must reach the
+    backward with the strides it was compiled for (inductor's layout optimisation changed them)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 4, stride=4), nn.Flatten(), nn.Linear(8 * 4 * 4, 5))
+    tm, ref = wrap_pair(model, executor="inductor")
+    for _ in range(2):
+        x = torch.randn(2, 3, 16, 16)
+        tm(x).pow(2).sum().backward(); ref(x).pow(2).sum().backward()
+        assert_grads_equal(tm.module, ref)
+        tm.zero_grad(); ref.zero_grad()

@@ -36,11 +36,12 @@ from .replay import replayed
 
 logger = logging.getLogger("fxtrain")
 
-# Replaying one aten op of the backward from Python costs a few µs more than the C++ engine running
-# it (measured: ~2 µs/op on this machine's tiny MLP and GPT-2 steps); a byte of memory traffic a
-# backward pass saves is worth ~0.2 ns (5 GB/s fill-and-add). The graph mode pays when the passes
-# save more than ~10 kB of traffic per backward op.
-BYTES_PER_BACKWARD_OP = 10_000
+# Replaying one aten op of the backward from Python costs several µs more than the C++ engine
+# running it, and the graph mode pays AOTAutograd's forward/backward split besides; a byte of memory
+# traffic a backward pass saves is worth ~0.1-0.2 ns. Measured (bench/overhead.py): a tiny GPT-2 whose
+# passes save 1.8 MiB over 183 backward ops ran 0.90x eager in the graph mode, ~1.0x in the autograd
+# mode; the DESIGN §7 BERT-MLM (~180 MB saved, ~1000 ops) gains from the graph mode. 50 kB per op.
+BYTES_PER_BACKWARD_OP = 50_000
 MODES = ("auto", "autograd", "graph")
 
 
