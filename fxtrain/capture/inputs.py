@@ -16,36 +16,45 @@ def _is_numpy(x: Any) -> bool:
     return type(x).__module__ == "numpy" and type(x).__name__ in ("ndarray", "matrix")
 
 
-def schema(value: Any, path: str, device: Optional[torch.device], shapes: Optional[List[Any]] = None) -> Hashable:
+def _path(path: Any) -> str:
+    """``path`` is built lazily, as (parent, key) pairs: only an error message reads it."""
+    if isinstance(path, tuple):
+        parent, key = path
+        return f"{_path(parent)}[{key!r}]"
+    return path
+
+
+def schema(value: Any, path: Any, device: Optional[torch.device], shapes: Optional[List[Any]] = None) -> Hashable:
     """Hashable summary of one input; raises TypeError/ValueError for inputs that cannot work.
     ``shapes`` (if given) receives every tensor's size in order: the call's sizes, in the same walk."""
     if isinstance(value, torch.Tensor):
         if shapes is not None:
             shapes.append(value.shape)
-        if device is not None and value.device != device and value.dim() > 0:
+        where = value.device
+        if device is not None and where != device and value.dim() > 0:
             raise ValueError(
-                f"fxtrain.TrainModule: input {path} is on device '{value.device}' but the module's "
+                f"fxtrain.TrainModule: input {_path(path)} is on device '{where}' but the module's "
                 f"parameters are on '{device}'; move the input with .to('{device}') (or the module with .to()).")
-        return ("T", value.dtype, value.dim(), value.requires_grad, value.device.type, value.layout)
+        return ("T", value.dtype, value.dim(), value.requires_grad, where.type, value.layout)
     if _is_numpy(value):
-        raise TypeError(f"fxtrain.TrainModule: input {path} is a numpy array; pass a torch.Tensor "
+        raise TypeError(f"fxtrain.TrainModule: input {_path(path)} is a numpy array; pass a torch.Tensor "
                         f"(torch.from_numpy(x).to(device)) instead.")
     if isinstance(value, (bool, str, bytes, type(None))):
         return (type(value), value)
     if isinstance(value, (int, float, complex)):
         return (type(value),)
     if isinstance(value, dict):
-        return (type(value), tuple((k, schema(v, f"{path}[{k!r}]", device, shapes)) for k, v in value.items()))
+        return (type(value), tuple((k, schema(v, (path, k), device, shapes)) for k, v in value.items()))
     if isinstance(value, (list, tuple)):
-        return (type(value), tuple(schema(v, f"{path}[{i}]", device, shapes) for i, v in enumerate(value)))
+        return (type(value), tuple(schema(v, (path, i), device, shapes) for i, v in enumerate(value)))
     # Any other object (a cache, a config, an enum): dynamo guards on it itself.
     return (type(value), id(value))
 
 
 def call_schema(args: Tuple[Any, ...], kwargs: dict, device: Optional[torch.device],
                 shapes: Optional[List[Any]] = None) -> Hashable:
-    return (tuple(schema(a, f"args[{i}]", device, shapes) for i, a in enumerate(args)),
-            tuple((k, schema(v, f"kwargs[{k!r}]", device, shapes)) for k, v in kwargs.items()))
+    return (tuple([schema(a, ("args", i), device, shapes) for i, a in enumerate(args)]),
+            tuple([(k, schema(v, ("kwargs", k), device, shapes)) for k, v in kwargs.items()]))
 
 
 def call_sizes(args: Tuple[Any, ...], kwargs: dict) -> Hashable:
