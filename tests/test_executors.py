@@ -88,6 +88,8 @@ def test_cache_hit_runs_through_the_same_runtime(run, tmp_path):
         grads.append([p.grad.clone() for p in model.parameters()])
         info = tm.capture_info()
         assert (info.cache_hits, info.cache_misses) == ((0, 1) if attempt == 0 else (1, 0)), info.cache_log
+        # the hit runs the runtime mode the live capture ran
+        assert info.records[0].runtime.startswith(run.split("-")[1]), info.records[0].runtime
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b)
     torch.manual_seed(0)

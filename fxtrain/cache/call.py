@@ -25,7 +25,7 @@ MISS = object()
 
 class CachedCall:
     def __init__(self, entry: Entry, executor: Executor, context: runner.RunContext,
-                 route: Optional[DenseRoute] = None) -> None:
+                 route: Optional[DenseRoute] = None, preference: str = "auto") -> None:
         """``executor``: compiles the loaded graphs (the module's own; the profiler's runs marked
         copies); ``context``: where calls report; ``route``: decides which batches the entry's sparse
         graphs cannot serve (run eagerly)."""
@@ -39,7 +39,7 @@ class CachedCall:
         self.guard = compile(recipe.guard_code, "<fxtrain cache guards>", "eval") if recipe.guard_code else None
         self.names = [f"t{i}" for i in range(len(recipe.sources))]
         forward, backward, spec = entry.forward_graph, entry.backward_graph, entry.spec
-        step = CapturedStep(graph=None, dense_graph=None, forward_graph=forward, backward_graph=backward,
+        step = CapturedStep(graph=entry.graph, dense_graph=None, forward_graph=forward, backward_graph=backward,
                             plans=Plans(deferred=recipe.plan, probes=list(recipe.probes), guard=recipe.guard),
                             inference=spec.inference, spec=spec)
         step.compiled_forward = executor.compile(forward, "inference" if spec.inference else "forward",
@@ -48,7 +48,9 @@ class CachedCall:
             examples = tp.placeholder_examples(backward)
             step.backward = AbsentGradBackward(backward, lambda g: executor.compile(g, "backward", examples))
         self.step = step
-        self.compiled = runner.build(step, executor, context)
+        if preference == "auto":   # as the live capture chose (it saw the backward passes' reports)
+            preference = "autograd" if entry.mode == "autograd" else "graph"
+        self.compiled = runner.build(step, executor, context, preference)
 
     def flat_inputs(self, module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         try:

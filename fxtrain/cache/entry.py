@@ -22,7 +22,7 @@ from ..runtime.replay import NotReplayable, ReplaySpec, check_graph_arity, repla
 from .key import versions
 from .recipe import Recipe
 
-FORMAT = 1
+FORMAT = 2   # 2: the torch-level graph and the runtime mode of the capture
 _PLAIN = (bool, int, float, complex, str, bytes, type(None))
 
 
@@ -36,6 +36,10 @@ class Entry:
     leaves: List[Tuple[str, Any]]                      # ("out", index) or ("const", value)
     optimizations: Dict[str, str] = field(default_factory=dict)
     header: Dict[str, Any] = field(default_factory=dict)
+    # The rewritten torch-level graph and the runtime mode the capture chose: a hit runs as the
+    # live capture did ("autograd" runs ``graph`` under PyTorch's engine; "graph" the aten graphs).
+    graph: Optional[torch.fx.GraphModule] = None
+    mode: str = "graph"
 
 
 def output_recipe(out: Any, graph_outputs: Any) -> Tuple[Any, List[Tuple[str, Any]]]:
@@ -77,6 +81,7 @@ def build(record: Any, recipe: Recipe, out: Any, about: Dict[str, Any]) -> Entry
     treespec, leaves = output_recipe(out, recipe.last_outputs)
     header = dict(about, format=FORMAT, created=time.time(), **versions())
     return Entry(recipe=recipe, spec=spec, forward_graph=step.forward_graph, backward_graph=step.backward_graph,
+                 graph=step.graph if step.mode == "autograd" else None, mode=step.mode,
                  treespec=treespec, leaves=leaves, header=header)
 
 
@@ -136,6 +141,7 @@ def dumps(entry: Entry) -> bytes:
     from torch.fx._graph_pickler import GraphPickler, Options
     with contextlib.ExitStack() as stack:
         stack.enter_context(_lean_meta(entry.forward_graph, keep_values=False))
+        stack.enter_context(_lean_meta(entry.graph, keep_values=False))
         stack.enter_context(_lean_meta(entry.backward_graph, keep_values=True))
         for gm in _plan_graphs(entry.recipe):
             stack.enter_context(_lean_meta(gm, keep_values=False))
@@ -154,7 +160,7 @@ def loads(payload: bytes) -> Entry:
     entry = GraphPickler.loads(payload, FakeTensorMode(shape_env=ShapeEnv()))
     if not isinstance(entry, Entry):
         raise TypeError(f"payload holds a {type(entry).__name__}, not a cache entry")
-    for gm in [entry.forward_graph, entry.backward_graph, *_plan_graphs(entry.recipe)]:
+    for gm in [entry.forward_graph, entry.backward_graph, entry.graph, *_plan_graphs(entry.recipe)]:
         if gm is not None:
             for n in gm.graph.nodes:
                 if _MODULE_META in n.meta:
