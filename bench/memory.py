@@ -62,13 +62,14 @@ def _child(model: str, contender: str) -> None:
     before = _status("VmRSS")
     loss_of(f).backward()
     peak = _status("VmHWM") - before
-    runtime = f.capture_info().records[0].runtime if contender != "eager" else ""
+    runtime = getattr(f.capture_info().records[0], "runtime", "") if contender != "eager" else ""
     print(json.dumps({"peak": peak, "runtime": runtime}))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="gpt2,vit")
+    ap.add_argument("--contenders", default=",".join(CONTENDERS))
     ap.add_argument("--child", nargs=2)
     a = ap.parse_args()
     if a.child:
@@ -76,7 +77,7 @@ def main() -> None:
         return
     for model in a.models.split(","):
         row = {}
-        for c in CONTENDERS:
+        for c in a.contenders.split(","):
             env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
             out = subprocess.run([sys.executable, __file__, "--child", model, c], capture_output=True, text=True,
                                  env=env)
