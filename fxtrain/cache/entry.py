@@ -65,11 +65,6 @@ def build(record: Any, recipe: Recipe, out: Any, about: Dict[str, Any]) -> Entry
     """The entry for a finished capture (backward graph filled in later), or NotReplayable."""
     if recipe.bypass:
         raise NotReplayable(recipe.bypass)
-    if about.get("executor") != "eager":
-        # Compiling a loaded graph with a code generator needs its inputs as fake tensors with the
-        # capture's symbolic sizes; the entry keeps plain descriptions (fast to load) instead.
-        raise NotReplayable(f"entries of the {about.get('executor')} executor are not cached yet "
-                            f"(inductor keeps its own kernel cache)")
     step = record.step
     if step is None or step.forward_graph is None or step.spec is None:
         raise NotReplayable(getattr(step, "not_replayable", "") or "the capture has no aten graphs")
@@ -91,8 +86,10 @@ _MODULE_META = "fxtrain_module"
 
 
 @contextlib.contextmanager
-def _lean_meta(gm: Optional[torch.fx.GraphModule], keep_values: bool) -> Iterator[None]:
-    """Temporarily strip node metadata down to what the runtime reads; restored afterwards."""
+def _lean_meta(gm: Optional[torch.fx.GraphModule], keep_values: bool, keep_fakes: bool = False) -> Iterator[None]:
+    """Temporarily strip node metadata down to what the runtime reads; restored afterwards.
+    ``keep_fakes``: the placeholders keep their fake values (symbolic sizes included), which a code
+    generator compiles a loaded graph against (and finds its own kernel cache with)."""
     if gm is None:
         yield
         return
@@ -109,6 +106,8 @@ def _lean_meta(gm: Optional[torch.fx.GraphModule], keep_values: bool) -> Iterato
         for n in gm.graph.nodes:
             info = value_info(n) if n in keep else None
             n.meta = {VALUE_KEY: info} if info is not None else {}
+            if keep_fakes and n.op == "placeholder" and "val" in saved[n]:
+                n.meta["val"] = saved[n]["val"]
             for name in _MODULE_KEYS:  # the profiler's per-module attribution: innermost module only
                 stack = saved[n].get(name)
                 if stack:  # under a name of ours: GraphPickler drops nn_module_stack
@@ -140,9 +139,10 @@ def _plan_graphs(recipe: Recipe) -> List[torch.fx.GraphModule]:
 def dumps(entry: Entry) -> bytes:
     from torch.fx._graph_pickler import GraphPickler, Options
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_lean_meta(entry.forward_graph, keep_values=False))
+        fakes = entry.header.get("executor", "eager") != "eager"
+        stack.enter_context(_lean_meta(entry.forward_graph, keep_values=False, keep_fakes=fakes))
         stack.enter_context(_lean_meta(entry.graph, keep_values=False))
-        stack.enter_context(_lean_meta(entry.backward_graph, keep_values=True))
+        stack.enter_context(_lean_meta(entry.backward_graph, keep_values=True, keep_fakes=fakes))
         for gm in _plan_graphs(entry.recipe):
             stack.enter_context(_lean_meta(gm, keep_values=False))
         recipe = entry.recipe

@@ -75,4 +75,7 @@ def split(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], executor: Exe
     if decompositions is not None:
         kwargs["decompositions"] = decompositions
     result.aot_callable = tp.aot_autograd(**kwargs)(gm, example_inputs)
+    if executor.compiles_ahead and result.backward is not None:
+        # Still inside dynamo's compile of this graph: guards the compiler adds join the capture's.
+        result.backward.compile_full()
     return result

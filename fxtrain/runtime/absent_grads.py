@@ -161,13 +161,16 @@ class AbsentGradBackward:
             self.variants[absent] = (self.compile(gm), needs_zeros)
         return self.variants[absent]
 
+    def compile_full(self) -> Callable[[List[Any]], Any]:
+        if self._full is None:
+            self._full = self.compile(self.gm)
+        return self._full
+
     def __call__(self, args: List[Any]) -> Any:
         """Boxed call: the list is handed on and cleared, so values die after their last use."""
         absent = tuple(i for i in self.tangents if args[i] is None)
         if not absent:
-            if self._full is None:
-                self._full = self.compile(self.gm)
-            run = self._full
+            run = self.compile_full()
         else:
             run, needs_zeros = self._variant(absent)
             for i in needs_zeros:

@@ -37,6 +37,9 @@ class Executor:
     name = "executor"
     autograd_mode = False
     measures_batches = True
+    # Compiling may add shape guards (a code generator specialises): the backward is then compiled
+    # at capture, with the forward, so its guards join the capture's before any call relies on them.
+    compiles_ahead = False
 
     def partition(self, joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
         return tp.default_partition(joint, joint_inputs, **kwargs)
@@ -65,6 +68,7 @@ class EagerExecutor(Executor):
 
 class InductorExecutor(Executor):
     name = "inductor"
+    compiles_ahead = True
 
     def partition(self, joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
         # Recomputing cheap ops in the backward pays here: inductor fuses them into kernels it runs anyway.
