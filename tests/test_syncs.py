@@ -3,17 +3,25 @@
 Counted with ``utils.SyncCounter`` around the forward and backward of a step after warm-up steps:
 a dense model syncs never, a sparse HF BERT-MLM step (padding elimination and label sparsity both
 on) once (the batch guard reads its conditions and the row counts in one transfer), a PythonOp step
-never. The counter is first shown to see what it must: a read inside a compiled graph, one in the
-model's Python, and the ops of the backward.
+never; in both runtime modes (``Options.backward``: the torch-level graph under PyTorch's autograd,
+the aten graphs replayed). The counter is first shown to see what it must: a read inside a compiled
+graph, one in the model's Python, and the ops of the backward.
 """
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fxtrain import models
-from utils import count_syncs, to_device, wrap_pair
+from utils import DEVICE, count_syncs, to_device, wrap_pair
 
 WARMUP = 3
+RUNTIME_MODES = ("autograd", "graph")
+
+
+def _ran_in(tm, mode):
+    runtimes = [r.runtime for r in tm.capture_info().records]
+    assert runtimes and all(r.startswith(f"{mode}:") for r in runtimes), runtimes
 
 
 class MLP(nn.Module):
@@ -77,27 +85,56 @@ def test_counter_sees_an_item_in_the_model_and_the_backward_ops():
 
 
 # ----------------------------------------------------------------------------- the budget
-def test_dense_step_never_syncs():
-    tm, _ = wrap_pair(MLP())
+@pytest.mark.parametrize("backward", RUNTIME_MODES)
+def test_dense_step_never_syncs(backward):
+    tm, _ = wrap_pair(MLP(), backward=backward)
     counter, _ = _steady(tm, _mlp_batches(WARMUP + 1))
+    _ran_in(tm, backward)
     assert counter.ops["aten.addmm"] >= 2 and counter.ops["aten.mm"] >= 2  # the step ran under the counter
     assert counter.total == 0, counter.syncs
 
 
-def test_sparse_bert_mlm_step_syncs_once():
+def _bert():
     torch.manual_seed(0)
-    tm, ref = wrap_pair(models.bert_mlm(hidden=32, layers=2, heads=2, vocab=1000))
+    return models.bert_mlm(hidden=32, layers=2, heads=2, vocab=1000)
+
+
+def _bert_batches():
     g = torch.Generator().manual_seed(0)
-    batches = [to_device(models.synthetic_batch("mlm", b, s, 1000, padding=0.4, pad_id=0, generator=g,
-                                                label_density=0.2))
-               for b, s in [(4, 16), (3, 11), (5, 20), (4, 13)]]
-    counter, loss = _steady(tm, batches, lambda out: out.loss)
+    return [to_device(models.synthetic_batch("mlm", b, s, 1000, padding=0.4, pad_id=0, generator=g,
+                                             label_density=0.2))
+            for b, s in [(4, 16), (3, 11), (5, 20), (4, 13)]]
+
+
+def _check_sparse_step(tm, ref, batches, counter, loss):
     optimizations = tm.capture_info().optimizations
     assert optimizations["padding_elimination"].startswith("on:"), optimizations["padding_elimination"]
     assert optimizations["label_sparsity"].startswith("on:"), optimizations["label_sparsity"]
     assert tm.capture_info().dense_batches == {}  # every batch ran the sparse graph
     assert counter.total == 1, counter.syncs  # the batch guard's one read (conditions and row counts)
     torch.testing.assert_close(loss, ref(**batches[-1]).loss, atol=1e-5, rtol=1e-4, equal_nan=True)
+
+
+@pytest.mark.parametrize("backward", RUNTIME_MODES)
+def test_sparse_bert_mlm_step_syncs_once(backward):
+    tm, ref = wrap_pair(_bert(), backward=backward)
+    batches = _bert_batches()
+    counter, loss = _steady(tm, batches, lambda out: out.loss)
+    _ran_in(tm, backward)
+    _check_sparse_step(tm, ref, batches, counter, loss)
+
+
+def test_sparse_bert_mlm_step_from_the_cache_syncs_once(tmp_path):
+    """A cache hit checks the loaded guard itself (cache/call.py) and runs the stored aten graphs."""
+    batches = _bert_batches()
+    writer, _ = wrap_pair(_bert(), cache_dir=str(tmp_path))
+    writer(**batches[0]).loss.backward()
+    tm, ref = wrap_pair(_bert(), cache_dir=str(tmp_path))
+    counter, loss = _steady(tm, batches, lambda out: out.loss)
+    info = tm.capture_info()
+    assert (info.cache_hits, info.cache_misses, info.graphs) == (1, 0, 1), info.cache_log
+    assert info.records[0].dynamo_graph is None  # nothing traced: the entry's graphs ran
+    _check_sparse_step(tm, ref, batches, counter, loss)
 
 
 class Twice(torch.autograd.Function):
@@ -119,12 +156,18 @@ class WithPythonOp(nn.Module):
         return F.cross_entropy(Twice.apply(self.lin(x))[:, :4], y)
 
 
-def test_python_op_step_never_syncs():
-    """The PythonOp handle is made sync-free in fxtrain/pythonop/ (a change landing separately):
-    until then this counts the handle's ``int()`` read, one per step."""
-    tm, _ = wrap_pair(WithPythonOp())
+@pytest.mark.parametrize("backward", RUNTIME_MODES)
+def test_python_op_step_never_syncs(backward):
+    """The backward reads the PythonOp's handle, which lives on the CPU whatever the device (so the
+    counter treats it as a host tensor on a CPU run too; checked here)."""
+    from fxtrain.pythonop.op import _new_handle
+    with torch.device(DEVICE):
+        assert _new_handle(7).device.type == "cpu"
+    tm, _ = wrap_pair(WithPythonOp(), backward=backward)
     counter, _ = _steady(tm, _mlp_batches(WARMUP + 1))
+    _ran_in(tm, backward)
     assert tm.capture_info().python_ops, "the Function did not run as a PythonOp"
+    assert counter.ops["fxtrain.python_op_backward"] == 1  # the backward read the handle under the counter
     assert counter.total == 0, counter.syncs
 
 

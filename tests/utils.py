@@ -83,6 +83,10 @@ def train_parity(tm: fxtrain.TrainModule, ref: torch.nn.Module, batches: Iterabl
 _aten = torch.ops.aten
 # Ops that read a device tensor's value (or a size that depends on values) back to the host.
 _READS = {_aten._local_scalar_dense, _aten.item, _aten.nonzero, _aten.is_nonzero, _aten.equal}
+# Tensor arguments fxtrain's ops take on the CPU whatever the device: the PythonOp handle is made on
+# the CPU (pythonop/op.py ``_new_handle``), so reading it is a host read on a GPU too. On a CPU run,
+# where every tensor stands for a device tensor, the counter is told which these are.
+_HOST_ARGUMENTS = {"fxtrain::python_op_backward": ("handle",)}
 
 
 class SyncCounter(TorchDispatchMode):
@@ -96,12 +100,14 @@ class SyncCounter(TorchDispatchMode):
     ``ignore_compile_internals``: dynamo skips compiled code while an ordinary dispatch mode is
     active (the step would run eagerly, not from fxtrain's graphs); with it the mode is off while
     dynamo compiles and on while the compiled graphs run, so it sees every op they dispatch.
+    Tensors that fxtrain keeps on the CPU by design (``_HOST_ARGUMENTS``) count only from a device.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.syncs: "collections.Counter[str]" = collections.Counter()
         self.ops: "collections.Counter[str]" = collections.Counter()
+        self._host: list = []  # the host tensors of the custom ops running now (compared by identity)
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -119,16 +125,22 @@ class SyncCounter(TorchDispatchMode):
             self.syncs[str(packet)] += 1
         custom = _custom_op_function(func)
         if custom is not None:
-            with self:  # a Python-defined op's own ops: dispatched below us otherwise, unseen
-                return custom(*args, **kwargs)
+            host = _host_arguments(func, args, kwargs)
+            self._host.extend(host)
+            try:
+                with self:  # a Python-defined op's own ops: dispatched below us otherwise, unseen
+                    return custom(*args, **kwargs)
+            finally:
+                del self._host[len(self._host) - len(host):]
         return func(*args, **kwargs)
 
-    @staticmethod
-    def _syncs(packet: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
+    def _syncs(self, packet: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
         source = next((a for a in args if isinstance(a, torch.Tensor)), None)
         if source is None:
             return False
-        from_device = source.device.type != "cpu" or DEVICE.type == "cpu"  # CPU run: stands for one
+        on_host = any(source is h for h in self._host)
+        # CPU run: a tensor stands for a device tensor, unless fxtrain keeps it on the CPU anyway.
+        from_device = source.device.type != "cpu" or (DEVICE.type == "cpu" and not on_host)
         if packet in _READS:
             return from_device
         if packet is _aten._to_copy:
@@ -143,6 +155,16 @@ class SyncCounter(TorchDispatchMode):
         if packet is _aten.copy_ and len(args) > 1 and isinstance(args[1], torch.Tensor):
             return args[0].device.type == "cpu" and args[1].device.type != "cpu"
         return False
+
+
+def _host_arguments(func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> list:
+    """The tensors among ``func``'s arguments that ``_HOST_ARGUMENTS`` names."""
+    names = _HOST_ARGUMENTS.get(func._schema.name, ())
+    if not names:
+        return []
+    found = [a for spec, a in zip(func._schema.arguments, args) if spec.name in names]
+    found += [kwargs[n] for n in names if n in kwargs]
+    return [t for t in found if isinstance(t, torch.Tensor)]
 
 
 def _custom_op_function(func: Any) -> Any:
