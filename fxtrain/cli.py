@@ -25,6 +25,9 @@ def _bench_args(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--steps", type=int, default=steps, help="timed steps per mode")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps after the first")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu",
+                   help="torch device every mode trains on (cuda, cuda:1, ...); default cpu. The test suite "
+                        "takes its device from FXTRAIN_TEST_DEVICE instead")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--no-progress", action="store_true")
 
@@ -34,7 +37,7 @@ def _config(args: argparse.Namespace, modes: List[str]):
     return BenchConfig(model=args.model, batch=args.batch, seq=args.seq, padding=args.padding,
                        label_density=args.label_density, padding_side=args.padding_side,
                        labels_at_end=args.labels_at_end, steps=args.steps, warmup=args.warmup,
-                       modes=tuple(modes), seed=args.seed)
+                       modes=tuple(modes), seed=args.seed, device=args.device)
 
 
 def _run_and_print(args: argparse.Namespace, modes: List[str]) -> int:

@@ -277,10 +277,11 @@ def _loss_of(out: Any) -> torch.Tensor:
 class _Pair:
     """The fxtrain model and its eager twin, with their optimizers."""
 
-    def __init__(self, case: Case, loss: LossSpec) -> None:
+    def __init__(self, case: Case, loss: LossSpec, device: torch.device = torch.device("cpu")) -> None:
         build, self.kind, self.pad_id = {**MODELS, **EXTRA_MODELS}[case.model]
         torch.manual_seed(case.seed)
-        model = build()
+        model = build().to(device)  # built on the CPU (same weights everywhere), trained on ``device``
+        self.device = device
         if loss.custom:
             model = ModuleWithLoss(model, functools.partial(_custom_loss, self.kind, loss))
         self.ref = copy.deepcopy(model)
@@ -320,17 +321,19 @@ def _signature(batch: Dict[str, Any]) -> Tuple[Any, ...]:
                  for k, v in sorted(batch.items()))
 
 
-def run_case(case: Case, n_batches: int, stop_at_first: bool = False) -> CaseResult:
-    """Train one case for ``n_batches`` batches; differences from eager become findings."""
+def run_case(case: Case, n_batches: int, stop_at_first: bool = False, device: Any = "cpu") -> CaseResult:
+    """Train one case for ``n_batches`` batches on ``device``; differences from eager become findings.
+    Batches are drawn on the CPU (the same ones on every device) and moved."""
     started = time.perf_counter()
     loss = _loss_spec(case)
-    pair = _Pair(case, loss)
+    pair = _Pair(case, loss, torch.device(device))
     result = CaseResult(case, loss)
     seen: set = set()
     rng = random.Random(f"{case.seed}/reads")
     stream = batches(case, pair.kind, pair.pad_id, loss.ignore_index)
     for index in range(n_batches):
         batch, about = next(stream)
+        batch = {k: v.to(pair.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         found = _one_batch(pair, batch, index, rng.random() < 0.5, seen)
         if index == 0 and case.model in MODELS:  # the fuzzer's own models are chosen for the passes
             why = pair.tm.capture_info().optimizations
@@ -426,13 +429,13 @@ def cases(seeds: Sequence[int], model_names: Sequence[str] = tuple(MODELS),
     return [Case(m, l, s) for s in seeds for m in model_names for l in losses]
 
 
-def run(all_cases: Sequence[Case], n_batches: int, progress: bool = True) -> List[CaseResult]:
+def run(all_cases: Sequence[Case], n_batches: int, progress: bool = True, device: Any = "cpu") -> List[CaseResult]:
     """Run every case with ``FXTRAIN_*`` variables cleared: the defaults users get are what is fuzzed."""
     saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith(ENV_PREFIX) and k != "FXTRAIN_LOG_LEVEL"}
     try:
         results = []
         for case in tqdm(all_cases, desc="fuzz", unit="case", disable=not progress):
-            results.append(run_case(case, n_batches))
+            results.append(run_case(case, n_batches, device=device))
         return results
     finally:
         os.environ.update(saved)
@@ -455,11 +458,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, action="append", help="default: 0")
     p.add_argument("--seeds", type=int, default=None, help="run seeds 0..N-1 (the long mode)")
     p.add_argument("--batches", type=int, default=40, help="batches per case, the capturing one included")
+    p.add_argument("--device", default="cpu", help="torch device the models train on (cuda, ...); default cpu")
 
 
 def run_command(args: argparse.Namespace) -> int:
     seeds = list(range(args.seeds)) if args.seeds else (args.seed or [0])
-    results = run(cases(seeds, args.model or tuple(MODELS), args.loss or LOSSES), args.batches)
+    results = run(cases(seeds, args.model or tuple(MODELS), args.loss or LOSSES), args.batches,
+                  device=getattr(args, "device", "cpu"))
     print(summary(results))
     return 1 if any(r.findings for r in results) else 0
 

@@ -137,8 +137,10 @@ def synthetic_batch(kind: str, batch: int, seq: int, vocab: int, *, padding: flo
     g = generator or torch.Generator().manual_seed(0)
     real = max(1.0, (1.0 - padding) * seq)
     spread = min(real - 1.0, seq - real, real * 0.5)
-    lengths = (real + (torch.rand(batch, generator=g) * 2 - 1) * spread).round().clamp(1, seq).long()
-    pos = torch.arange(seq).expand(batch, seq)
+    # Drawn on the CPU (the generator's device, and the same numbers on every device), then moved.
+    cpu = torch.device("cpu")
+    lengths = (real + (torch.rand(batch, generator=g, device=cpu) * 2 - 1) * spread).round().clamp(1, seq).long()
+    pos = torch.arange(seq, device=cpu).expand(batch, seq)
     if padding_side == "right":
         mask = pos < lengths[:, None]
     elif padding_side == "left":
@@ -146,15 +148,15 @@ def synthetic_batch(kind: str, batch: int, seq: int, vocab: int, *, padding: flo
     else:
         raise ValueError(f"padding_side must be 'right' or 'left', got {padding_side!r}")
     low = 0 if pad_id != 0 else 1
-    ids = torch.randint(low, vocab, (batch, seq), generator=g)
+    ids = torch.randint(low, vocab, (batch, seq), generator=g, device=cpu)
     ids = torch.where(ids == pad_id, (pad_id + 1) % vocab, ids)
     ids = torch.where(mask, ids, torch.full_like(ids, pad_id))
     out: Dict[str, torch.Tensor] = {"input_ids": ids, "attention_mask": mask.long()}
     if kind == "mlm":
         want = int(round(label_density * batch * seq))
-        scores = torch.rand(batch, seq, generator=g).masked_fill(~mask, 2.0)
+        scores = torch.rand(batch, seq, generator=g, device=cpu).masked_fill(~mask, 2.0)
         chosen = scores.flatten().argsort()[:min(want, int(mask.sum()))]
-        labels = torch.full((batch * seq,), -100, dtype=torch.long)
+        labels = torch.full((batch * seq,), -100, dtype=torch.long, device=cpu)
         labels[chosen] = ids.flatten()[chosen]
         out["labels"] = labels.view(batch, seq)
     elif kind == "clm":
@@ -168,10 +170,10 @@ def synthetic_batch(kind: str, batch: int, seq: int, vocab: int, *, padding: flo
                 labels = labels.masked_fill(pos < (seq - keep)[:, None], -100)
         out["labels"] = labels
     elif kind == "cls":
-        out["labels"] = torch.randint(0, num_labels, (batch,), generator=g)
+        out["labels"] = torch.randint(0, num_labels, (batch,), generator=g, device=cpu)
     else:
         raise ValueError(f"unknown batch kind {kind!r}")
-    if device is not None:
+    if device is not None:  # where the model trains ("cuda", ...): the batch is built on the CPU
         out = {k: v.to(device) for k, v in out.items()}
     return out
 

@@ -19,7 +19,7 @@ from .capture.breaks import call_breaks, close_window, open_window
 from .capture.entry import make_entry
 from .capture.state import in_fake_run
 from .capture.info import CaptureInfo, GraphRecord
-from .capture.inputs import call_schema, call_sizes, size_change
+from .capture.inputs import autocast_state, call_schema, call_sizes, size_change
 from .capture.rollback import Rollback
 from .capture.scalars import ScalarWatch
 from .capture.settings import dynamo_settings
@@ -118,8 +118,9 @@ class TrainModule(nn.Module):
         if self._eager or in_fake_run():
             return self._wrapped(*args, **kwargs)
         shapes: List[Any] = []
-        key = (call_schema(args, kwargs, self._module_device(), shapes), current_mode(self.training),
-               torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+        device = self._module_device()
+        key = (call_schema(args, kwargs, device, shapes), current_mode(self.training),
+               autocast_state(device, args, kwargs))
         may_capture = key not in self._seen
         self._rollback.begin(may_capture)
         try:

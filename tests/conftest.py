@@ -12,3 +12,16 @@ def _no_fxtrain_environment(monkeypatch):
     for name in list(os.environ):
         if name.startswith("FXTRAIN_") and name not in _KEEP:
             monkeypatch.delenv(name)
+
+
+@pytest.fixture
+def device():
+    """The device parity tests run on (FXTRAIN_TEST_DEVICE, default cpu): see tests/utils.py."""
+    from utils import DEVICE
+    return DEVICE
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "cpu_only(reason): runs on the CPU whatever FXTRAIN_TEST_DEVICE says (gloo process groups, "
+                   "fresh processes that build their own CPU models); the reason says why")

@@ -74,6 +74,7 @@ def test_a_new_shape_falls_back_to_capture_and_stays_exact(tmp_path):
     assert info.cache_hits == 1 and info.graphs == 2  # the entry's static sizes, then one symbolic capture
 
 
+@pytest.mark.cpu_only("fresh processes build and train their own models on the CPU")
 def test_hit_in_a_fresh_process_gives_eagers_losses(tmp_path):
     script = textwrap.dedent(f"""
         import json, sys, torch, fxtrain
@@ -222,6 +223,7 @@ WRITER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.cpu_only("fresh processes build and train their own models on the CPU")
 def test_two_processes_writing_one_key_always_leave_a_valid_entry(tmp_path):
     import time
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -240,6 +242,7 @@ def test_two_processes_writing_one_key_always_leave_a_valid_entry(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["samekey.fxc"]  # no temporary file left behind
 
 
+@pytest.mark.cpu_only("fresh processes build and train their own models on the CPU")
 def test_two_processes_capturing_the_same_model_at_once(tmp_path):
     script = textwrap.dedent(f"""
         import sys, torch, fxtrain

@@ -9,6 +9,7 @@ import pytest
 
 from fxtrain import cli
 from fxtrain.options import Options
+from utils import DEVICE
 
 TINY = ["--model", "bert-tiny", "--batch", "4", "--seq", "16", "--steps", "2", "--warmup", "0", "--no-progress"]
 
@@ -39,6 +40,17 @@ def test_options_lists_every_field(capsys):
     printed = capsys.readouterr().out
     for f in dataclasses.fields(Options):
         assert f"FXTRAIN_{f.name.upper()}" in printed
+
+
+def test_bench_runs_on_the_device_it_is_given(tmp_path, capsys):
+    """``--device`` (default cpu): the test device here, FXTRAIN_TEST_DEVICE on a GPU machine."""
+    out = tmp_path / "bench.json"
+    assert cli.main(["bench", *TINY, "--modes", "eager,fxtrain", "--device", str(DEVICE), "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["config"]["device"] == str(DEVICE)
+    assert data["modes"]["fxtrain"]["max_loss_diff_vs_eager"] < 1e-4
+    assert f"on {DEVICE}" in capsys.readouterr().out
+    assert cli.main(["bench", *TINY, "--device", "no-such-device"]) == 2
 
 
 def test_bad_mode_is_a_one_line_error(capsys):

@@ -2,12 +2,13 @@
 one seed, a few hundred batches in all, against eager PyTorch. The long mode is
 `python -m fxtrain.fuzz --seeds 20 --batches 100` (docs/sparsity.md, "Edge batches")."""
 from fxtrain import fuzz
+from utils import DEVICE
 
 CI_BATCHES = 32  # per case; 8 cases: 256 batches
 
 
 def test_no_batch_differs_from_eager():
-    results = fuzz.run(fuzz.cases([0]), CI_BATCHES, progress=False)
+    results = fuzz.run(fuzz.cases([0]), CI_BATCHES, progress=False, device=DEVICE)
     report = fuzz.summary(results)
     print(report)
     assert not [f for r in results for f in r.findings], report

@@ -7,7 +7,7 @@ from torch import nn
 import fxtrain
 from fxtrain import models
 from fxtrain.runtime.deferred import DeferredTensor
-from utils import assert_grads_equal, train_parity, wrap_pair
+from utils import DEVICE, assert_grads_equal, to_device, train_parity, wrap_pair
 
 SHAPES = [(4, 16), (3, 11), (5, 20)]
 # AdamW turns gradients that are pure rounding noise (the key bias of attention has a true gradient
@@ -28,7 +28,7 @@ def _check_logits(out, ref_out):
 
 def _batches(kind, pad_id, seed, **kw):
     g = torch.Generator().manual_seed(seed)
-    return [models.synthetic_batch(kind, b, s, 1000, padding=0.3, pad_id=pad_id, generator=g, **kw) for b, s in SHAPES]
+    return [models.synthetic_batch(kind, b, s, 1000, padding=0.3, pad_id=pad_id, generator=g, device=DEVICE, **kw) for b, s in SHAPES]
 
 
 MLM = {
@@ -65,7 +65,7 @@ def test_causal_lm_with_label_shifting_matches_eager(name):
 
 def test_logits_never_read_are_never_computed():
     torch.manual_seed(0)
-    tm = fxtrain.TrainModule(models.bert_mlm(hidden=32, layers=2, heads=2, vocab=1000),
+    tm = fxtrain.TrainModule(to_device(models.bert_mlm(hidden=32, layers=2, heads=2, vocab=1000)),
                              fxtrain.Options(fallback="raise"))
     out = tm(**_batches("mlm", 0, 3, label_density=0.1)[0])
     out.loss.backward()
@@ -166,7 +166,7 @@ def test_sum_reduction_custom_ignore_index_and_empty_batch():
 def test_off_by_option_and_env(monkeypatch):
     monkeypatch.setenv("FXTRAIN_LABEL_SPARSITY", "off")
     # Padding elimination would defer the logits too (they hold padding positions).
-    tm = fxtrain.TrainModule(models.bert_mlm(hidden=32, layers=2, heads=2, vocab=1000),
+    tm = fxtrain.TrainModule(to_device(models.bert_mlm(hidden=32, layers=2, heads=2, vocab=1000)),
                              fxtrain.Options(fallback="raise", padding_elimination="off"))
     out = tm(**_batches("mlm", 0, 8, label_density=0.1)[0])
     assert not isinstance(out.logits, DeferredTensor)

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 import fxtrain
 from fxtrain import models
-from utils import train_parity
+from utils import DEVICE, to_device, train_parity
 
 
 def _mlm_loss(outputs, labels):
@@ -14,11 +14,11 @@ def _mlm_loss(outputs, labels):
 
 def test_loop_loss_in_graph_fires_label_sparsity_and_matches_eager():
     torch.manual_seed(0)
-    model = models.bert_mlm(hidden=32, layers=2, heads=2, vocab=1000)
+    model = to_device(models.bert_mlm(hidden=32, layers=2, heads=2, vocab=1000))
     ref = fxtrain.ModuleWithLoss(__import__("copy").deepcopy(model), _mlm_loss)
     tm = fxtrain.TrainModule(fxtrain.ModuleWithLoss(model, _mlm_loss), fxtrain.Options(fallback="raise"))
     g = torch.Generator().manual_seed(1)
-    batches = [models.synthetic_batch("mlm", b, s, 1000, padding=0.3, label_density=0.1, generator=g)
+    batches = [models.synthetic_batch("mlm", b, s, 1000, padding=0.3, label_density=0.1, generator=g, device=DEVICE)
                for b, s in [(4, 16), (3, 11), (5, 20)]]
     # What HF Trainer reads: outputs["loss"]; the model got no labels, so its own loss is not computed.
     train_parity(tm, ref, batches, lambda out, _: out["loss"], state_atol=3e-4,
@@ -41,6 +41,7 @@ def test_plain_outputs_give_loss_and_outputs_and_missing_target_is_clear():
 
 
 def test_hf_trainer_trains_a_module_with_loss_like_eager(tmp_path):
+    # HF Trainer places model and batches on its own device: not moved to the test device here.
     """The documented recipe (docs/sparsity.md): Trainer(model=TrainModule(ModuleWithLoss(...)),
     remove_unused_columns=False). Logged losses equal eager Trainer's, and label sparsity fired."""
     from transformers import Trainer, TrainingArguments

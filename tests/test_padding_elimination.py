@@ -8,7 +8,7 @@ from torch import nn
 import fxtrain
 from fxtrain import models
 from fxtrain.runtime.deferred import DeferredTensor
-from utils import assert_grads_equal, train_parity, wrap_pair
+from utils import DEVICE, assert_grads_equal, to_device, train_parity, wrap_pair
 
 SHAPES = [(4, 16), (3, 11), (5, 20)]
 STATE_ATOL = 3e-4  # AdamW magnifies rounding noise in zero-true gradients (see test_label_sparsity)
@@ -27,7 +27,7 @@ def _batches(kind, pad_id, seed, side="right", padding=0.4, shapes=SHAPES, **kw)
     g = torch.Generator().manual_seed(seed)
     kw.setdefault("label_density", 0.2)
     return [models.synthetic_batch(kind, b, s, 1000, padding=padding, pad_id=pad_id, padding_side=side,
-                                   generator=g, **kw) for b, s in shapes]
+                                   generator=g, device=DEVICE, **kw) for b, s in shapes]
 
 
 def _same_logits(out, ref_out):
@@ -97,7 +97,7 @@ def test_together_with_label_sparsity(name, extra):
 
 def test_unread_outputs_cost_nothing():
     torch.manual_seed(0)
-    tm = fxtrain.TrainModule(MODELS["bert"][0](), fxtrain.Options(fallback="raise", **ALONE))
+    tm = fxtrain.TrainModule(to_device(MODELS["bert"][0]()), fxtrain.Options(fallback="raise", **ALONE))
     out = tm(**_batches("mlm", 0, 5)[0])
     out.loss.backward()
     assert isinstance(out.logits, DeferredTensor) and not out.logits.is_materialized
@@ -152,7 +152,7 @@ def test_a_label_on_a_padding_token_raises_under_the_strict_guard_instead_of_a_w
     """The default sends such a batch down the dense route (tests/test_edge_batches.py)."""
     build, kind, pad = MODELS["bert"]
     torch.manual_seed(0)
-    tm = fxtrain.TrainModule(build(), fxtrain.Options(fallback="raise", dynamic=True, sparsity_guard="raise",
+    tm = fxtrain.TrainModule(to_device(build()), fxtrain.Options(fallback="raise", dynamic=True, sparsity_guard="raise",
                                                       **ALONE))
     first, second = _batches(kind, pad, 11, shapes=[(4, 16), (3, 12)])
     tm(**first).loss.backward()
@@ -163,7 +163,7 @@ def test_a_label_on_a_padding_token_raises_under_the_strict_guard_instead_of_a_w
 
 
 def test_off_option():
-    tm = fxtrain.TrainModule(MODELS["bert"][0](), fxtrain.Options(fallback="raise", padding_elimination="off"))
+    tm = fxtrain.TrainModule(to_device(MODELS["bert"][0]()), fxtrain.Options(fallback="raise", padding_elimination="off"))
     tm(**_batches("mlm", 0, 12)[0])
     assert _why(tm) == "off: off by option"
 
@@ -226,7 +226,7 @@ def test_symbolic_recapture_after_a_static_one_keeps_the_pass():
 def test_densities_measured_on_every_batch_and_logged(caplog):
     """The inspector keeps watching after capture: the last batch's densities, logged on request."""
     torch.manual_seed(0)
-    tm = fxtrain.TrainModule(MODELS["bert"][0](), fxtrain.Options(fallback="raise", log_density=True))
+    tm = fxtrain.TrainModule(to_device(MODELS["bert"][0]()), fxtrain.Options(fallback="raise", log_density=True))
     first, second = _batches("mlm", 0, 15, shapes=[(4, 16), (3, 12)])
     tm(**first)
     with caplog.at_level("INFO", logger="fxtrain"):

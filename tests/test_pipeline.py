@@ -34,6 +34,9 @@ BATCH = 8
 RTOL = 1e-5      # per-parameter gradient tolerance, relative to the gradient's norm
 ZERO = 1e-8      # a reference gradient below this norm is numerically zero (e.g. attention key bias)
 
+# Inherently CPU: gloo process groups of CPU processes (the pipeline picks nccl for CUDA stages); FXTRAIN_TEST_DEVICE does not apply.
+pytestmark = pytest.mark.cpu_only("gloo process groups of CPU processes (the pipeline picks nccl for CUDA stages)")
+
 
 # ------------------------------------------------------------------------------------- test models
 class RoundSTE(torch.autograd.Function):

@@ -22,6 +22,9 @@ import fxtrain
 WORLD = 2
 TIMEOUT_S = 120
 
+# Inherently CPU: DDP over gloo in 2 CPU processes; FXTRAIN_TEST_DEVICE does not apply.
+pytestmark = pytest.mark.cpu_only("DDP over gloo in 2 CPU processes")
+
 
 class AllReduceSum(torch.autograd.Function):
     """Sums activations over ranks in forward (a tensor-parallel style 'reduce'); identity backward."""

@@ -1,16 +1,34 @@
 """Shared test helpers: eager PyTorch is the oracle."""
 from __future__ import annotations
 
+import collections
+import contextlib
 import copy
-from typing import Any, Callable, Dict, Iterable, Tuple
+import os
+from typing import Any, Callable, Dict, Iterable, Iterator, Tuple
 
 import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxtrain
 
+# The device the parity tests run on: FXTRAIN_TEST_DEVICE=cuda runs them on a GPU (default "cpu").
+# The conftest keeps this variable when it clears FXTRAIN_*. Tests that are inherently CPU say so.
+DEVICE = torch.device(os.environ.get("FXTRAIN_TEST_DEVICE") or "cpu")
+
+
+def to_device(obj: Any, device: Any = None) -> Any:
+    """``obj`` (a tensor, a module, or a nest of dicts/lists/tuples of tensors) on the test device."""
+    device = DEVICE if device is None else torch.device(device)
+    if isinstance(obj, torch.nn.Module):
+        return obj.to(device)
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), obj)
+
 
 def wrap_pair(model: torch.nn.Module, **options: Any) -> Tuple[fxtrain.TrainModule, torch.nn.Module]:
-    """(TrainModule around ``model``, an untouched deep copy for eager)."""
+    """(TrainModule around ``model``, an untouched deep copy for eager), both on the test device."""
+    model = to_device(model)
     ref = copy.deepcopy(model)
     options.setdefault("fallback", "raise")
     # Most tests change batch and sequence sizes between steps and check that one capture serves them
@@ -48,6 +66,7 @@ def train_parity(tm: fxtrain.TrainModule, ref: torch.nn.Module, batches: Iterabl
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     tm.train(); ref.train()
     for batch in batches:
+        batch = to_device(batch)
         out, ref_out = tm(**batch), ref(**batch)
         loss, ref_loss = loss_of(out, batch), loss_of(ref_out, batch)
         torch.testing.assert_close(loss, ref_loss, atol=atol, rtol=1e-4)
@@ -58,3 +77,111 @@ def train_parity(tm: fxtrain.TrainModule, ref: torch.nn.Module, batches: Iterabl
         opt.step(); ref_opt.step()
         opt.zero_grad(); ref_opt.zero_grad()
     assert_state_equal(tm.module, ref, atol=state_atol or atol)
+
+
+# ------------------------------------------------------------------------ host synchronisations
+_aten = torch.ops.aten
+# Ops that read a device tensor's value (or a size that depends on values) back to the host.
+_READS = {_aten._local_scalar_dense, _aten.item, _aten.nonzero, _aten.is_nonzero, _aten.equal}
+# Tensor arguments fxtrain's ops take on the CPU whatever the device: the PythonOp handle is made on
+# the CPU (pythonop/op.py ``_new_handle``), so reading it is a host read on a GPU too. On a CPU run,
+# where every tensor stands for a device tensor, the counter is told which these are.
+_HOST_ARGUMENTS = {"fxtrain::python_op_backward": ("handle",)}
+
+
+class SyncCounter(TorchDispatchMode):
+    """Counts the device-to-host synchronisations of the ops run under it.
+
+    A synchronisation is an op that reads values to the host (``_READS``) from a device tensor, or a
+    copy (``_to_copy``, ``copy_``) to the CPU from another device. On a CPU run every tensor stands
+    for a device tensor: the reads count whatever their input, and so do ``_to_copy``s that name the
+    CPU as their destination without converting the dtype (a move to the host on a GPU).
+
+    ``ignore_compile_internals``: dynamo skips compiled code while an ordinary dispatch mode is
+    active (the step would run eagerly, not from fxtrain's graphs); with it the mode is off while
+    dynamo compiles and on while the compiled graphs run, so it sees every op they dispatch.
+    Tensors that fxtrain keeps on the CPU by design (``_HOST_ARGUMENTS``) count only from a device.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.syncs: "collections.Counter[str]" = collections.Counter()
+        self.ops: "collections.Counter[str]" = collections.Counter()
+        self._host: list = []  # the host tensors of the custom ops running now (compared by identity)
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    @property
+    def total(self) -> int:
+        return sum(self.syncs.values())
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        packet = func.overloadpacket
+        self.ops[str(packet)] += 1
+        if self._syncs(packet, args, kwargs):
+            self.syncs[str(packet)] += 1
+        custom = _custom_op_function(func)
+        if custom is not None:
+            host = _host_arguments(func, args, kwargs)
+            self._host.extend(host)
+            try:
+                with self:  # a Python-defined op's own ops: dispatched below us otherwise, unseen
+                    return custom(*args, **kwargs)
+            finally:
+                del self._host[len(self._host) - len(host):]
+        return func(*args, **kwargs)
+
+    def _syncs(self, packet: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
+        source = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if source is None:
+            return False
+        on_host = any(source is h for h in self._host)
+        # CPU run: a tensor stands for a device tensor, unless fxtrain keeps it on the CPU anyway.
+        from_device = source.device.type != "cpu" or (DEVICE.type == "cpu" and not on_host)
+        if packet in _READS:
+            return from_device
+        if packet is _aten._to_copy:
+            to = kwargs.get("device")
+            if to is None or torch.device(to).type != "cpu":
+                return False
+            if source.device.type != "cpu":
+                return True
+            # CPU run: a copy that only names the CPU is a move to the host; one that converts the
+            # dtype too is model code's ``x.to(self.device, dtype)``, a copy on the device on a GPU.
+            return DEVICE.type == "cpu" and kwargs.get("dtype") in (None, source.dtype)
+        if packet is _aten.copy_ and len(args) > 1 and isinstance(args[1], torch.Tensor):
+            return args[0].device.type == "cpu" and args[1].device.type != "cpu"
+        return False
+
+
+def _host_arguments(func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> list:
+    """The tensors among ``func``'s arguments that ``_HOST_ARGUMENTS`` names."""
+    names = _HOST_ARGUMENTS.get(func._schema.name, ())
+    if not names:
+        return []
+    found = [a for spec, a in zip(func._schema.arguments, args) if spec.name in names]
+    found += [kwargs[n] for n in names if n in kwargs]
+    return [t for t in found if isinstance(t, torch.Tensor)]
+
+
+def _custom_op_function(func: Any) -> Any:
+    """The Python function behind a ``torch.library.custom_op`` (fxtrain's PythonOp and host-count
+    ops), or None. Private torch API (``_maybe_get_opdef``, checked on torch 2.13): without it the
+    reads such an op makes inside its implementation would not reach the counter."""
+    if func.namespace in ("aten", "prim", "prims"):
+        return None
+    try:
+        from torch._library.custom_ops import _maybe_get_opdef
+        opdef = _maybe_get_opdef(func)
+    except Exception:
+        return None
+    return getattr(opdef, "_init_fn", None)
+
+
+@contextlib.contextmanager
+def count_syncs() -> Iterator[SyncCounter]:
+    with SyncCounter() as counter:
+        yield counter

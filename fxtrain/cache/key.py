@@ -23,6 +23,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ..capture.inputs import autocast_state
 from ..options import Options
 
 # Options that do not change a captured graph: where files go, logging, what happens on failure.
@@ -188,7 +189,9 @@ def versions() -> Dict[str, str]:
 
 def cache_key(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], mode: str, options: Options) -> str:
     """Raises Unkeyable when an input is an arbitrary object (identity means nothing on disk)."""
-    autocast = (torch.is_autocast_enabled("cpu"), str(torch.get_autocast_dtype("cpu")))
+    devices = {t.device for t in module.parameters()} | {t.device for t in module.buffers()}
+    kind, enabled, dtype = autocast_state(devices.pop() if len(devices) == 1 else None, args, kwargs)
+    autocast = (kind, enabled, str(dtype))
     parts = [repr(sorted(versions().items())), fxtrain_digest(), sys.platform, module_digest(module),
              input_digest(args, kwargs), mode, repr(autocast), options_digest(options)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:40]

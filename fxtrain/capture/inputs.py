@@ -79,3 +79,30 @@ def size_change(first: Hashable, now: Hashable) -> str:
         if a != b:
             return f"{path} {list(a)} -> {list(b)}"
     return "sizes changed"
+
+
+def first_tensor_device(args: Tuple[Any, ...], kwargs: dict) -> Optional[torch.device]:
+    """The device of the first tensor among a call's inputs (depth first), or None."""
+    stack = list(reversed(list(kwargs.values()))) + list(reversed(args))
+    while stack:
+        value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            return value.device
+        if isinstance(value, dict):
+            stack.extend(reversed(list(value.values())))
+        elif isinstance(value, (list, tuple)):
+            stack.extend(reversed(value))
+    return None
+
+
+def autocast_state(device: Optional[torch.device], args: Tuple[Any, ...], kwargs: dict) -> Tuple[str, bool, Any]:
+    """Autocast as the call will see it: enabled and dtype for the device the step runs on (the
+    module's, else the inputs'). Autocast is per device type, so reading another type's state (a
+    CUDA module under ``torch.autocast("cpu")``) would key the call on a context that changes nothing."""
+    if device is None:
+        device = first_tensor_device(args, kwargs)
+    kind = device.type if device is not None else "cpu"
+    try:
+        return kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)
+    except (RuntimeError, ValueError):  # a device type without autocast
+        return kind, False, None

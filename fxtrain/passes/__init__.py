@@ -61,6 +61,7 @@ def run_passes(gm: torch.fx.GraphModule, example_inputs: Sequence[object], optio
         report = p(gm, example_inputs, options, plans)
         reports[report.name] = str(report)
         changed |= report.applied
+    plans.guard_builder = None  # plans.guard is final: the builder (and the graph it copies from) can go
     if changed:
         gm.graph.lint()
         gm.recompile()

@@ -6,6 +6,11 @@ values. Asserting inside the graph would stop training in the middle of a step; 
 writes each condition into a small graph of its own (a few integer ops over ``[batch, seq]`` inputs)
 that the runtime evaluates before the step (``runtime/dense_route.py``), and a batch that fails it
 runs through the graph captured before the passes: eager's numbers, never an exception.
+
+The same graph counts the rows each selection of the passes keeps (``counted_index``): conditions
+and counts reach the host in one transfer, the step's only device-to-host synchronisation, and the
+selections in the step are sized by those counts (``runtime/host_counts.py``) instead of syncing
+once per ``nonzero``.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.fx
 
+from ..runtime.host_counts import HOST_COUNT, new_slot, provide
 from .plans import Plans
 
 Node = torch.fx.Node
@@ -24,7 +30,9 @@ _INPLACE_OPERATORS = {getattr(operator, n) for n in ("iadd", "iand", "iconcat", 
 
 
 class GuardBuilder:
-    """Builds the guard graph: same inputs as the captured graph, one bool per condition out."""
+    """Builds the guard graph: same inputs as the captured graph; out, one int64 vector (a 0/1 per
+    condition, then a row count per selection). One builder per capture: ``store`` keeps it in the
+    capture's ``Plans``, where a later pass finds it (``GuardBuilder.of``) and adds to the same guard."""
 
     def __init__(self, gm: torch.fx.GraphModule) -> None:
         self.gm = gm
@@ -35,6 +43,16 @@ class GuardBuilder:
                 self.env[node] = self.graph.placeholder(node.name)
                 self.env[node].meta = dict(node.meta)
         self.conditions: List[Tuple[Node, str]] = []
+        self.counts: List[Tuple[Node, int]] = []       # (0-d int64 node of the guard graph, slot)
+        self.selections: Dict[Node, Node] = {}         # counted_index's index node -> its bool mask
+        self._tail: List[Node] = []                    # what store() added (redone by a later store)
+
+    @classmethod
+    def of(cls, gm: torch.fx.GraphModule, plans: Plans) -> "GuardBuilder":
+        """The builder of this capture's guard: the one an earlier pass stored in ``plans``, else a
+        new one (which ``store`` puts there)."""
+        builder = plans.guard_builder
+        return builder if builder is not None and builder.gm is gm else cls(gm)
 
     def node(self, source: Node) -> Optional[Node]:
         """``source`` (a node of the captured graph) in the guard graph, with what it is made from.
@@ -67,28 +85,68 @@ class GuardBuilder:
         """``condition``: a 0-d bool node of the guard graph that must hold for the rewrite to be exact."""
         self.conditions.append((condition, reason))
 
-    def store(self, plans: "Plans") -> None:
-        """Hand the finished guard to the runtime through the capture's plans (nothing if no condition)."""
-        if not self.conditions:
+    def count(self, valid: Node) -> int:
+        """Count ``valid`` (a bool node of the guard graph) for every batch: the slot its number is
+        left under before the step (``runtime/host_counts.py``)."""
+        slot = new_slot()
+        self.counts.append((self.graph.call_method("sum", (valid,)), slot))
+        return slot
+
+    def store(self, plans: Plans) -> None:
+        """Hand the guard to the runtime through the capture's plans (nothing if it checks and counts
+        nothing), and keep this builder there: a later pass of the capture may add to it and store
+        again, replacing ``plans.guard`` with one that checks and counts more."""
+        if not self.conditions and not self.counts:
             return
-        stacked = self.graph.call_function(torch.stack, ([c for c, _ in self.conditions],))
+        for node in reversed(self._tail):
+            self.graph.erase_node(node)
+        nodes = len(self.graph.nodes)
+        # One int64 vector, conditions (0/1) then counts: read to the host in one transfer.
+        values = [self.graph.call_method("long", (c,)) for c, _ in self.conditions] + [n for n, _ in self.counts]
+        stacked = self.graph.call_function(torch.stack, (values,))
         self.graph.output(stacked)
-        guard = torch.fx.GraphModule(self.gm, self.graph)
-        plans.guard = BatchGuard(guard, [r for _, r in self.conditions])
+        self._tail = list(self.graph.nodes)[nodes:]
+        check = torch.fx.GraphModule(self.gm, self.graph)
+        plans.guard = BatchGuard(check, [r for _, r in self.conditions], [slot for _, slot in self.counts])
+        plans.guard_builder = self
 
 
 class BatchGuard:
-    """The conditions of one capture: ``check(*graph_inputs)`` is a bool tensor, one per reason."""
+    """The conditions of one capture, and the row counts its selections need.
 
-    def __init__(self, check: Callable[..., torch.Tensor], reasons: List[str]) -> None:
-        self.check, self.reasons = check, reasons
+    ``check(*graph_inputs)`` is an int64 vector: one 0/1 per reason, then one count per slot.
+    """
+
+    def __init__(self, check: Callable[..., torch.Tensor], reasons: List[str], slots: List[int]) -> None:
+        self.check, self.reasons, self.slots = check, reasons, slots
 
     def failed(self, args: Tuple[Any, ...]) -> List[str]:
-        """The reasons this batch breaks (empty: the rewritten graph serves it). One host sync."""
-        ok = self.check(*args)
-        if bool(ok.all()):
-            return []
-        return [r for r, good in zip(self.reasons, ok.tolist()) if not good]
+        """The reasons this batch breaks (empty: the rewritten graph serves it), after leaving the
+        counts for the step. One host synchronisation, the step's only one."""
+        # copy=True: on a CPU module a copy too, so that the one transfer is one op on every device.
+        values = self.check(*args).to("cpu", copy=True).tolist()
+        n = len(self.reasons)
+        failed = [r for r, good in zip(self.reasons, values[:n]) if not good]
+        if not failed:  # the rewritten graph runs (the dense one has no selection to size)
+            for slot, rows in zip(self.slots, values[n:]):
+                provide(slot, rows)
+        return failed
+
+
+def counted_index(gm: torch.fx.GraphModule, plans: Plans, valid: Node) -> Node:
+    """``nonzero(valid).view(-1)`` for a 1-d bool node ``valid`` of ``gm``, inserted at the graph's
+    insertion point, sized by a count the batch guard reads ahead (no synchronisation of its own).
+    Where the guard cannot compute ``valid`` (an impure input), a plain ``nonzero``."""
+    graph = gm.graph
+    builder = GuardBuilder.of(gm, plans)
+    g_valid = builder.node(valid)
+    if g_valid is None:
+        return graph.call_method("view", (graph.call_function(torch.nonzero, (valid,)), -1))
+    rows = graph.call_function(HOST_COUNT, (valid, builder.count(g_valid)))
+    index = graph.call_method("view", (graph.call_function(torch.nonzero_static, (valid,), {"size": rows}), -1))
+    builder.selections[index] = valid
+    builder.store(plans)
+    return index
 
 
 def _pure(node: Node) -> bool:
@@ -96,7 +154,7 @@ def _pure(node: Node) -> bool:
         return True
     if node.op not in ("call_function", "call_method"):
         return False
-    if node.op == "call_function" and node.target in _INPLACE_OPERATORS:
-        return False
+    if node.op == "call_function" and (node.target in _INPLACE_OPERATORS or node.target is HOST_COUNT):
+        return False  # HOST_COUNT: the guard itself leaves its numbers; it must not consume them
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
     return not (name.endswith("_") and not name.endswith("__"))

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from ..options import Options
 from .base import PassReport
 from .plans import Plans
+from .batch_guard import counted_index
 from .density import add_probe, density_reason, source_example
 from .defer import can_defer, defer_outputs
 from .rows import erase_dead, find_region, index_rows, replay_on_rows, value
@@ -111,7 +112,7 @@ def _rewrite(gm: torch.fx.GraphModule, ce: torch.fx.Node, bound: inspect.BoundAr
     graph = gm.graph
     with graph.inserting_before(ce):
         valid = graph.call_function(torch.ne, (target, ignore))
-        index = graph.call_method("view", (graph.call_function(torch.nonzero, (valid,)), -1))
+        index = counted_index(gm, plans, valid)  # sized by the batch guard's read-ahead count: no sync of its own
     rows = replay_on_rows(gm, region, index_rows(index), insert_before=ce)
     with graph.inserting_before(ce):
         picked = graph.call_function(torch.index_select, (target, 0, index))

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from ..options import Options
 from .base import PassReport
 from .plans import Plans
-from .batch_guard import GuardBuilder
+from .batch_guard import GuardBuilder, counted_index
 from .defer import defer_dense, feeds_resumed_code
 from .label_sparsity import cross_entropy_args, unsupported_cross_entropy
 from .density import add_probe, density_reason, source_example
@@ -402,13 +402,13 @@ def _rewrite(gm: torch.fx.GraphModule, plan: _Plan, mask_node: Node, pad_id: Opt
     first = next(n for n in graph.nodes if n.op != "placeholder")
     with graph.inserting_before(first):
         valid = graph.call_function(torch.ne, (graph.call_method("flatten", (mask_node,)), pad_id or 0))
-        index = graph.call_method("view", (graph.call_function(torch.nonzero, (valid,)), -1))
+        index = counted_index(gm, plans, valid)  # sized by the batch guard's read-ahead count: no sync of its own
         sizes = [graph.call_method("size", (mask_node, d)) for d in range(value(mask_node).dim())]
         n_flat = sizes[0]
         for s in sizes[1:]:
             n_flat = graph.call_function(operator.mul, (n_flat, s))
     rows: Dict[Node, Node] = {}
-    guard = _Guard(gm, mask_node, pad_id or 0, valid)
+    guard = _Guard(gm, plans, mask_node, pad_id or 0, valid)
 
     def gathered(node: Node, lead: int) -> Node:
         if node not in rows:
@@ -464,9 +464,9 @@ class _Guard:
     computation) stays in the graph as an assertion: an error, never a different number.
     """
 
-    def __init__(self, gm: torch.fx.GraphModule, mask: Node, pad: int, valid: Node) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, plans: Plans, mask: Node, pad: int, valid: Node) -> None:
         self.gm, self.valid, self.seen = gm, valid, set()
-        self.builder = GuardBuilder(gm)
+        self.builder = GuardBuilder.of(gm, plans)  # the guard an earlier selection (counted_index) stored
         g_mask = self.builder.node(mask)
         self.g_real = self.builder.call(torch.ne, g_mask, pad)
         self.g_valid = self.builder.call("flatten", self.g_real, method=True)
@@ -498,8 +498,13 @@ class _Guard:
             return
         self.seen.add(index)
         b = self.builder
+        selected = b.selections.get(index)  # index = nonzero(selected): no selection needed to check it
 
         def make() -> Optional[Node]:
+            if selected is not None:
+                s = b.node(selected)  # every selected row is real: valid | ~selected everywhere
+                return None if s is None else b.call("all", b.call(torch.logical_or, self.g_valid,
+                                                                   b.call(torch.logical_not, s)), method=True)
             i = b.node(index)
             return None if i is None else b.call("all", b.call(torch.index_select, self.g_valid, 0, i), method=True)
 

@@ -18,3 +18,6 @@ class Plans:
     probes: List[Tuple[str, int, int]] = field(default_factory=list)
     # runtime/dense_route.py: conditions a batch must meet for the rewritten graph to serve it.
     guard: Optional[Any] = None                                    # BatchGuard
+    # While the passes run: the builder ``guard`` came from, so that a later pass adds its conditions
+    # and row counts to the same guard (one host transfer per step). run_passes drops it.
+    guard_builder: Optional[Any] = field(default=None, repr=False, compare=False)  # GuardBuilder

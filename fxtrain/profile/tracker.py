@@ -28,6 +28,8 @@ import torch
 from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
+
+from ..runtime.host_counts import HOST_COUNT
 from .shadows import Shadows
 
 from .capture import current_node
@@ -298,6 +300,23 @@ class CostTracker(TorchDispatchMode):
             return torch.empty((rows,), dtype=args[0].dtype, device=device)
         return torch.empty((rows, args[0].dim()), dtype=torch.int64, device=device)
 
+    def _host_count(self, valid: torch.Tensor) -> int:
+        """The row count a selection of the passes is sized by (``runtime/host_counts.py``, where the
+        batch guard reads it ahead): the real count where the mask has a value, else a hinted fraction
+        or the maximum, as for ``nonzero``."""
+        total = int(valid.numel())
+        value = self._shadow_of(valid)
+        if value is not None:
+            with _disable_current_modes():
+                rows = int(value.sum())
+        elif len(self.fractions) < len(self.hints):
+            rows = int(round(self.hints[len(self.fractions)] * total))
+        else:
+            rows = total
+            self.assumed_max += 1
+        self.fractions.append(rows / total if total else 1.0)
+        return rows
+
     # ------------------------------------------------------------------------------- dispatch
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -308,6 +327,8 @@ class CostTracker(TorchDispatchMode):
             return self._run_python_op(func, args, kwargs)
         if func is self._python_op_backward:
             return self._run_python_op_backward(func, args, kwargs)
+        if func is HOST_COUNT:
+            return self._host_count(args[0])
         if func is torch.ops.aten._local_scalar_dense.default:
             value = self._shadow_of(args[0])
             if value is None:

@@ -1,0 +1,58 @@
+"""Row counts read ahead of the step, so that a sparse step synchronises with the device once.
+
+The sparsity passes run part of the step on selected rows (real tokens, labelled positions): the
+number of rows is known only from the batch's values. ``torch.nonzero`` finds it by reading the
+count back to the host, one device-to-host synchronisation per selection, on top of the batch
+guard's own read. Instead the batch guard (``passes/batch_guard.py``) computes every count the step
+needs together with its conditions, and reads them to the host in one transfer before the step;
+each selection in the graph is ``nonzero_static(valid, size=count(valid, slot))``, where ``count``
+returns the number the guard left under ``slot``: a host read, no synchronisation.
+
+``count`` is exact either way: with no number left for it (a path that did not run the guard) it
+counts on the device itself, which costs the synchronisation ``nonzero`` would have. A number is
+used once (popped), so a stale one from an earlier batch can never size a selection.
+"""
+from __future__ import annotations
+
+import secrets
+import threading
+from typing import Dict
+
+import torch
+
+_local = threading.local()
+
+
+def _table() -> Dict[int, int]:
+    table = getattr(_local, "counts", None)
+    if table is None:
+        table = _local.counts = {}
+    return table
+
+
+def new_slot() -> int:
+    """A slot id for one selection: random, so that ids pickled into cached graphs and guards
+    (``Options.cache_dir``) do not meet the ids of another capture in a later process."""
+    return secrets.randbits(62)
+
+
+def provide(slot: int, value: int) -> None:
+    """The number of rows the next ``count(..., slot)`` on this thread returns."""
+    _table()[slot] = int(value)
+
+
+@torch.library.custom_op("fxtrain_host::count", mutates_args=())
+def count(valid: torch.Tensor, slot: int) -> int:
+    """``int(valid.sum())`` for a bool ``valid``: read ahead by the batch guard, else counted here."""
+    value = _table().pop(slot, None)
+    if value is None:
+        return int(valid.sum())  # nothing read ahead: one synchronisation, the same number
+    return value
+
+
+@count.register_fake
+def _count_fake(valid: torch.Tensor, slot: int) -> torch.SymInt:
+    return torch.library.get_ctx().new_dynamic_size()
+
+
+HOST_COUNT = torch.ops.fxtrain_host.count.default
