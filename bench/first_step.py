@@ -6,7 +6,10 @@ interleaved round by round so that machine load hits them alike. Two times per r
 (forward + backward + AdamW step, from just before the call) and the wall time from interpreter
 start to the end of that step (imports, model build and all).
 
-    python bench/first_step.py [--models bert-mlm,roberta-mlm] [--rounds 3] [--json out.json]
+    python bench/first_step.py [--models bert-mlm,roberta-mlm] [--rounds 3] [--json out.json] [--executor inductor]
+
+With ``--executor inductor`` inductor's own kernel cache (TORCHINDUCTOR_CACHE_DIR) lives beside
+fxtrain's: a fresh one for "no cache", the round's for "empty cache" (cold, filled) and "warm cache".
 """
 from __future__ import annotations
 
@@ -28,11 +31,12 @@ CHILD = textwrap.dedent("""
     started = time.time()
     import json, sys, torch, fxtrain
     from fxtrain import models
-    name, variant, cache_dir, process_start = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+    name, variant, cache_dir, process_start, executor = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4]), sys.argv[5]
     model = models.build(name)
     batch = models.preset_batch(name, 16, 128, padding=0.53, label_density=0.07)
     if variant != "eager":
-        model = fxtrain.TrainModule(model, fxtrain.Options(cache_dir=cache_dir if variant != "no cache" else None))
+        model = fxtrain.TrainModule(model, fxtrain.Options(cache_dir=cache_dir if variant != "no cache" else None,
+                                                           executor=executor))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     t = time.perf_counter()
     loss = model(**batch).loss
@@ -46,12 +50,14 @@ CHILD = textwrap.dedent("""
 VARIANTS = ("eager", "no cache", "empty cache", "warm cache")
 
 
-def run_one(name: str, variant: str, cache_dir: str) -> Dict[str, float]:
+def run_one(name: str, variant: str, cache_dir: str, executor: str = "eager") -> Dict[str, float]:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("FXTRAIN_CACHE_DIR", None)
+    env["TORCHINDUCTOR_CACHE_DIR"] = (tempfile.mkdtemp() if variant == "no cache"
+                                      else os.path.join(cache_dir, "inductor"))
     import time
     start = time.time()
-    out = subprocess.run([sys.executable, "-c", CHILD, name, variant, cache_dir, str(start)], env=env,
+    out = subprocess.run([sys.executable, "-c", CHILD, name, variant, cache_dir, str(start), executor], env=env,
                          check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -61,6 +67,7 @@ def main() -> None:
     parser.add_argument("--models", default="bert-mlm,roberta-mlm")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json")
+    parser.add_argument("--executor", default="eager", choices=("eager", "inductor"))
     args = parser.parse_args()
     results: Dict[str, Dict[str, List[Dict[str, float]]]] = {}
     for name in args.models.split(","):
@@ -69,7 +76,7 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as cache_dir:
                 order = list(VARIANTS) if r % 2 == 0 else ["no cache", "eager", "empty cache", "warm cache"]
                 for variant in order:  # "empty cache" fills the directory "warm cache" reads
-                    run = run_one(name, variant, cache_dir)
+                    run = run_one(name, variant, cache_dir, args.executor)
                     if variant == "warm cache" and run["hits"] != 1:
                         raise SystemExit(f"{name}: the warm run did not hit the cache")
                     results[name][variant].append(run)

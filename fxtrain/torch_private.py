@@ -48,14 +48,12 @@ def dynamo_compile(fn: Callable[..., Any], backend: Callable[..., Any], dynamic:
     """``torch.compile(fn, backend=backend, ...)`` whose compilations run inside ``around_compile()``.
 
     Needs: ``torch._dynamo.optimize`` returning a context whose ``callback`` (a CatchErrorsWrapper)
-    holds the frame converter as ``_torchdynamo_orig_backend``: a ConvertFrame whose
-    ``_inner_convert`` is a ConvertFrameAssert (``fullgraph=True``: the ConvertFrameAssert itself),
-    which is called only to convert a frame, after the cheap checks for frames dynamo skips, and
-    reads the recompile limit itself.
+    the eval-frame code calls only for a frame without a usable cache entry, and which converts it
+    itself or, under DistributedDataParallel, through a converter it builds on the spot (so the
+    wrapper, not the converter it holds, is where every compilation passes).
     """
     ctx = torch._dynamo.optimize(backend=backend, nopython=fullgraph, dynamic=dynamic)
-    convert = ctx.callback._torchdynamo_orig_backend
-    _run_around_compile(getattr(convert, "_inner_convert", convert), around_compile)
+    _run_around_compile(ctx.callback, around_compile)
     return ctx(fn)
 
 

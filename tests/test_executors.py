@@ -109,3 +109,17 @@ def test_inductor_convolution_saved_input_keeps_its_layout():
         tm(x).pow(2).sum().backward(); ref(x).pow(2).sum().backward()
         assert_grads_equal(tm.module, ref)
         tm.zero_grad(); ref.zero_grad()
+
+
+def test_profiler_costs_the_graphs_of_either_executor():
+    """The profiler runs the graphs of the executor the options name (inductor: its decompositions
+    and recomputing partitioner), marked and on fake tensors: the matmuls cost the same."""
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 10))
+    x = torch.randn(16, 32)
+    reports = {name: fxtrain.profile(model, x, options=fxtrain.Options(executor=name)) for name in ("eager", "inductor")}
+    matmuls = 2 * 16 * (32 * 64 + 64 * 10)
+    for name, report in reports.items():
+        assert report.flops_forward >= matmuls, (name, report.flops_forward)
+        assert report.flops_backward >= matmuls, (name, report.flops_backward)
+        assert report.peak_memory_bytes > 0
+    assert abs(reports["inductor"].flops_forward - reports["eager"].flops_forward) <= 0.05 * matmuls

@@ -19,7 +19,7 @@ import torch.fx
 
 from ..module import TrainModule
 from ..options import Options
-from ..runtime.executors import EagerExecutor
+from ..runtime.executors import EagerExecutor, Executor, executor_named
 from ..torch_private import boxed_copy
 
 logger = logging.getLogger("fxtrain")
@@ -100,9 +100,20 @@ class MarkedExecutor(EagerExecutor):
     Known gap: the costs are the aten-graph runtime's; a module the runtime runs in the autograd
     mode (small dense models) can peak a few percent higher (GPT-2 tiny: +5%)."""
 
-    name = "eager (profiler)"
     autograd_mode = False
     measures_batches = False
+
+    def __init__(self, base: Optional[Executor] = None) -> None:
+        """``base``: the executor whose graphs to cost (its partitioner and decompositions: what
+        inductor would compile, before fusion); the graphs themselves run marked, op by op."""
+        self.base = base if base is not None else EagerExecutor()
+        self.name = f"{self.base.name} (profiler)"
+
+    def partition(self, joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
+        return self.base.partition(joint, joint_inputs, **kwargs)
+
+    def decompositions(self) -> Any:
+        return self.base.decompositions()
 
     def compile(self, graph: torch.fx.GraphModule, kind: str, example_inputs: Sequence[Any]) -> Any:
         return boxed_copy(mark(graph, "backward" if kind == "backward" else "forward")).forward
@@ -119,10 +130,11 @@ def profiling_module(model: torch.nn.Module, optimizations: bool, options: Optio
     """
     base = options or Options()
     # One capture costs every batch size: symbolic sizes unless the caller asked for static ones.
-    updates: Dict[str, Any] = {"fallback": "raise", "executor": "eager", "save_graphs_dir": None,
+    updates: Dict[str, Any] = {"fallback": "raise", "save_graphs_dir": None,
                                "dynamic": True if base.dynamic is None else base.dynamic}
     if not optimizations:
         updates.update(label_sparsity="off", padding_elimination="off", upstream_slicing="off")
     import dataclasses
     # A graph loaded from Options.cache_dir runs marked too: no capture, same attribution.
-    return TrainModule(model, dataclasses.replace(base, **updates), executor=MarkedExecutor())
+    return TrainModule(model, dataclasses.replace(base, **updates),
+                       executor=MarkedExecutor(executor_named(base.executor)))
