@@ -178,7 +178,7 @@ class TrainModule(nn.Module):
         if breaks:
             logger.warning("fxtrain: %d graph break(s) while capturing %s: %s", len(breaks),
                            type(self.module).__name__, "; ".join(dict.fromkeys(breaks)))
-        self._rollback.after_capture(several_graphs=made > 1 or self._info.graph_breaks > 0)
+        self._rollback.after_capture()
         if self._specialize_float:
             self._floats.record(key, args, kwargs)
 

@@ -216,8 +216,9 @@ def test_recapture_that_fails_after_a_graph_of_the_call_ran(monkeypatch, fallbac
     assert int(tm.module.bn.num_batches_tracked) == 4
 
 
-def _failing_runtime(monkeypatch, fail_on_run, graphs=lambda index: True):
-    """Graphs compiled from now on raise on the ``fail_on_run``-th run (counted over all of them)."""
+def _failing_runtime(monkeypatch, fail_on_run, graphs=lambda index: True, after=False):
+    """Graphs compiled from now on raise on the ``fail_on_run``-th run (counted over all of them);
+    ``after``: once the graph ran (its in-place buffer updates written), not before."""
     real, runs, built = backend.runner.build, [], []
 
     def build(step, executor, context, preference="auto"):
@@ -228,12 +229,30 @@ def _failing_runtime(monkeypatch, fail_on_run, graphs=lambda index: True):
 
         def run(*args):
             runs.append(1)
+            if len(runs) == fail_on_run and not after:
+                raise RuntimeError("fxtrain runtime: replay buffer exhausted")
+            out = compiled(*args)
             if len(runs) == fail_on_run:
                 raise RuntimeError("fxtrain runtime: replay buffer exhausted")
-            return compiled(*args)
+            return out
         return run
 
     monkeypatch.setattr(backend.runner, "build", build)
+
+
+@pytest.mark.parametrize("backward", ["autograd", "graph"])
+def test_failure_after_a_single_graph_updated_buffers_updates_them_once(monkeypatch, backward):
+    """The autograd runtime writes batch norm's statistics while the graph runs: a failure after
+    that must not let the eager rerun update them a second time."""
+    _failing_runtime(monkeypatch, fail_on_run=4, after=True)
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(Normed(), backward=backward, fallback="eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for b in (3, 5, 6, 7, 3):
+            _step(tm, ref, torch.randn(b, 4))
+    assert len(_fallbacks(caught)) == 1
+    assert int(tm.module.bn.num_batches_tracked) == 5
 
 
 @pytest.mark.parametrize("fallback", ["eager", "raise"])

@@ -9,11 +9,12 @@ have run before the failure:
 - a call with a new input schema: copied before the call (it is going to capture);
 - a call that captures for another reason (new sizes, a float that changed, a guard): copied when
   dynamo hands over the call's first graph from the entry frame, before any graph of the call ran;
-- every call of a module whose calls run several graphs (graph breaks) and whose graphs update
-  buffers: a later piece may fail after an earlier one ran. Only the updated buffers are copied.
+- every call of a module whose graphs update buffers: a later graph of the call, the rest of a graph
+  run in the autograd runtime (batch norm's kernel writes its statistics as it goes), or fxtrain's
+  output wrappers after the aten-graph runtime wrote the updates back may fail after the update.
+  Only the updated buffers are copied (batch norm's statistics: a few small tensors per layer).
 
-Everything else — the common case, one graph per call — costs nothing: a single graph that fails
-has not written its buffer updates, which AOTAutograd applies after the graph returns.
+Everything else — modules without buffer updates, the common case — costs nothing.
 """
 from __future__ import annotations
 
@@ -77,9 +78,9 @@ class Rollback:
         if self._snapshot is None and _entry_frame(self.entry_prefix):
             self._snapshot = _copy(list(self.module.buffers()))
 
-    def after_capture(self, several_graphs: bool) -> None:
+    def after_capture(self) -> None:
         """A call that captured succeeded: learn which buffers its graphs update (the copy's version
-        moved) and whether later calls must be copied."""
+        moved, or its values), which later calls copy."""
         if self._snapshot is None:
             return
         # Versions alone miss kernels that write a buffer in place without bumping its version (the
@@ -91,10 +92,10 @@ class Rollback:
         if names:
             self.updated.extend(names)
             self._updated_tensors = None
-        if several_graphs and self.updated and not self.every_call:
+        if self.updated and not self.every_call:
             self.every_call = True
-            logger.info("fxtrain: %s runs several graphs per call and updates buffers in place; each call "
-                        "now copies %d buffer(s) so that a failure can fall back without a double update",
+            logger.info("fxtrain: %s updates buffers in place; each call now copies those %d buffer(s) so "
+                        "that a failure can fall back without a double update",
                         type(self.module).__name__, len(self.updated))
 
     def restore(self) -> None:
