@@ -85,6 +85,8 @@ class Backend:
         dense = torch.fx.GraphModule(gm, _copy_graph(gm.graph))
         plans = Plans()
         record.optimizations = run_passes(gm, example_inputs, self.options, plans)
+        if plans.guard is None:
+            dense = None  # no batch can need the graph without the passes
         step = capture_step(gm, dense, plans, example_inputs, self.executor)
         for report in step.backward_reports:
             record.optimizations[report.name] = str(report)

@@ -103,6 +103,8 @@ def build(step: CapturedStep, executor: Executor, context: RunContext, preferenc
     else:
         assert step.aot_callable is not None
         core = _aot_runtime(step.aot_callable)
+    if step.mode != "aot":
+        step.aot_callable = None  # AOTAutograd's runtime and what it holds: not needed
     logger.debug("%s: runtime mode %s (%s)", context.owner, step.mode, step.mode_reason)
     plans = step.plans
     if plans.deferred is not None:
