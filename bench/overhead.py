@@ -67,6 +67,8 @@ def vit():
 def contenders(m):
     return {"eager": m,
             "torch.compile": torch.compile(copy.deepcopy(m)),
+            # dynamo's own per-call cost with no compiler: the floor of any dynamo-based wrapper
+            "dynamo floor": torch.compile(copy.deepcopy(m), backend="eager"),
             "fxtrain": fxtrain.TrainModule(copy.deepcopy(m)),
             "fxtrain inductor": fxtrain.TrainModule(copy.deepcopy(m), fxtrain.Options(executor="inductor"))}
 
