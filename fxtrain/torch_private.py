@@ -67,16 +67,19 @@ def dynamo_compile(fn: Callable[..., Any], backend: Callable[..., Any], dynamic:
 
 
 def dynamo_config_patch(settings: Dict[str, Any]) -> ContextManager[Any]:
+    """Dynamo's config set to ``settings`` within the block (``torch._dynamo.config.patch(dict)``)."""
     return torch._dynamo.config.patch(settings)
 
 
 # ------------------------------------------------------------------------------- AOTAutograd
 def default_partition(joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
+    """AOTAutograd's default joint-graph partitioner (``torch._functorch.partitioners.default_partition``)."""
     from torch._functorch.partitioners import default_partition as partition
     return partition(joint, joint_inputs, **kwargs)
 
 
 def min_cut_partition(joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
+    """AOTAutograd's min-cut rematerialising partitioner (``min_cut_rematerialization_partition``)."""
     from torch._functorch.partitioners import min_cut_rematerialization_partition as partition
     return partition(joint, joint_inputs, **kwargs)
 
@@ -159,6 +162,7 @@ def _inductor_runs_backward_pass_ops() -> None:
 
 
 def inductor_decompositions(keep: Iterable[Any] = ()) -> Dict[Any, Callable[..., Any]]:
+    """Inductor's decomposition table (``select_decomp_table()``) less the ops in ``keep``."""
     from torch._inductor.decomposition import select_decomp_table
     kept = set(keep)
     return {op: fn for op, fn in select_decomp_table().items() if op not in kept}
