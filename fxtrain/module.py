@@ -9,7 +9,6 @@ import warnings
 from typing import Any, Dict, Hashable, Iterator, List, Mapping, Optional, Set, Tuple
 
 import torch
-import torch._dynamo
 from torch import nn
 
 from .cache.call import MISS
@@ -26,7 +25,7 @@ from .capture.settings import dynamo_settings
 from .options import Options, resolve
 from .pythonop import routing
 from .runtime.executors import Executor
-from .torch_private import dynamo_config_patch
+from .torch_private import dynamo_config_patch, dynamo_recompile_limit_error
 from .runtime.dense_route import SparseBatchError
 
 logger = logging.getLogger("fxtrain")
@@ -282,7 +281,7 @@ class TrainModule(nn.Module):
 
     def _failure_reason(self, exc: Exception) -> str:
         """The root cause, in words a user can act on where dynamo's are not."""
-        if any(isinstance(e, (torch._dynamo.exc.FailOnRecompileLimitHit, RecompileLimitReached)) for e in _chain(exc)):
+        if any(isinstance(e, (dynamo_recompile_limit_error(), RecompileLimitReached)) for e in _chain(exc)):
             last = next((r.reason for r in reversed(self._info.records) if r.reason), "")
             return (f"recompile limit reached: {self._options.recompile_limit} captures "
                     f"(Options.recompile_limit, FXTRAIN_RECOMPILE_LIMIT)" + (f"; the last was: {last}" if last else ""))

@@ -1,9 +1,14 @@
-"""Every private torch API the runtime and the executors lean on, in one place.
+"""Every private torch API fxtrain leans on, in one place.
 
-Checked on torch ``CHECKED_ON``. Each function says what it needs from torch in words, so that a
-torch upgrade is one file to read: if a name moved, fix it here (the test suite exercises each).
-Modules outside this one import private torch names only for capture-time analysis that is tied
-to dynamo's internals by nature (capture/, pythonop/route.py, cache/recipe.py, profile/tracker.py).
+Checked on torch ``CHECKED_ON``. Each function or constant says what it needs from torch in words,
+so that a torch upgrade is one file to read: if a name moved, fix it here (tests/test_torch_private.py
+calls each accessor, and checks that no other module under fxtrain/ names a private torch API).
+Modules whose logic is about a torch internal by nature (capture/, pythonop/route.py,
+cache/recipe.py, profile/tracker.py) keep that logic, but reach the internals through this module.
+
+Names exported as plain aliases (``FakeTensor``, ``tree_flatten``, the dispatch-key helpers) sit in
+modules ``import torch`` loads anyway; anything heavier (dynamo, inductor, the graph pickler) is
+imported inside the function that needs it, so importing this module costs nothing extra.
 """
 from __future__ import annotations
 
@@ -11,6 +16,10 @@ from typing import Any, Callable, ContextManager, Dict, Iterable, List, Optional
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import (DynamicOutputShapeException, FakeTensor, FakeTensorMode,
+                                           unset_fake_temporarily)
+from torch.utils._python_dispatch import TorchDispatchMode
 
 CHECKED_ON = "2.13.0"
 
@@ -58,16 +67,19 @@ def dynamo_compile(fn: Callable[..., Any], backend: Callable[..., Any], dynamic:
 
 
 def dynamo_config_patch(settings: Dict[str, Any]) -> ContextManager[Any]:
+    """Dynamo's config set to ``settings`` within the block (``torch._dynamo.config.patch(dict)``)."""
     return torch._dynamo.config.patch(settings)
 
 
 # ------------------------------------------------------------------------------- AOTAutograd
 def default_partition(joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
+    """AOTAutograd's default joint-graph partitioner (``torch._functorch.partitioners.default_partition``)."""
     from torch._functorch.partitioners import default_partition as partition
     return partition(joint, joint_inputs, **kwargs)
 
 
 def min_cut_partition(joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
+    """AOTAutograd's min-cut rematerialising partitioner (``min_cut_rematerialization_partition``)."""
     from torch._functorch.partitioners import min_cut_rematerialization_partition as partition
     return partition(joint, joint_inputs, **kwargs)
 
@@ -150,6 +162,7 @@ def _inductor_runs_backward_pass_ops() -> None:
 
 
 def inductor_decompositions(keep: Iterable[Any] = ()) -> Dict[Any, Callable[..., Any]]:
+    """Inductor's decomposition table (``select_decomp_table()``) less the ops in ``keep``."""
     from torch._inductor.decomposition import select_decomp_table
     kept = set(keep)
     return {op: fn for op, fn in select_decomp_table().items() if op not in kept}
@@ -158,3 +171,219 @@ def inductor_decompositions(keep: Iterable[Any] = ()) -> Dict[Any, Callable[...,
 def placeholder_examples(graph: torch.fx.GraphModule) -> List[Any]:
     """Fake values of a graph's inputs as AOTAutograd left them on the placeholders ("val")."""
     return [n.meta.get("val") for n in graph.graph.nodes if n.op == "placeholder"]
+
+
+# ----------------------------------------------------------------------- dynamo capture internals
+def allow_in_graph(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Let dynamo put calls of ``fn`` in the graph as opaque nodes (``torch._dynamo.allow_in_graph``)."""
+    import torch._dynamo
+    return torch._dynamo.allow_in_graph(fn)
+
+
+def dynamo_unsupported() -> type:
+    """The exception dynamo raises for code it cannot trace (``torch._dynamo.exc.Unsupported``)."""
+    from torch._dynamo.exc import Unsupported
+    return Unsupported
+
+
+def dynamo_recompile_limit_error() -> type:
+    """The exception dynamo raises when a frame hits its recompile limit under
+    ``fail_on_recompile_limit_hit`` (``torch._dynamo.exc.FailOnRecompileLimitHit``)."""
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+    return FailOnRecompileLimitHit
+
+
+def current_instruction_translator() -> Any:
+    """The InstructionTranslator converting a frame now (``InstructionTranslator.current_tx()``):
+    raises (or returns None) outside dynamo's conversion. Callers read ``f_code`` and
+    ``output.side_effects`` from it."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+    return InstructionTranslator.current_tx()
+
+
+def dynamo_new_object_mutation_types() -> tuple:
+    """The mutation types dynamo gives objects created during the traced call
+    (``torch._dynamo.variables.base.AttributeMutationNew``, ``ValueMutationNew``)."""
+    from torch._dynamo.variables.base import AttributeMutationNew, ValueMutationNew
+    return (AttributeMutationNew, ValueMutationNew)
+
+
+def dynamo_traced_code() -> List[Any]:
+    """The code objects dynamo inlined while converting the current frame
+    (``torch._dynamo.utils.get_traced_code()``, None read as empty)."""
+    from torch._dynamo.utils import get_traced_code
+    return get_traced_code() or []
+
+
+def dynamo_recompile_reason() -> Any:
+    """The failed guard dynamo recorded for the compile in progress (``get_metrics_context()``'s
+    private ``_metrics["recompile_reason"]``; None on a first compile). May raise if that moved."""
+    from torch._dynamo.utils import get_metrics_context
+    return get_metrics_context()._metrics.get("recompile_reason")
+
+
+def dynamo_frame_counter() -> Callable[[], int]:
+    """A reader of dynamo's count of frames it started converting (``torch._dynamo.utils.curr_frame``,
+    bumped first thing by every conversion)."""
+    import torch._dynamo.utils as utils
+    return lambda: utils.curr_frame
+
+
+def dynamo_counters() -> Dict[str, Dict[str, int]]:
+    """Dynamo's process-global message counters (``torch._dynamo.utils.counters``: category ->
+    message -> count; "graph_break" and "unimplemented" hold the break reasons)."""
+    from torch._dynamo.utils import counters
+    return counters
+
+
+def autograd_function_variable() -> type:
+    """Dynamo's variable for ``torch.autograd.Function`` classes, whose ``call_apply(self, tx, args,
+    kwargs)`` handles ``.apply`` (``torch._dynamo.variables.misc.AutogradFunctionVariable``)."""
+    from torch._dynamo.variables.misc import AutogradFunctionVariable
+    return AutogradFunctionVariable
+
+
+def install_id_match_guard(source: Any) -> None:
+    """Guard the frame being converted on the identity of the object at ``source``
+    (``install_guard(source.make_guard(GuardBuilder.ID_MATCH))``)."""
+    from torch._dynamo.guards import GuardBuilder, install_guard
+    install_guard(source.make_guard(GuardBuilder.ID_MATCH))
+
+
+def build_variable(tx: Any, value: Any) -> Any:
+    """Dynamo's variable for a Python value met during conversion (``VariableTracker.build``)."""
+    from torch._dynamo.variables import VariableTracker
+    return VariableTracker.build(tx, value)
+
+
+# ---------------------------------------------------------------------------- graph targets
+# The C functions behind torch.nn.functional that dynamo records as call_function targets
+# (``torch._C._nn.<name>``; several are the very objects ``F.<name>`` are, others are wrapped).
+NN_LINEAR = torch._C._nn.linear
+NN_GELU = torch._C._nn.gelu
+NN_SILU = torch._C._nn.silu
+NN_PAD = torch._C._nn.pad
+NN_SDPA = torch._C._nn.scaled_dot_product_attention
+#: ``torch._assert_async``: an op asserting a boolean tensor without a host synchronisation.
+ASSERT_ASYNC = torch._assert_async
+
+
+# ------------------------------------------------------------------ fake tensors and dispatch
+# Re-exported as they are (modules ``import torch`` loads): FakeTensor, FakeTensorMode,
+# unset_fake_temporarily, DynamicOutputShapeException (torch._subclasses.fake_tensor);
+# TorchDispatchMode (torch.utils._python_dispatch); pytree and its tree_* functions.
+tree_flatten = pytree.tree_flatten
+tree_map = pytree.tree_map
+tree_map_only = pytree.tree_map_only
+
+
+def disable_current_modes() -> ContextManager[Any]:
+    """Pop every active dispatch mode for the block (``torch.utils._python_dispatch._disable_current_modes``)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+    return _disable_current_modes()
+
+
+def detect_fake_mode(values: Any) -> Any:
+    """The FakeTensorMode the values (or the active tracing context) belong to, or None
+    (``torch._guards.detect_fake_mode``)."""
+    from torch._guards import detect_fake_mode as detect
+    return detect(values)
+
+
+def is_fake(x: Any) -> bool:
+    """Whether ``x`` is a FakeTensor (``torch._subclasses.FakeTensor``)."""
+    return isinstance(x, FakeTensor)
+
+
+#: ``torch.Tensor._make_wrapper_subclass(cls, shape, dtype=, device=, requires_grad=)``: a tensor
+#: subclass instance with metadata and no storage (what ``__torch_dispatch__`` wrappers are built on).
+make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
+#: ``torch._C.DisableTorchFunctionSubclass``: a context in which a Tensor subclass's
+#: ``__torch_function__`` is not called (its methods run as plain Tensor's).
+DisableTorchFunctionSubclass = torch._C.DisableTorchFunctionSubclass
+#: The dispatcher's C API (``torch._C``): DispatchKey, DispatchKeySet, grad mode.
+DispatchKey = torch._C.DispatchKey
+DispatchKeySet = torch._C.DispatchKeySet
+#: ``torch._C._after_autograd_keyset``: the keys below the autograd layer (for redispatch).
+AFTER_AUTOGRAD_KEYSET = torch._C._after_autograd_keyset
+is_grad_enabled = torch._C.is_grad_enabled
+#: ``torch._C._set_grad_enabled(bool)``: grad mode set without a context manager's cost.
+set_grad_enabled = torch._C._set_grad_enabled
+#: ``torch._C._any_requires_grad(tensors)``: whether any tensor of a list requires grad.
+any_requires_grad = torch._C._any_requires_grad
+#: ``torch._C._dispatch_tls_local_include_set()`` / ``_exclude_set()``: this thread's dispatch key TLS.
+dispatch_tls_include_set = torch._C._dispatch_tls_local_include_set
+dispatch_tls_exclude_set = torch._C._dispatch_tls_local_exclude_set
+#: ``torch._C._ForceDispatchKeyGuard(include, exclude)``: sets the dispatch key TLS until exited.
+ForceDispatchKeyGuard = torch._C._ForceDispatchKeyGuard
+#: ``torch._C._len_torch_dispatch_stack()``: how many TorchDispatchModes are active.
+dispatch_mode_depth = torch._C._len_torch_dispatch_stack
+#: ``torch._C._current_autograd_node()``: the autograd node whose backward runs now, or None.
+current_autograd_node = torch._C._current_autograd_node
+#: The autograd engine's ``run_backward(roots, grads, keep_graph, create_graph, inputs,
+#: allow_unreachable, accumulate_grad)`` (``torch.autograd.Variable._execution_engine``).
+run_backward = torch.autograd.Variable._execution_engine.run_backward
+
+
+# ----------------------------------------------------------------------- custom-op internals
+def custom_op_impl(opdef: Any) -> Callable[..., Any]:
+    """The Python function a ``torch.library.custom_op`` was defined with (``CustomOpDef._init_fn``)."""
+    return opdef._init_fn
+
+
+def custom_op_impl_of(func: Any) -> Optional[Callable[..., Any]]:
+    """For an OpOverload, the Python function of the ``torch.library.custom_op`` that defined it, or
+    None for any other op (``torch._library.custom_ops.OPDEFS[schema name]._init_fn``)."""
+    from torch._library.custom_ops import OPDEFS
+    opdef = OPDEFS.get(func._schema.name) if hasattr(func, "_schema") else None
+    return opdef._init_fn if opdef is not None else None
+
+
+def redispatcher(op: Any) -> Callable[..., Any]:
+    """``op(keyset, *args)`` that calls an OpOverload's kernels from ``keyset`` down
+    (``OpOverload._handle.redispatch_boxed``)."""
+    return op._handle.redispatch_boxed
+
+
+def reparametrize_module(module: torch.nn.Module, values: Dict[str, Any], *, tie_weights: bool,
+                         strict: bool) -> ContextManager[Any]:
+    """Swap a module's parameters and buffers for ``values`` within the block
+    (``torch.nn.utils.stateless._reparametrize_module``, what ``torch.func.functional_call`` uses)."""
+    from torch.nn.utils.stateless import _reparametrize_module
+    return _reparametrize_module(module, values, tie_weights=tie_weights, strict=strict)
+
+
+def set_custom_op_kernels(opdef: Any, kernel: Callable[..., Any], autograd_kernel: Callable[..., Any]) -> None:
+    """Register plain kernels for a ``torch.library.custom_op`` in its own library, replacing its
+    Python wrappers: ``kernel`` as CompositeExplicitAutograd, ``autograd_kernel(keyset, *args)`` as
+    Autograd (``CustomOpDef._lib.impl(CustomOpDef._name, ...)``)."""
+    opdef._lib.impl(opdef._name, kernel, "CompositeExplicitAutograd")
+    opdef._lib.impl(opdef._name, autograd_kernel, "Autograd", with_keyset=True)
+
+
+# ------------------------------------------------------------------------- distributed tools
+def process_group_timeout(group: Any) -> Any:
+    """The timeout (a timedelta) a process group's CPU backend was created with
+    (``group._get_backend(cpu).options._timeout``). Raises if the layout moved."""
+    return group._get_backend(torch.device("cpu")).options._timeout
+
+
+def default_store() -> Any:
+    """The key-value store of the default process group
+    (``torch.distributed.distributed_c10d._get_default_store()``; raises when none is initialised)."""
+    from torch.distributed import distributed_c10d
+    return distributed_c10d._get_default_store()
+
+
+# ------------------------------------------------------------------------- graph serialisation
+def pickle_graphs(obj: Any) -> bytes:
+    """Pickle an object holding GraphModules with fake-tensor metadata, every op allowed
+    (``torch.fx._graph_pickler.GraphPickler.dumps(obj, Options(ops_filter=None))``)."""
+    from torch.fx._graph_pickler import GraphPickler, Options
+    return GraphPickler.dumps(obj, Options(ops_filter=None))
+
+
+def unpickle_graphs(payload: bytes, fake_mode: Any) -> Any:
+    """Inverse of :func:`pickle_graphs`; fake values are rebuilt in ``fake_mode``."""
+    from torch.fx._graph_pickler import GraphPickler
+    return GraphPickler.loads(payload, fake_mode)

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
-import torch.utils._pytree as pytree
 
 from .. import torch_private as tp
 from ..capture.step import CapturedStep
@@ -75,4 +74,4 @@ class CachedCall:
             return module(*args, **kwargs)  # the dense route: no graph without passes is stored
         outs = self.compiled(*flat)
         leaves = [outs[v] if kind == "out" else v for kind, v in self.entry.leaves]
-        return pytree.tree_unflatten(leaves, self.entry.treespec)
+        return tp.pytree.tree_unflatten(leaves, self.entry.treespec)

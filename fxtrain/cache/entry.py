@@ -15,8 +15,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.fx
-import torch.utils._pytree as pytree
 
+from .. import torch_private as tp
 from ..runtime.absent_grads import VALUE_KEY, value_info
 from ..runtime.replay import NotReplayable, ReplaySpec, check_graph_arity, replay_spec
 from .key import versions
@@ -47,7 +47,7 @@ def output_recipe(out: Any, graph_outputs: Any) -> Tuple[Any, List[Tuple[str, An
     if graph_outputs is None:
         raise NotReplayable("the graph's outputs were not seen")
     by_id = {id(t): i for i, t in enumerate(graph_outputs) if isinstance(t, torch.Tensor)}
-    leaves, spec = pytree.tree_flatten(out)
+    leaves, spec = tp.tree_flatten(out)
     recipe: List[Tuple[str, Any]] = []
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
@@ -137,7 +137,6 @@ def _plan_graphs(recipe: Recipe) -> List[torch.fx.GraphModule]:
 
 
 def dumps(entry: Entry) -> bytes:
-    from torch.fx._graph_pickler import GraphPickler, Options
     with contextlib.ExitStack() as stack:
         fakes = entry.header.get("executor", "eager") != "eager"
         stack.enter_context(_lean_meta(entry.forward_graph, keep_values=False, keep_fakes=fakes))
@@ -148,16 +147,14 @@ def dumps(entry: Entry) -> bytes:
         recipe = entry.recipe
         last, recipe.last_outputs = recipe.last_outputs, None
         try:
-            return GraphPickler.dumps(entry, Options(ops_filter=None))
+            return tp.pickle_graphs(entry)
         finally:
             recipe.last_outputs = last
 
 
 def loads(payload: bytes) -> Entry:
-    from torch._subclasses import FakeTensorMode
-    from torch.fx._graph_pickler import GraphPickler
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
-    entry = GraphPickler.loads(payload, FakeTensorMode(shape_env=ShapeEnv()))
+    entry = tp.unpickle_graphs(payload, tp.FakeTensorMode(shape_env=ShapeEnv()))
     if not isinstance(entry, Entry):
         raise TypeError(f"payload holds a {type(entry).__name__}, not a cache entry")
     for gm in [entry.forward_graph, entry.backward_graph, entry.graph, *_plan_graphs(entry.recipe)]:

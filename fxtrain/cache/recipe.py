@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.fx
 
+from .. import torch_private as tp
 from .key import source_files
 
 logger = logging.getLogger("fxtrain")
@@ -58,14 +59,14 @@ def _noop_mutation(tx: Any, variable: Any) -> bool:
 
 
 def _side_effects(tx: Any) -> Optional[str]:
-    from torch._dynamo.variables.base import AttributeMutationNew, ValueMutationNew
+    new_objects = tp.dynamo_new_object_mutation_types()
     effects = tx.output.side_effects
     if effects.tensor_hooks or effects.save_for_backward:
         return "the model registers tensor hooks or saves tensors for backward outside the graph"
     for variable in list(effects.id_to_variable.values()):
         if not effects.is_modified(variable):
             continue
-        if isinstance(variable.mutation_type, (AttributeMutationNew, ValueMutationNew)):
+        if isinstance(variable.mutation_type, new_objects):
             continue  # objects created during the call (the output dataclass, lists): rebuilt from outputs
         if _noop_mutation(tx, variable):
             continue
@@ -77,8 +78,7 @@ def start(gm: torch.fx.GraphModule) -> Recipe:
     """Called in the backend before our passes: sources, side effects, traced files."""
     recipe = Recipe()
     try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-        tx = InstructionTranslator.current_tx()
+        tx = tp.current_instruction_translator()
         recipe.bypass = _side_effects(tx)
     except Exception as e:  # no translator: not a normal dynamo capture
         recipe.bypass = f"no dynamo context ({type(e).__name__})"
@@ -95,8 +95,7 @@ def start(gm: torch.fx.GraphModule) -> Recipe:
         recipe.sources.append(name)
         value = node.meta.get("example_value")
         recipe.checks.append((str(value.dtype), bool(value.requires_grad)) if isinstance(value, torch.Tensor) else None)
-    from torch._dynamo.utils import get_traced_code
-    recipe.files = source_files(get_traced_code() or [])
+    recipe.files = source_files(tp.dynamo_traced_code())
     return recipe
 
 

@@ -8,6 +8,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.fx
 
+from .. import torch_private as tp
 from ..cache import recipe as cache_recipe
 from ..options import Options
 from ..passes import Plans, run_passes
@@ -27,8 +28,7 @@ def dynamo_recompile_reason() -> str:
     """The guard that failed when dynamo recompiles a frame ('' on a first compile): dynamo records
     it only in its compile metrics, whose layout is private, hence the defensive reading."""
     try:
-        from torch._dynamo.utils import get_metrics_context
-        reason = get_metrics_context()._metrics.get("recompile_reason") or ""
+        reason = tp.dynamo_recompile_reason() or ""
     except Exception:
         return ""
     first = str(reason).strip().splitlines()[0] if str(reason).strip() else ""

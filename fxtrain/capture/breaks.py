@@ -7,7 +7,7 @@ totals are shared by every model in the process. A call's own breaks are therefo
 both counters across the call, less what the calls of other TrainModules nested inside it filed.
 
 The counters only move while dynamo converts a frame, and every conversion bumps
-``torch._dynamo.utils.curr_frame`` first, so a call that converted nothing costs two integer reads:
+dynamo's frame counter (``torch_private.dynamo_frame_counter``) first, so a call that converted nothing costs two integer reads:
 the before-image of the counters is copied only after a conversion happened somewhere.
 """
 from __future__ import annotations
@@ -17,15 +17,14 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-import torch._dynamo.utils as dynamo_utils
-from torch._dynamo.utils import counters
+from ..torch_private import dynamo_counters, dynamo_frame_counter
 
 _CATEGORIES = ("graph_break", "unimplemented")
 _TALLY = Dict[str, int]
 
 
-def _conversions() -> int:
-    return dynamo_utils.curr_frame
+counters = dynamo_counters()
+_conversions = dynamo_frame_counter()
 
 
 def _tally() -> _TALLY:

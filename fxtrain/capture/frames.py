@@ -16,8 +16,8 @@ ENTRY_PREFIXES = (ENTRY_NAME + "_", "torch_dynamo_resume_in_" + ENTRY_NAME + "_"
 def compiled_frame_name() -> Optional[str]:
     """The code name of the frame dynamo is translating now (None outside dynamo's backend call)."""
     try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-        tx = InstructionTranslator.current_tx()
+        from ..torch_private import current_instruction_translator
+        tx = current_instruction_translator()
     except Exception:
         return None
     code = getattr(tx, "f_code", None)

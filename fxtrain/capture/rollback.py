@@ -24,6 +24,8 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
+from ..torch_private import current_instruction_translator, is_fake
+
 logger = logging.getLogger("fxtrain")
 
 _Snapshot = List[Tuple[torch.Tensor, torch.Tensor, int]]   # (buffer, copy, version when copied)
@@ -34,7 +36,7 @@ def _copy(buffers: List[torch.Tensor]) -> _Snapshot:
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if isinstance(a, torch._subclasses.FakeTensor) or a.device.type == "meta":
+    if is_fake(a) or a.device.type == "meta":
         return True  # no values to compare (the profiler's fake runs): versions decide
     return bool(torch.equal(a, b))
 
@@ -43,8 +45,7 @@ def _entry_frame(prefix: str) -> bool:
     """Whether dynamo is converting fxtrain's entry function (nothing of the call ran yet) rather
     than a resume function or a frame called after a graph break."""
     try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-        return InstructionTranslator.current_tx().f_code.co_name.startswith(prefix)
+        return current_instruction_translator().f_code.co_name.startswith(prefix)
     except Exception:  # no translator (not inside dynamo), or an internal that moved
         return False
 

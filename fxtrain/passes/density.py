@@ -11,6 +11,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 import torch.fx
 
+from ..torch_private import is_fake
 from .plans import Plans
 
 
@@ -23,7 +24,7 @@ def source_example(node: Any) -> Optional[torch.Tensor]:
         example = grapharg.example if grapharg is not None else None
     except Exception:  # the weak reference to the real input is gone
         return None
-    if not isinstance(example, torch.Tensor) or isinstance(example, torch._subclasses.FakeTensor):
+    if not isinstance(example, torch.Tensor) or is_fake(example):
         return None
     return example
 

@@ -22,6 +22,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from ..options import Options
+from ..torch_private import NN_PAD
 from .base import PassReport
 from .plans import Plans
 from .batch_guard import counted_index
@@ -33,7 +34,7 @@ NAME = "label_sparsity"
 _CE_SIGNATURE = inspect.signature(F.cross_entropy)
 # Ops a label tensor goes through on its way to the loss (flattening, label shifting, device moves).
 _LABEL_METHODS = {"view", "reshape", "contiguous", "to", "long", "flatten"}
-_LABEL_FUNCTIONS = {torch._C._nn.pad, F.pad, operator.getitem, torch.reshape, torch.flatten}
+_LABEL_FUNCTIONS = {NN_PAD, F.pad, operator.getitem, torch.reshape, torch.flatten}
 
 
 def cross_entropy_args(node: torch.fx.Node) -> Optional[inspect.BoundArguments]:

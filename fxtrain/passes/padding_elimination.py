@@ -26,6 +26,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from ..options import Options
+from ..torch_private import ASSERT_ASYNC, NN_SDPA
 from .base import PassReport
 from .plans import Plans
 from .batch_guard import GuardBuilder, counted_index
@@ -35,7 +36,7 @@ from .density import add_probe, density_reason, source_example
 from .rows import Node, _same_shape, same_shape_guarded, copy_on_rows, heavy, is_regroup, op_name, row_inputs, value
 
 NAME = "padding_elimination"
-_SDPA = {torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention}
+_SDPA = {NN_SDPA, F.scaled_dot_product_attention}
 # Ops that only move a tensor's elements around (or add nothing), between a padded tensor and attention.
 _LAYOUT_METHODS = {"view", "reshape", "transpose", "permute", "contiguous", "split", "chunk", "unflatten", "expand"}
 _ASSERT = "fxtrain padding_elimination: a label or a kept row sits on a padding position " \
@@ -478,7 +479,7 @@ class _Guard:
             return
         graph = self.gm.graph
         with graph.inserting_before(at):
-            graph.call_function(torch._assert_async, (fallback(graph), _ASSERT))
+            graph.call_function(ASSERT_ASYNC, (fallback(graph), _ASSERT))
 
     def labels_on_real_tokens(self, target: Node, ignore: int, at: Node) -> None:
         b = self.builder

@@ -19,6 +19,8 @@ import torch.fx
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from ..torch_private import NN_GELU, NN_LINEAR, NN_SILU
+
 Node = torch.fx.Node
 
 # Ops that act on each element, or broadcast an operand that has no leading dims.
@@ -26,13 +28,13 @@ _ELEMENTWISE_FUNCTIONS = {
     operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow,
     torch.add, torch.sub, torch.mul, torch.div, torch.neg, torch.pow, torch.tanh, torch.sigmoid,
     torch.relu, torch.rsqrt, torch.exp, torch.erf, torch.where,
-    F.relu, F.gelu, F.silu, F.tanh, F.sigmoid, F.dropout, torch._C._nn.gelu, torch._C._nn.silu,
+    F.relu, F.gelu, F.silu, F.tanh, F.sigmoid, F.dropout, NN_GELU, NN_SILU,
 }
 _ELEMENTWISE_METHODS = {
     "add", "sub", "mul", "div", "neg", "pow", "tanh", "sigmoid", "relu", "rsqrt", "exp", "erf",
     "float", "half", "bfloat16", "double", "to", "type_as", "contiguous", "clone",
 }
-_LINEAR_FUNCTIONS = {torch._C._nn.linear, F.linear}
+_LINEAR_FUNCTIONS = {NN_LINEAR, F.linear}
 _MATMUL_FUNCTIONS = {torch.matmul, operator.matmul}
 _SOFTMAX_FUNCTIONS = {F.softmax, F.log_softmax, torch.softmax, torch.log_softmax}
 _SOFTMAX_METHODS = {"softmax", "log_softmax"}

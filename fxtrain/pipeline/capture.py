@@ -26,6 +26,7 @@ from ..capture.entry import make_entry
 from ..capture.settings import dynamo_settings
 from ..options import Options
 from ..pythonop import routing
+from ..torch_private import dynamo_config_patch, dynamo_unsupported
 from .errors import SplitError
 
 logger = logging.getLogger("fxtrain")
@@ -163,12 +164,12 @@ def capture(model: nn.Module, args: Sequence[Any], kwargs: Dict[str, Any], *,
     model.train()
     try:
         # fxtrain's dynamo settings (logging calls inside forward do not break the graph, ...).
-        with torch._dynamo.config.patch(dynamo_settings(Options())), torch.enable_grad(), \
+        with dynamo_config_patch(dynamo_settings(Options())), torch.enable_grad(), \
                 routing(lambda name: python_ops.append(name) if name not in python_ops else None):
             entry(wrapper, (tuple(args), dict(kwargs), target), {})
     except _Captured:
         pass
-    except torch._dynamo.exc.Unsupported as e:
+    except dynamo_unsupported() as e:
         raise SplitError(f"fxtrain.split needs the model's forward as one graph, and dynamo could not "
                          f"capture it whole: {str(e).strip().splitlines()[0]}") from e
     finally:

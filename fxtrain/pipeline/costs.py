@@ -19,6 +19,8 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
+from ..torch_private import NN_LINEAR, NN_SDPA
+
 CostFn = Callable[[torch.fx.GraphModule], List[float]]
 
 
@@ -93,7 +95,7 @@ _ADDMM_METHODS = {"addmm", "baddbmm", "addbmm"}
 _CONV_FUNCTIONS = {torch.conv1d, torch.conv2d, torch.conv3d, F.conv1d, F.conv2d, F.conv3d}
 _CONV_T_FUNCTIONS = {torch.conv_transpose1d, torch.conv_transpose2d, torch.conv_transpose3d,
                      F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d}
-_SDPA = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
+_SDPA = {F.scaled_dot_product_attention, NN_SDPA}
 
 
 def _arg(node: torch.fx.Node, index: int, name: str) -> Any:
@@ -106,7 +108,7 @@ def flops_of(node: torch.fx.Node) -> int:
     """Training FLOPs (forward + the backward products for operands that need grad) of one node."""
     target = node.target
     if node.op == "call_function":
-        if target in (F.linear, torch._C._nn.linear):
+        if target in (F.linear, NN_LINEAR):
             x, w, b = _example(_arg(node, 0, "input")), _example(_arg(node, 1, "weight")), _example(_arg(node, 2, "bias"))
             return _train(linear_flops(x, w), x, w) if x is not None and w is not None else 0
         if target in _MATMUL_FUNCTIONS:
@@ -155,7 +157,7 @@ def forward_flops_of(node: torch.fx.Node) -> int:
         q, k, v = (_example(_arg(node, i, n)) for i, n in enumerate(("query", "key", "value")))
         return attention_flops(q, k, v)
     operands = [_example(a) for a in node.args if isinstance(a, torch.fx.Node)]
-    if node.op == "call_function" and target in (F.linear, torch._C._nn.linear):
+    if node.op == "call_function" and target in (F.linear, NN_LINEAR):
         operands = [_example(_arg(node, 0, "input")), _example(_arg(node, 1, "weight"))]
     elif node.op == "call_function" and target in _ADDMM_FUNCTIONS or node.op == "call_method" and target in _ADDMM_METHODS:
         operands = operands[1:3]

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from ..torch_private import allow_in_graph
+
 
 @torch.fx.node.has_side_effect
 def pipe_split() -> None:
@@ -16,7 +18,7 @@ def pipe_split() -> None:
     return None
 
 
-torch._dynamo.allow_in_graph(pipe_split)
+allow_in_graph(pipe_split)
 
 
 def is_marker(node: torch.fx.Node) -> bool:

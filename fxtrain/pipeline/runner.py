@@ -36,6 +36,7 @@ from .capture import fetch, path_text, walk
 from .errors import PipelineError, SplitError
 from .plan import Plan
 from .stage_module import stage_module
+from ..torch_private import default_store, process_group_timeout
 
 if TYPE_CHECKING:
     from .pipe import Pipe
@@ -354,13 +355,13 @@ _MISSING = object()
 
 def _group_timeout(group: Any) -> Optional[datetime.timedelta]:
     try:
-        return group._get_backend(torch.device("cpu")).options._timeout
+        return process_group_timeout(group)
     except Exception:
         return None
 
 
 def _default_store() -> Any:
     try:
-        return dist.distributed_c10d._get_default_store()
+        return default_store()
     except Exception:
         return None

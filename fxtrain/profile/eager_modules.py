@@ -11,7 +11,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-from torch.utils._pytree import tree_flatten
+
+from ..torch_private import current_autograd_node, tree_flatten
 
 
 def _grad_fns(values: Any) -> List[Any]:
@@ -60,7 +61,7 @@ class ModuleAttribution:
             todo.extend(f for f, _ in fn.next_functions)
 
     def current(self) -> Optional[str]:
-        node = torch._C._current_autograd_node()
+        node = current_autograd_node()
         if node is not None:
             return self.labels.get(node._sequence_nr())
         return self.stack[-1][1] if self.stack else None

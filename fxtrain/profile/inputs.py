@@ -11,8 +11,8 @@ from collections import Counter
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.utils._pytree import tree_flatten, tree_map
+
+from ..torch_private import FakeTensor, FakeTensorMode, tree_flatten, tree_map
 
 Shape = Union[int, Sequence[int]]
 

@@ -14,10 +14,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Optional
 
 import torch
-from torch._library.custom_ops import OPDEFS
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from ..torch_private import TorchDispatchMode, custom_op_impl_of, tree_flatten
 from .step import loss_of, make_optimizer
 
 
@@ -66,10 +64,10 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        opdef = OPDEFS.get(func._schema.name) if hasattr(func, "_schema") else None
-        if opdef is not None and opdef._init_fn is not None:
+        impl = custom_op_impl_of(func)
+        if impl is not None:
             with self:  # see the user's code inside the op
-                out = opdef._init_fn(*args, **kwargs)
+                out = impl(*args, **kwargs)
         else:
             out = func(*args, **kwargs)
         self.track(out)

@@ -18,11 +18,9 @@ from unittest import mock
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.nn.utils.stateless import _reparametrize_module
-from torch.utils._pytree import tree_flatten
 
 from ..module import CaptureError
+from ..torch_private import FakeTensorMode, reparametrize_module
 from .capture import profiling_module
 from .eager_modules import ModuleAttribution
 from .inputs import fake_values, target_device, to_fake
@@ -123,7 +121,7 @@ class Session:
                 self.modules = ModuleAttribution(self.model)
                 stack.enter_context(self.modules)
                 tracker.module_source = self.modules.current
-            stack.enter_context(_reparametrize_module(self.model, self.fakes, tie_weights=False, strict=False))
+            stack.enter_context(reparametrize_module(self.model, self.fakes, tie_weights=False, strict=False))
             stack.enter_context(mock.patch.object(pythonop_op, "_shares_storage", _storage_aware_shares))
             stack.enter_context(_passes_read_shadows(self.shadows))
             stack.enter_context(self.mode)

@@ -25,11 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
-from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensor, FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten
 
 from ..runtime.host_counts import HOST_COUNT
+from ..torch_private import (DynamicOutputShapeException, FakeTensor, FakeTensorMode, TorchDispatchMode,
+                             custom_op_impl_of, disable_current_modes, tree_flatten)
 from .shadows import Shadows
 
 from .capture import current_node
@@ -248,7 +247,7 @@ class CostTracker(TorchDispatchMode):
                 real_flat.append(x)
         real_args, real_kwargs = spec.unflatten(real_flat)
         try:
-            with _disable_current_modes():
+            with disable_current_modes():
                 real_out = func(*real_args, **real_kwargs)
         except Exception:  # a device we cannot run on, say: no value, sizes fall back to hints
             return False
@@ -274,7 +273,7 @@ class CostTracker(TorchDispatchMode):
                 return None
             real_flat.append(value)
         real_args, real_kwargs = spec.unflatten(real_flat)
-        with _disable_current_modes():
+        with disable_current_modes():
             real = func(*real_args, **real_kwargs)
         out = self.fake_mode.from_tensor(real)
         self.shadows.set(out, real)
@@ -307,7 +306,7 @@ class CostTracker(TorchDispatchMode):
         total = int(valid.numel())
         value = self._shadow_of(valid)
         if value is not None:
-            with _disable_current_modes():
+            with disable_current_modes():
                 rows = int(value.sum())
         elif len(self.fractions) < len(self.hints):
             rows = int(round(self.hints[len(self.fractions)] * total))
@@ -338,7 +337,7 @@ class CostTracker(TorchDispatchMode):
                     pass
                 raise ProfileError("the step reads a tensor's value (.item(), int(), a Python branch on data) "
                                    "that a fake run does not have; pass real tensors for such inputs")
-            with _disable_current_modes():
+            with disable_current_modes():
                 return func(value)
         try:
             out = func(*args, **kwargs)
@@ -404,10 +403,9 @@ class CostTracker(TorchDispatchMode):
         """Run the PythonOp's real implementation on fake tensors (what it allocates and saves is then
         seen); if the user's code leaves torch, fall back to the op's fake (``infer_shape``) outputs."""
         from ..pythonop.registry import SPECS
-        from torch._library.custom_ops import OPDEFS
         key, tensors = args[0], args[1]
         spec = SPECS[key]
-        impl = OPDEFS[func._schema.name]._init_fn
+        impl = custom_op_impl_of(func)
         self._in_python_op += 1
         try:
             with self:
@@ -433,7 +431,6 @@ class CostTracker(TorchDispatchMode):
         return out
 
     def _run_python_op_backward(self, func: Any, args: Any, kwargs: Any) -> Any:
-        from torch._library.custom_ops import OPDEFS
         from ..pythonop.registry import SPECS
         key, handle = args[0], args[1]
         value = self.shadows.get(handle)
@@ -441,7 +438,7 @@ class CostTracker(TorchDispatchMode):
         try:
             if value is not None:
                 with self:
-                    out = OPDEFS[func._schema.name]._init_fn(*args, **kwargs)
+                    out = custom_op_impl_of(func)(*args, **kwargs)
             else:
                 out = func(*args, **kwargs)
         finally:
@@ -464,7 +461,7 @@ class CostTracker(TorchDispatchMode):
 
 def _value(real: torch.Tensor) -> int:
     """int() of a real tensor while fake mode is below us (it would fake the read)."""
-    with _disable_current_modes():
+    with disable_current_modes():
         return int(real)
 
 

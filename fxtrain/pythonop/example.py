@@ -12,7 +12,8 @@ from typing import Any, Dict, List, Optional, Sequence, Set
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+from ..torch_private import FakeTensor, unset_fake_temporarily
 
 
 def _ancestors(nodes: Sequence[torch.fx.Node]) -> Set[torch.fx.Node]:

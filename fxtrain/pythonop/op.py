@@ -33,24 +33,28 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .. import torch_private as tp
+from ..torch_private import (AFTER_AUTOGRAD_KEYSET, DispatchKey, DispatchKeySet, ForceDispatchKeyGuard,
+                             any_requires_grad, current_graph_task_keeps_graph, dispatch_mode_depth,
+                             dispatch_tls_exclude_set, dispatch_tls_include_set, is_grad_enabled,
+                             set_grad_enabled)
 from .registry import CONSTANT, SPECS
 
 _lock = threading.Lock()
 _handles = itertools.count(1)
 # handle -> (inputs, outputs, weakref to the handle tensor whose death drops the entry)
 POOL: Dict[int, Tuple[List[torch.Tensor], List[torch.Tensor], Any]] = {}
-_C = torch._C
 _CPU = torch.device("cpu")
-_AUTOGRAD_KEYS = (_C.DispatchKey.AutogradFunctionality, _C.DispatchKey.AutogradOther,
-                  _C.DispatchKey.AutogradNestedTensor, _C.DispatchKey.ADInplaceOrView)
-_AUTOGRAD_SET = _C.DispatchKeySet(_AUTOGRAD_KEYS[0])
+_AUTOGRAD_KEYS = (DispatchKey.AutogradFunctionality, DispatchKey.AutogradOther,
+                  DispatchKey.AutogradNestedTensor, DispatchKey.ADInplaceOrView)
+_AUTOGRAD_SET = DispatchKeySet(_AUTOGRAD_KEYS[0])
 for _key in _AUTOGRAD_KEYS[1:]:
-    _AUTOGRAD_SET = _AUTOGRAD_SET | _C.DispatchKeySet(_key)
-_AFTER_AUTOGRAD = _C._after_autograd_keyset
+    _AUTOGRAD_SET = _AUTOGRAD_SET | DispatchKeySet(_key)
+_AFTER_AUTOGRAD = AFTER_AUTOGRAD_KEYSET
 # Dispatch keys of a call that a tracer or a tensor subclass sees (FakeTensor, FunctionalTensor,
 # TorchDispatchMode: the Python key; C++ functionalization).
-_TRACED = _C.DispatchKeySet(_C.DispatchKey.Python) | _C.DispatchKeySet(_C.DispatchKey.Functionalize)
-_run_backward = torch.autograd.Variable._execution_engine.run_backward
+_TRACED = DispatchKeySet(DispatchKey.Python) | DispatchKeySet(DispatchKey.Functionalize)
+_run_backward = tp.run_backward
 
 
 def _enter_user_autograd() -> Tuple[bool, Any]:
@@ -62,12 +66,12 @@ def _enter_user_autograd() -> Tuple[bool, Any]:
     inference mode), where no op records a gradient even with grad enabled; the user's backward may
     rely on autograd (recompute then ``torch.autograd.grad``), and we record the forward ourselves.
     """
-    previous = _C.is_grad_enabled()
-    _C._set_grad_enabled(True)
-    exclude = _C._dispatch_tls_local_exclude_set()
+    previous = is_grad_enabled()
+    set_grad_enabled(True)
+    exclude = dispatch_tls_exclude_set()
     if not (exclude & _AUTOGRAD_SET).raw_repr():
         return previous, None
-    guard = _C._ForceDispatchKeyGuard(_C._dispatch_tls_local_include_set(), exclude - _AUTOGRAD_SET)
+    guard = ForceDispatchKeyGuard(dispatch_tls_include_set(), exclude - _AUTOGRAD_SET)
     guard.__enter__()
     return previous, guard
 
@@ -76,7 +80,7 @@ def _exit_user_autograd(state: Tuple[bool, Any]) -> None:
     previous, guard = state
     if guard is not None:
         guard.__exit__(None, None, None)
-    _C._set_grad_enabled(previous)
+    set_grad_enabled(previous)
 
 
 def _forget(handle: int) -> Any:
@@ -90,7 +94,7 @@ def _shares_storage(t: torch.Tensor, inputs: Sequence[torch.Tensor]) -> bool:
 
 def _new_handle(handle_id: int) -> torch.Tensor:
     """The handle tensor, on the CPU whatever the data's or the default device."""
-    if _C._len_torch_dispatch_stack():
+    if dispatch_mode_depth():
         # Under a dispatch mode (the profiler's fake run): fake mode keeps the value of a tensor made
         # by torch.tensor from a Python number as a constant, so int() can read it back.
         return torch.tensor(handle_id, dtype=torch.int64, device=_CPU)
@@ -154,7 +158,7 @@ def python_op_backward(key: int, handle: torch.Tensor, grads: List[Optional[torc
                        sizes: List[int]) -> List[torch.Tensor]:
     spec = SPECS[key]
     # backward(retain_graph=True) may run this node again: keep the forward state for it.
-    keep = _C._autograd._get_current_graph_task_keep_graph()
+    keep = current_graph_task_keeps_graph()
     handle_id = int(handle)  # a CPU tensor: no synchronisation
     entry = POOL.get(handle_id) if keep else POOL.pop(handle_id, None)
     if entry is None:
@@ -222,7 +226,7 @@ class _Formula(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, keyset: Any, key: int, *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        output = _FORWARD_OP._handle.redispatch_boxed(keyset & _AFTER_AUTOGRAD, key, list(tensors))
+        output = _redispatch_forward(keyset & _AFTER_AUTOGRAD, key, list(tensors))
         _setup_context(ctx, (key, tensors), output)
         ctx.mark_non_differentiable(output[-1])
         return tuple(output)
@@ -262,28 +266,32 @@ def _apply_eagerly(key: int, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
 
 def _python_op_autograd(keyset: Any, key: int, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
     traced = (keyset & _TRACED).raw_repr()   # fake or functional tensors, a dispatch mode: keep the op opaque
-    if _C.is_grad_enabled() and _C._any_requires_grad(tensors):
+    if is_grad_enabled() and any_requires_grad(tensors):
         if traced:
             return list(_Formula.apply(keyset, key, *tensors))
         return _apply_eagerly(key, tensors)
-    if traced or keyset.has(_C.DispatchKey.Meta):   # the Meta kernel is the fake one
-        return _FORWARD_OP._handle.redispatch_boxed(keyset & _AFTER_AUTOGRAD, key, tensors)
+    if traced or keyset.has(DispatchKey.Meta):   # the Meta kernel is the fake one
+        return _redispatch_forward(keyset & _AFTER_AUTOGRAD, key, tensors)
     # Below autograd only fallthrough keys remain before the CompositeExplicitAutograd kernel: call it.
-    return python_op._init_fn(key, tensors)
+    return _forward_impl(key, tensors)
 
 
 def _python_op_backward_autograd(keyset: Any, key: int, handle: torch.Tensor,
                                  grads: List[Optional[torch.Tensor]], sizes: List[int]) -> List[torch.Tensor]:
-    if _C.is_grad_enabled() and _C._any_requires_grad(grads):
+    if is_grad_enabled() and any_requires_grad(grads):
         raise RuntimeError(f"fxtrain: a higher-order gradient (create_graph=True) through the PythonOp "
                            f"{SPECS[key].name} is not supported")
-    if (keyset & _TRACED).raw_repr() or keyset.has(_C.DispatchKey.Meta):
-        return _BACKWARD_OP._handle.redispatch_boxed(keyset & _AFTER_AUTOGRAD, key, handle, grads, sizes)
-    return python_op_backward._init_fn(key, handle, grads, sizes)
+    if (keyset & _TRACED).raw_repr() or keyset.has(DispatchKey.Meta):
+        return _redispatch_backward(keyset & _AFTER_AUTOGRAD, key, handle, grads, sizes)
+    return _backward_impl(key, handle, grads, sizes)
 
 
 _FORWARD_OP = torch.ops.fxtrain.python_op.default
 _BACKWARD_OP = torch.ops.fxtrain.python_op_backward.default
+_redispatch_forward = tp.redispatcher(_FORWARD_OP)
+_redispatch_backward = tp.redispatcher(_BACKWARD_OP)
+_forward_impl = tp.custom_op_impl(python_op)
+_backward_impl = tp.custom_op_impl(python_op_backward)
 # The formula as custom_op metadata too (what torch reads of a custom op); the kernel below runs it.
 python_op.register_autograd(_backward, setup_context=_setup_context)
 
@@ -293,11 +301,8 @@ def _register_lean_kernels() -> None:
     with warnings.catch_warnings():
         # "Overriding a previously registered kernel": custom_op's own, on purpose.
         warnings.simplefilter("ignore", UserWarning)
-        for opdef, kernel, autograd_kernel in ((python_op, python_op._init_fn, _python_op_autograd),
-                                              (python_op_backward, python_op_backward._init_fn,
-                                               _python_op_backward_autograd)):
-            opdef._lib.impl(opdef._name, kernel, "CompositeExplicitAutograd")
-            opdef._lib.impl(opdef._name, autograd_kernel, "Autograd", with_keyset=True)
+        tp.set_custom_op_kernels(python_op, _forward_impl, _python_op_autograd)
+        tp.set_custom_op_kernels(python_op_backward, _backward_impl, _python_op_backward_autograd)
 
 
 _register_lean_kernels()

@@ -15,9 +15,9 @@ import threading
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-from torch._dynamo.variables.misc import AutogradFunctionVariable
 
 from . import op as _op  # noqa: F401  (registers the torch.library ops)
+from .. import torch_private as tp
 from ..capture.state import capturing
 from .example import real_values
 from .registry import CONSTANT, DETACHED, TENSOR, CallSpec, qualified_name, register
@@ -25,6 +25,7 @@ from .registry import CONSTANT, DETACHED, TENSOR, CallSpec, qualified_name, regi
 logger = logging.getLogger("fxtrain")
 
 _state = threading.local()
+AutogradFunctionVariable = tp.autograd_function_variable()
 _original_call_apply = AutogradFunctionVariable.call_apply
 
 
@@ -62,7 +63,7 @@ def _fxtrain_options(tx: Any) -> Any:
 def _inline(self: AutogradFunctionVariable, tx: Any, args: list, kwargs: dict) -> Any:
     """Dynamo's own handling (forward traced, the user's backward traced as the backward), or an
     error naming the Function when dynamo could only run it outside the graph."""
-    from torch._dynamo.exc import Unsupported
+    Unsupported = tp.dynamo_unsupported()
     try:
         return _original_call_apply(self, tx, args, kwargs)
     except Unsupported as why:
@@ -109,9 +110,8 @@ def _argument(tx: Any, vt: Any) -> Any:
     if source is None:
         raise _Unsupported(f"a {type(vt).__name__} argument created inside the traced code has no "
                            f"object to pass by reference")
-    from torch._dynamo.guards import GuardBuilder, install_guard
     value = tx.output.resolve_source_value(source)
-    install_guard(source.make_guard(GuardBuilder.ID_MATCH))
+    tp.install_id_match_guard(source)
     return value
 
 
@@ -129,7 +129,7 @@ def _shape_fn(fn_cls: type, template: List[Any], out_kinds: List[Any], single: b
         if seen is not None:
             return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype, device in seen]
         args = [tensors[v] if kind == TENSOR else v for kind, v in template]
-        with capturing(), _real_tensors_as_constants(torch._guards.detect_fake_mode(tensors)):
+        with capturing(), _real_tensors_as_constants(tp.detect_fake_mode(tensors)):
             if infer is not None:
                 result = infer(*args)
             else:
@@ -261,7 +261,6 @@ def _call_apply(self: AutogradFunctionVariable, tx: Any, args: list, kwargs: dic
             return _inline(self, tx, args, kwargs)
     if sink is None or kwargs:
         return _original_call_apply(self, tx, args, kwargs)
-    from torch._dynamo.variables import VariableTracker
     try:
         spec, tensor_vts = _build_spec(tx, self.fn_cls, list(args))
     except _Unsupported as why:
@@ -271,7 +270,7 @@ def _call_apply(self: AutogradFunctionVariable, tx: Any, args: list, kwargs: dic
     key = register(spec)
     sink(spec.name)
     call = _make_call(key, spec.outputs, spec.single)
-    return VariableTracker.build(tx, call).call_function(tx, tensor_vts, {})
+    return tp.build_variable(tx, call).call_function(tx, tensor_vts, {})
 
 
 def install() -> None:

@@ -19,10 +19,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils._pytree import tree_map_only
 
+from ..torch_private import DisableTorchFunctionSubclass, FakeTensor, make_wrapper_subclass, tree_map_only
 from .absent_grads import ShapeSolver
 
 # Read from the wrapper itself: metadata a deferred tensor has without computing anything.
@@ -183,8 +182,7 @@ class DeferredTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, pending: _Pending, index: int, shape: Sequence[int], dtype: torch.dtype,
                 device: torch.device, requires_grad: bool) -> "DeferredTensor":
-        t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device,
-                                                requires_grad=requires_grad)
+        t = make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=requires_grad)
         t._pending, t._index = pending, index
         return t
 
@@ -199,7 +197,7 @@ class DeferredTensor(torch.Tensor):
     def __torch_function__(cls, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func in _METADATA:
-            with torch._C.DisableTorchFunctionSubclass():
+            with DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         args, kwargs = tree_map_only(DeferredTensor, DeferredTensor.materialize, (args, kwargs))
         return func(*args, **kwargs)
