@@ -1,4 +1,5 @@
-"""Dynamo settings fxtrain captures under (applied around each capturing call, never globally)."""
+"""Dynamo settings fxtrain captures under: applied only while dynamo converts one of a TrainModule's frames
+(TrainModule._compiling, via torch_private.dynamo_compile), never globally nor on calls that hit a capture."""
 from __future__ import annotations
 
 import logging
