@@ -12,6 +12,8 @@ imported inside the function that needs it, so importing this module costs nothi
 """
 from __future__ import annotations
 
+import contextlib
+
 from typing import Any, Callable, ContextManager, Dict, Iterable, List, Optional, Sequence
 
 import torch
@@ -139,7 +141,15 @@ def inductor_compile(graph: torch.fx.GraphModule, example_inputs: Sequence[Any],
     # fxtrain compiles the forward and the backward apart, each against AOTAutograd's fake values:
     # the forward must hand the backward its saved tensors with those strides, which inductor's
     # layout optimisation (channels-last convolutions) would change.
-    with config.patch(layout_optimization=False):
+    # Inductor's own graph cache keys and guards its entries through the tracing context's shape
+    # environment and bypasses itself without one: a graph loaded from fxtrain's cache (compiled
+    # outside any capture) gets a context around the fake mode of its placeholders' values.
+    context: ContextManager[Any] = contextlib.nullcontext()
+    if torch._guards.TracingContext.try_get() is None:
+        fake_mode = torch._guards.detect_fake_mode(list(example_inputs))
+        if fake_mode is not None:
+            context = torch._guards.tracing(torch._guards.TracingContext(fake_mode))
+    with context, config.patch(layout_optimization=False):
         return compile_fx_inner(graph, list(example_inputs), is_backward=is_backward, is_inference=is_inference)
 
 
