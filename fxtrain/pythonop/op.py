@@ -101,20 +101,8 @@ def _new_handle(handle_id: int) -> torch.Tensor:
     return torch.scalar_tensor(handle_id, dtype=torch.int64, device=_CPU)  # a third of torch.tensor's cost
 
 
-@torch.library.custom_op("fxtrain::python_op", mutates_args=())
-def python_op(key: int, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
-    spec = SPECS[key]
-    if spec.record:
-        state = _enter_user_autograd()
-        try:
-            inputs = [t.detach().requires_grad_(d) for t, d in zip(tensors, spec.differentiable)]
-            result = spec.fn_cls.apply(*spec.arguments(inputs))
-        finally:
-            _exit_user_autograd(state)
-    else:
-        inputs = list(tensors)
-        with torch.no_grad():
-            result = spec.fn_cls.apply(*spec.arguments(inputs))
+def _outputs(spec: Any, result: Any, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """The Function's tensor outputs, refused where a PythonOp cannot reproduce them."""
     if spec.single:
         outs = [result] if spec.outputs[0][0] != CONSTANT else []
     else:
@@ -131,6 +119,24 @@ def python_op(key: int, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
         raise RuntimeError(f"fxtrain: {spec.name} returned {[tuple(o.shape) for o in outs]}, but at capture it "
                            f"returned {[tuple(s) for s, _, _ in spec.seen]} for inputs of the same sizes; give "
                            f"it an infer_shape static method or make its output shape depend on sizes only")
+    return outs
+
+
+@torch.library.custom_op("fxtrain::python_op", mutates_args=())
+def python_op(key: int, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    spec = SPECS[key]
+    if spec.record:
+        state = _enter_user_autograd()
+        try:
+            inputs = [t.detach().requires_grad_(d) for t, d in zip(tensors, spec.differentiable)]
+            result = spec.fn_cls.apply(*spec.arguments(inputs))
+        finally:
+            _exit_user_autograd(state)
+    else:
+        inputs = list(tensors)
+        with torch.no_grad():
+            result = spec.fn_cls.apply(*spec.arguments(inputs))
+    outs = _outputs(spec, result, inputs)
     # A custom op may not return its inputs or views of them: copy only those.
     shares = _shares_storage
     returned = [o.detach().clone() if shares(o, tensors) else o.detach() for o in outs]
@@ -246,20 +252,7 @@ def _apply_eagerly(key: int, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
     """
     spec = SPECS[key]
     result = spec.fn_cls.apply(*spec.arguments(tensors))
-    if spec.single:
-        outs = [result] if spec.outputs[0][0] != CONSTANT else []
-    else:
-        outs = [result[i] for i, (kind, _) in enumerate(spec.outputs) if kind != CONSTANT]
-    for o in outs:
-        for i in tensors:
-            if o is i:
-                raise RuntimeError(f"fxtrain: {spec.name} modifies an input in place (ctx.mark_dirty), which a "
-                                   f"PythonOp cannot reproduce; make its forward traceable by torch (it then is "
-                                   f"traced with in-place semantics) or use Options(custom_autograd=False)")
-    if spec.seen is not None and [(o.shape, o.dtype) for o in outs] != [(s, d) for s, d, _ in spec.seen]:
-        raise RuntimeError(f"fxtrain: {spec.name} returned {[tuple(o.shape) for o in outs]}, but at capture it "
-                           f"returned {[tuple(s) for s, _, _ in spec.seen]} for inputs of the same sizes; give "
-                           f"it an infer_shape static method or make its output shape depend on sizes only")
+    outs = _outputs(spec, result, tensors)
     outs.append(_new_handle(0))
     return outs
 
