@@ -15,6 +15,7 @@ The profiler's executor (profile/capture.py) is a third: the eager one running m
 """
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -79,7 +80,14 @@ class InductorExecutor(Executor):
         return tp.inductor_decompositions(keep=tp.BACKWARD_PASS_OPS)
 
     def compile(self, graph: torch.fx.GraphModule, kind: str, example_inputs: Sequence[Any]) -> Compiled:
-        return tp.inductor_compile(graph, example_inputs, is_backward=kind == "backward",
+        # Inductor rewrites the graph it is given in place (views become reshapes, aliases go), and
+        # keys its kernel cache on the pickled module, attribute order included (a module loaded
+        # from fxtrain's cache has another order than the live one). It gets a fresh module around
+        # a copy: the graph fxtrain keeps, caches and costs stays as captured, and a process that
+        # loads it from fxtrain's cache hits the kernels the capture compiled.
+        copied = copy.deepcopy(graph)
+        fresh = torch.fx.GraphModule(copied, copied.graph)
+        return tp.inductor_compile(fresh, example_inputs, is_backward=kind == "backward",
                                    is_inference=kind == "inference")
 
 
