@@ -34,6 +34,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="PNG", default=None, help="write the per-module and memory plot here")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
     p.add_argument("--no-optimizations", action="store_true", help="cost eager PyTorch instead of fxtrain's graph")
+    loop = p.add_mutually_exclusive_group()
+    loop.add_argument("--keep-outputs", dest="keep_outputs", action="store_true", default=True,
+                      help="the loop holds the model's outputs through backward: out = model(**b); "
+                           "out.loss.backward() (default)")
+    loop.add_argument("--drop-outputs", dest="keep_outputs", action="store_false",
+                      help="the loop keeps only the loss: loss = model(**b).loss; loss.backward() "
+                           "(HF Trainer); the peak is lower by what the outputs hold (the logits)")
     p.add_argument("--padding", type=float, default=0.0, help="built-in models: fraction of padding positions")
     p.add_argument("--label-density", type=float, default=1.0, help="built-in MLM models: fraction of labelled positions")
     p.add_argument("--sample-batch", type=int, default=8,
@@ -101,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         bar.set_description("capture and fake step" if optimizations else "fake step")
         options = Options(cache_dir=args.cache_dir) if args.cache_dir else None
         report = profile(model, *call_args, optimizer=args.optimizer, optimizations=optimizations,
-                         options=options, **call_kwargs)
+                         options=options, keep_outputs=args.keep_outputs, **call_kwargs)
         bar.update(1)
         bar.set_description(f"scale to batch {args.batch}")
         if report.batch is not None and report.batch != args.batch and args.model in PRESETS:

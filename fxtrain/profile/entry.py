@@ -46,7 +46,8 @@ def _session_for(model: torch.nn.Module, optimizer: OptimizerSpec, optimizations
 
 
 def profile(model: torch.nn.Module, *args: Any, optimizer: OptimizerSpec = None, optimizations: bool = True,
-            options: Optional[Options] = None, reuse: bool = True, **kwargs: Any) -> ProfileReport:
+            options: Optional[Options] = None, reuse: bool = True, keep_outputs: bool = True,
+            **kwargs: Any) -> ProfileReport:
     """Cost one training step of ``model(*args, **kwargs)`` without running it.
 
     The step (forward, ``backward()`` of the loss, ``optimizer.step()``, ``zero_grad``) runs on fake
@@ -57,10 +58,15 @@ def profile(model: torch.nn.Module, *args: Any, optimizer: OptimizerSpec = None,
     ``optimizer``: a ``torch.optim.Optimizer`` class or instance (or "adamw", "sgd", ...); its
     state is costed as it exists in steady state. Later calls on the same model with equal
     ``options`` reuse its captured graphs; ``reuse=False`` forces a fresh capture.
+    ``keep_outputs``: the loop costed. True (default) holds the outputs through the backward
+    (``out = model(**b); out.loss.backward()``); False drops everything but the loss before it
+    (``loss = model(**b).loss; loss.backward()``, HF Trainer's loop), which peaks lower by what the
+    outputs hold alone (an LM's logits). It does not change the capture: both loops are costed
+    with the same graphs, so switching reuses the session.
     """
     from ..module import TrainModule
     if isinstance(model, TrainModule):   # cost the module it wraps, as fxtrain would capture it
         model = model.module
     session = _session_for(model, optimizer, optimizations, options, reuse)
-    cost = session.run(args, kwargs)
+    cost = session.run(args, kwargs, keep_outputs=keep_outputs)
     return build_report(session, cost, type(model).__name__, batch_size((args, kwargs)), _optimizer_name(optimizer))

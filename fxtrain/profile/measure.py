@@ -82,11 +82,13 @@ class Measured:
 
 
 def measure_step(model: torch.nn.Module, *args: Any, optimizer: Any = None,
-                 params_model: Optional[torch.nn.Module] = None, warmup: int = 1, **kwargs: Any) -> Measured:
+                 params_model: Optional[torch.nn.Module] = None, warmup: int = 1, keep_outputs: bool = True,
+                 **kwargs: Any) -> Measured:
     """Peak live tensor bytes of one real training step in steady state (after ``warmup`` steps).
 
     The step is the one the profiler costs (see ``step.py``): forward, backward with the outputs
-    held, outputs released, optimizer step, ``zero_grad(set_to_none=True)``.
+    held (``keep_outputs``, or only the loss), outputs released, optimizer step,
+    ``zero_grad(set_to_none=True)``.
     ``params_model`` is the module owning the parameters when ``model`` wraps it (a TrainModule).
     """
     owner = params_model if params_model is not None else model
@@ -95,6 +97,8 @@ def measure_step(model: torch.nn.Module, *args: Any, optimizer: Any = None,
     def step(counter: Optional[LiveBytes]) -> float:
         out = model(*args, **kwargs)
         loss = loss_of(out)
+        if not keep_outputs:
+            out = None
         loss.backward()
         value = float(loss.detach())
         del out, loss

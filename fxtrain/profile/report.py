@@ -75,6 +75,13 @@ class ProfileReport:
     parameters, buffers, optimizer state, the batch, activations, gradients and temporaries.
     ``saved_for_backward_bytes`` counts what the forward keeps for the backward, beyond what was
     alive before the step (parameters and inputs are not counted again).
+
+    ``keep_outputs`` is the loop costed: True, the outputs stay alive through the backward
+    (``out = model(**b); out.loss.backward()``); False, only the loss does (``loss =
+    model(**b).loss``, HF Trainer's loop). ``output_bytes_at_peak`` is how many bytes of the
+    outputs' storages (other than the loss; for a deferred output, what it will be computed from)
+    are alive at the peak: what the loop holds there, or with the outputs dropped, what of them is
+    alive anyway (saved for the backward, or a peak in the forward).
     """
 
     model: str
@@ -91,6 +98,8 @@ class ProfileReport:
     input_bytes: int
     peak_phase: str
     peak_breakdown: Dict[str, int]
+    keep_outputs: bool
+    output_bytes_at_peak: int
     by_module: Dict[str, ModuleCost]
     unknown_ops: List[UnknownOp]
     assumed_max_sizes: int
@@ -160,6 +169,11 @@ class ProfileReport:
             ["FLOPs backward", human_flops(self.flops_backward)],
             ["peak memory", f"{human_bytes(self.peak_memory_bytes)} (during {self.peak_phase})"],
             ["  at peak", ", ".join(f"{_CATEGORY.get(k, k)} {human_bytes(v)}" for k, v in self.peak_breakdown.items())],
+            ["loop", "outputs kept through backward (out = model(...); out.loss.backward())" if self.keep_outputs
+             else "outputs dropped before backward (loss = model(...).loss; loss.backward())"],
+            ["outputs at peak", f"{human_bytes(self.output_bytes_at_peak)} ("
+                                + ("held by the loop" if self.keep_outputs else "alive without the loop holding them")
+                                + ")"],
             ["saved for backward", human_bytes(self.saved_for_backward_bytes)],
             ["optimizer state", human_bytes(self.optimizer_state_bytes)],
             ["batch tensors", human_bytes(self.input_bytes)],
@@ -198,7 +212,7 @@ class ProfileReport:
         from .inputs import with_batch
         args = with_batch(self._cost.args, self.batch, batch)
         kwargs = with_batch(self._cost.kwargs, self.batch, batch)
-        cost = self._session.run(args, kwargs, hints=self._cost.fractions)
+        cost = self._session.run(args, kwargs, hints=self._cost.fractions, keep_outputs=self.keep_outputs)
         return build_report(self._session, cost, self.model, batch, self.optimizer)
 
     def max_batch(self, budget_bytes: int, runs: int = 6) -> int:
@@ -285,6 +299,7 @@ def build_report(session: Session, cost: StepCost, model_name: str, batch: Optio
         parameter_bytes=sum(p.numel() * p.element_size() for p in params.values()),
         optimizer_state_bytes=tr.initial.get("optimizer state", 0), input_bytes=tr.initial.get("inputs", 0),
         peak_phase=tr.peak_phase, peak_breakdown=dict(tr.peak_by_category), by_module=modules,
+        keep_outputs=cost.keep_outputs, output_bytes_at_peak=tr.output_bytes_at_peak(),
         unknown_ops=unknown, assumed_max_sizes=tr.assumed_max,
         passes=dict(info.optimizations) if info is not None else {},
         timeline=_downsample(tr.timeline), seconds=cost.seconds, capture_seconds=session.capture_seconds,

@@ -5,7 +5,9 @@ thousand ops whatever the batch size. A session captures once, with symbolic siz
 always does, so further batch sizes (``max_batch``'s fit) reuse the graphs. Steps are the steady
 state ``step.py`` defines: a first, unmeasured step captures, compiles the backward and creates the
 optimizer state; the measured step starts with parameters, buffers, optimizer state and the batch
-alive and no gradients.
+alive and no gradients. The loop convention (``keep_outputs``) is an argument of each measured
+step, not of the session: when the loop releases the outputs changes nothing in the capture, so
+both loops are costed with the same graphs.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from ..torch_private import FakeTensorMode, reparametrize_module
 from .capture import profiling_module
 from .eager_modules import ModuleAttribution
 from .inputs import fake_values, target_device, to_fake
-from .step import OptimizerSpec, _rebuild, loss_of, optimizer_factory
+from .step import OptimizerSpec, _rebuild, held_by_outputs, loss_of, optimizer_factory
 from .shadows import Shadows
 from .tracker import CostTracker, ProfileError
 
@@ -41,6 +43,7 @@ class StepCost:
     args: Any
     kwargs: Any
     fractions: List[float] = field(default_factory=list)
+    keep_outputs: bool = True
 
 
 def _storage_aware_shares(t: torch.Tensor, inputs: Any) -> bool:
@@ -129,16 +132,22 @@ class Session:
             yield
 
     # ------------------------------------------------------------------------------------ step
-    def _step(self, tracker: CostTracker, args: Any, kwargs: Any) -> None:
-        self._rest_of_step(tracker, self._forward(tracker, args, kwargs))
+    def _step(self, tracker: CostTracker, args: Any, kwargs: Any, keep_outputs: bool = True) -> None:
+        # The forward's result goes straight into _rest_of_step (no local here holds it), so the
+        # ``del`` there is what releases it.
+        self._rest_of_step(tracker, self._forward(tracker, args, kwargs), keep_outputs)
 
     def _forward(self, tracker: CostTracker, args: Any, kwargs: Any) -> Any:
         tracker.phase = "forward"
         with torch.autograd.graph.saved_tensors_hooks(tracker.pack_saved, _unpack):
             return (self.model if self.eager else self.tm)(*args, **kwargs)
 
-    def _rest_of_step(self, tracker: CostTracker, out: Any) -> None:
+    def _rest_of_step(self, tracker: CostTracker, out: Any, keep_outputs: bool = True) -> None:
+        """Backward and optimizer step, with the outputs held through the backward or dropped first."""
         loss = loss_of(out)
+        tracker.watch_outputs(held_by_outputs(out, loss), loss)
+        if not keep_outputs:
+            out = None   # ``loss = model(...).loss``: nothing but the loss outlives the forward
         tracker.phase = "backward"
         loss.backward()
         del out, loss
@@ -151,7 +160,8 @@ class Session:
                 p.grad = None
         tracker.phase = "end"
 
-    def run(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], hints: Optional[List[float]] = None) -> StepCost:
+    def run(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], hints: Optional[List[float]] = None,
+            keep_outputs: bool = True) -> StepCost:
         device = target_device(self.model, (args, kwargs))
         if self.device is None:
             self.device = device
@@ -163,7 +173,7 @@ class Session:
         for fake, real in pairs_a + pairs_k:
             self.shadows.set(fake, real)
         try:
-            return self._measure(fake_args, fake_kwargs, args, kwargs, hints)
+            return self._measure(fake_args, fake_kwargs, args, kwargs, hints, keep_outputs)
         except ProfileError:
             raise
         except CaptureError as e:
@@ -178,7 +188,7 @@ class Session:
             self.tm = None
             for p in self.fake_params:
                 p.grad = None
-            return self._measure(fake_args, fake_kwargs, args, kwargs, hints)
+            return self._measure(fake_args, fake_kwargs, args, kwargs, hints, keep_outputs)
         except Exception as e:
             if not self.eager:
                 raise
@@ -190,7 +200,7 @@ class Session:
             self.tm = profiling_module(self.model, False, self.options)
             for p in self.fake_params:
                 p.grad = None
-            return self._measure(fake_args, fake_kwargs, args, kwargs, hints)
+            return self._measure(fake_args, fake_kwargs, args, kwargs, hints, keep_outputs)
 
     def _warm_up(self, fake_args: Any, fake_kwargs: Any, hints: Optional[List[float]]) -> None:
         """Reach steady state: graphs captured, backward compiled, optimizer state allocated.
@@ -251,7 +261,7 @@ class Session:
         return 0 if info is None else info.graphs + info.cache_hits
 
     def _measure(self, fake_args: Any, fake_kwargs: Any, args: Any, kwargs: Any,
-                 hints: Optional[List[float]]) -> StepCost:
+                 hints: Optional[List[float]], keep_outputs: bool = True) -> StepCost:
         if not self.warm or not self.optimizer_ready:
             self._warm_up(fake_args, fake_kwargs, hints)
         # A step that captures (or loads) a graph is not the steady state: new sizes under static
@@ -260,7 +270,7 @@ class Session:
         # the graphs exist.
         for _ in range(2):
             before = self._captures()
-            cost = self._measure_once(fake_args, fake_kwargs, args, kwargs, hints)
+            cost = self._measure_once(fake_args, fake_kwargs, args, kwargs, hints, keep_outputs)
             if self._captures() == before:
                 return cost
             self.capture_seconds += cost.seconds
@@ -269,7 +279,7 @@ class Session:
                            "no steady state to cost (see capture_info() of a TrainModule on them)")
 
     def _measure_once(self, fake_args: Any, fake_kwargs: Any, args: Any, kwargs: Any,
-                      hints: Optional[List[float]]) -> StepCost:
+                      hints: Optional[List[float]], keep_outputs: bool = True) -> StepCost:
         started = time.perf_counter()
         tracker = CostTracker(self.mode, hints)
         tracker.shadows = self.shadows
@@ -280,10 +290,10 @@ class Session:
         start = tracker.current
         tracker.start_measuring()
         with self._active(tracker):
-            self._step(tracker, fake_args, fake_kwargs)
+            self._step(tracker, fake_args, fake_kwargs, keep_outputs)
         seconds = time.perf_counter() - started
         return StepCost(tracker=tracker, start_bytes=start, seconds=seconds, args=args, kwargs=kwargs,
-                        fractions=list(tracker.fractions))
+                        fractions=list(tracker.fractions), keep_outputs=keep_outputs)
 
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:

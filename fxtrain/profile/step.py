@@ -1,18 +1,23 @@
 """The training step the profiler costs and the measurement checks, defined once.
 
-A step is::
+A step is one of two loops, which differ only in when the model's outputs are released
+(``keep_outputs``)::
 
-    out = model(*args, **kwargs)
-    loss_of(out).backward()          # the outputs stay alive until backward has finished
-    del out                          # then they are released
+    # keep_outputs=True (default)            # keep_outputs=False (HF Trainer, Lightning)
+    out = model(*args, **kwargs)             loss = loss_of(model(*args, **kwargs))
+    loss_of(out).backward()                  loss.backward()    # only the loss outlived the forward
+    del out
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
-in steady state: the optimizer state exists before the step, gradients do not.
+in steady state: the optimizer state exists before the step, gradients do not. The loops cost the
+same FLOPs; their peaks differ by what the outputs hold alone through the backward (an LM's logits:
+batch x sequence x vocabulary floats). Dropping the outputs frees nothing autograd saved for the
+backward: those tensors stay alive either way.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, Optional, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
@@ -41,6 +46,42 @@ def loss_of(out: Any) -> torch.Tensor:
         raise TypeError(f"fxtrain.profile: cannot find a loss in the model's output of type {type(out).__name__}; "
                         f"return a tensor, a tuple starting with one, or an object with a .loss")
     return loss if loss.dim() == 0 else loss.sum()
+
+
+def held_by_outputs(out: Any, loss: torch.Tensor) -> List[torch.Tensor]:
+    """The tensors a loop holding ``out`` keeps alive, other than ``loss`` (which both loops keep).
+
+    Walks tuples, lists, dicts (HF ``ModelOutput``) and plain objects (HF caches) in the output.
+    A deferred output of fxtrain (``runtime/deferred.py``) is not read, which would compute it:
+    what it holds is what its pending computation keeps (the tensors it will be computed from),
+    or its values once something computed them.
+    """
+    from ..runtime.deferred import DeferredTensor
+    skip = {id(loss)}
+    found: List[torch.Tensor] = []
+    seen: set = set()
+    stack: List[Tuple[Any, int]] = [(out, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if id(value) in seen or depth > 8 or isinstance(value, (str, bytes, int, float, bool, type(None))):
+            continue
+        seen.add(id(value))
+        if isinstance(value, DeferredTensor):
+            pending = value._pending
+            held = pending.values if pending.values is not None else pending.inputs
+            stack.extend((t, depth + 1) for t in held)
+        elif isinstance(value, torch.Tensor):
+            if id(value) not in skip:
+                found.append(value)
+        elif isinstance(value, (tuple, list)):
+            stack.extend((v, depth + 1) for v in value)
+        elif isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, torch.nn.Module):
+            continue   # a module returned by the model holds parameters, not outputs
+        elif hasattr(value, "__dict__"):
+            stack.extend((v, depth + 1) for v in vars(value).values())
+    return found
 
 
 def optimizer_factory(spec: OptimizerSpec) -> Optional[Callable[[Any], torch.optim.Optimizer]]:

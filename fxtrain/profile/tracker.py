@@ -41,6 +41,7 @@ _DEVICE = torch.ops.prim.device.default
 OUTSIDE = "(outside graphs)"
 OPTIMIZER = "(optimizer)"
 _CONTROL = {"setup", "start"}
+_MADE_BY_STEP = frozenset(PHASES) | {"setup"}   # not "parameters", "inputs", "optimizer state"
 
 
 class ProfileError(RuntimeError):
@@ -120,12 +121,19 @@ class CostTracker(TorchDispatchMode):
         self.assumed_max = 0                    # data-dependent sizes costed at their maximum
         self.phase = "setup"
         self.counting = False                   # only the measured step counts FLOPs and events
-        self._live: Dict[int, Tuple[int, str, str]] = {}   # storage key -> (bytes, category, module)
+        self._live: Dict[int, Tuple[int, str, str, int]] = {}   # storage key -> (bytes, category, module, born)
         self.by_category: Dict[str, int] = defaultdict(int)
         self.current = 0
         self.peak = 0
         self.peak_phase = "start"
         self.peak_by_category: Dict[str, int] = {}
+        # Allocation and free events are numbered so that what was alive at the peak can be told
+        # afterwards for the few storages that matter (the outputs'), without copying the live set
+        # at every new peak.
+        self._events = 0
+        self._peak_event = 0
+        self._outputs: Dict[int, Tuple[int, int]] = {}          # live output storage -> (bytes, born)
+        self._output_spans: List[Tuple[int, int, int]] = []     # released ones: (bytes, born, died)
         self.timeline: List[Tuple[str, int]] = []
         self.initial: Dict[str, int] = {}
         self.flops: Dict[str, int] = defaultdict(int)
@@ -162,7 +170,8 @@ class CostTracker(TorchDispatchMode):
         if key in self._live:
             return False
         nbytes = st.nbytes()
-        self._live[key] = (nbytes, category, module)
+        self._events += 1
+        self._live[key] = (nbytes, category, module, self._events)
         self.current += nbytes
         self.by_category[category] += nbytes
         weakref.finalize(st, self._free, key)
@@ -171,6 +180,10 @@ class CostTracker(TorchDispatchMode):
     def _free(self, key: int) -> None:
         entry = self._live.pop(key, None)
         if entry is not None:
+            self._events += 1
+            output = self._outputs.pop(key, None)
+            if output is not None:
+                self._output_spans.append((output[0], output[1], self._events))
             self.current -= entry[0]
             self.by_category[entry[1]] -= entry[0]
             if self.counting:
@@ -181,6 +194,7 @@ class CostTracker(TorchDispatchMode):
             self.timeline.append((self.phase, self.current))
         if self.current > self.peak:
             self.peak = self.current
+            self._peak_event = self._events
             self.peak_phase = self.phase
             self.peak_by_category = {k: v for k, v in self.by_category.items() if v}
 
@@ -188,9 +202,35 @@ class CostTracker(TorchDispatchMode):
         self.initial = {k: v for k, v in self.by_category.items() if v}
         self.counting = True
         self.peak = self.current
+        self._peak_event = self._events
         self.peak_phase = "start"
         self.peak_by_category = {k: v for k, v in self.by_category.items() if v}
         self.timeline = [("start", self.current)]
+
+    def watch_outputs(self, tensors: List[torch.Tensor], loss: torch.Tensor) -> None:
+        """Remember the storages the model's outputs hold (``step.held_by_outputs``), not the tensors.
+
+        Only storages the step made count: parameters and inputs an output aliases or a deferred
+        output will read were alive before the step and stay alive after it, whatever the loop.
+        """
+        loss_storage = _storage(loss)
+        skip = id(loss_storage) if loss_storage is not None else None
+        for t in tensors:
+            st = _storage(t)
+            key = id(st) if st is not None else None
+            entry = self._live.get(key) if key is not None and key != skip else None
+            if entry is not None and entry[1] in _MADE_BY_STEP and key not in self._outputs:
+                self._outputs[key] = (entry[0], entry[3])
+
+    def output_bytes_at_peak(self) -> int:
+        """Bytes of the outputs' storages alive at the peak (see ``watch_outputs``).
+
+        With the outputs held through the backward this is what the loop holds at the peak; with
+        them dropped, what of them is alive anyway (autograd saved it, or the peak is in the
+        forward, before the loop could drop anything).
+        """
+        spans = self._output_spans + [(nbytes, born, self._events + 1) for nbytes, born in self._outputs.values()]
+        return sum(nbytes for nbytes, born, died in spans if born <= self._peak_event < died)
 
     def live_bytes(self, category: Optional[str] = None) -> int:
         return self.current if category is None else self.by_category.get(category, 0)
