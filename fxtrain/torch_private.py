@@ -86,6 +86,14 @@ def min_cut_partition(joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], 
     return partition(joint, joint_inputs, **kwargs)
 
 
+def inductor_partition(joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
+    """The partition torch.compile makes for inductor (``compile_fx.partition_fn``): inductor's
+    joint-graph passes (no-op and pointless-view removal, pattern rewrites) then the min-cut
+    partitioner, so fxtrain's inductor executor compiles the graphs torch.compile would."""
+    from torch._inductor.compile_fx import partition_fn
+    return partition_fn(joint, joint_inputs, **kwargs)
+
+
 def aot_autograd(**kwargs: Any) -> Callable[..., Any]:
     """AOTAutograd as a dynamo backend (fw_compiler, bw_compiler, partition_fn, decompositions...)."""
     from torch._dynamo.backends.common import aot_autograd as aot

@@ -5,6 +5,9 @@ import os
 import pytest
 
 _KEEP = {"FXTRAIN_TEST_DEVICE", "FXTRAIN_LOG_LEVEL"}
+# FXTRAIN_TEST_EXECUTOR=inductor runs the whole suite with that executor (FXTRAIN_EXECUTOR, which
+# applies over explicit options too): the suite's second pass, the one `make test` does not run.
+EXECUTOR = os.environ.get("FXTRAIN_TEST_EXECUTOR")
 
 
 @pytest.fixture(autouse=True)
@@ -12,6 +15,8 @@ def _no_fxtrain_environment(monkeypatch):
     for name in list(os.environ):
         if name.startswith("FXTRAIN_") and name not in _KEEP:
             monkeypatch.delenv(name)
+    if EXECUTOR:
+        monkeypatch.setenv("FXTRAIN_EXECUTOR", EXECUTOR)
 
 
 @pytest.fixture

@@ -240,6 +240,37 @@ def test_parameter_hooks_fire_like_eager():
     assert_grads_equal(tm.module, ref)
 
 
+def test_global_module_hooks_never_see_fxtrain_graphs(tmp_path):
+    """A global module hook (MemTracker, FSDP-style tooling) sees the user's modules only: fxtrain's
+    own graphs (the batch guard's check, a deferred output's computation) are not modules of the
+    model, and a hook acting on them (say, one that adds parameter gradient hooks) would change the
+    step."""
+    from fxtrain import models
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(models.bert_mlm(hidden=32, layers=1, heads=2, vocab=300))
+    seen = []
+    g = torch.Generator().manual_seed(0)
+    batches = [models.synthetic_batch("mlm", 4, 16, 300, padding=0.5, label_density=0.2, generator=g)
+               for _ in range(2)]
+    # an entry in the on-disk cache, written before the hook exists (dynamo traces a global hook
+    # into the graph, and one appending to a list is a side effect no entry can replay)
+    out = fxtrain.TrainModule(copy.deepcopy(tm.module), fxtrain.Options(cache_dir=str(tmp_path)))(**batches[0])
+    out.loss.backward()
+    with torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: seen.append(type(m))):
+        for b in batches:
+            out = tm(**b)
+            out.loss.backward()
+            out.logits.sum()   # a deferred output, computed on read
+        cached = fxtrain.TrainModule(copy.deepcopy(tm.module), fxtrain.Options(cache_dir=str(tmp_path)))
+        out = cached(**batches[0])   # the graphs of a cache hit, run without dynamo
+        out.loss.backward()
+        out.logits.sum()
+        assert cached.capture_info().cache_hits == 1, cached.capture_info().cache_log
+    info = tm.capture_info()
+    assert info.optimizations["label_sparsity"].startswith("on:"), info.optimizations   # a guard and a deferral ran
+    assert seen and not [t for t in seen if issubclass(t, torch.fx.GraphModule)], set(seen)
+
+
 # ------------------------------------------------------------------------ breaks and fallback
 class Branchy(nn.Module):
     """A data-dependent Python branch: a graph break for dynamo."""

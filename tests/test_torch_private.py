@@ -205,7 +205,7 @@ def test_graph_and_op_accessors(tmp_path: pathlib.Path) -> None:
     assert lin.weight.any()
 
 
-@pytest.mark.parametrize("partition", ["default_partition", "min_cut_partition"])
+@pytest.mark.parametrize("partition", ["default_partition", "min_cut_partition", "inductor_partition"])
 def test_aot_accessors(partition: str) -> None:
     """AOTAutograd as a backend, with each partitioner, the metadata read inside the forward compiler,
     and inductor compiling the forward graph it hands over."""

@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.fx
 
+from ..runtime.direct import direct
 from ..runtime.host_counts import HOST_COUNT, new_slot, provide
 from .plans import Plans
 
@@ -117,14 +118,14 @@ class BatchGuard:
     ``check(*graph_inputs)`` is an int64 vector: one 0/1 per reason, then one count per slot.
     """
 
-    def __init__(self, check: Callable[..., torch.Tensor], reasons: List[str], slots: List[int]) -> None:
+    def __init__(self, check: torch.fx.GraphModule, reasons: List[str], slots: List[int]) -> None:
         self.check, self.reasons, self.slots = check, reasons, slots
 
     def failed(self, args: Tuple[Any, ...]) -> List[str]:
         """The reasons this batch breaks (empty: the rewritten graph serves it), after leaving the
         counts for the step. One host synchronisation, the step's only one."""
         # copy=True: on a CPU module a copy too, so that the one transfer is one op on every device.
-        values = self.check(*args).to("cpu", copy=True).tolist()
+        values = direct(self.check)(*args).to("cpu", copy=True).tolist()
         n = len(self.reasons)
         failed = [r for r, good in zip(self.reasons, values[:n]) if not good]
         if not failed:  # the rewritten graph runs (the dense one has no selection to size)

@@ -17,6 +17,7 @@ import torch.fx
 
 from ..capture.frames import ENTRY_PREFIXES, compiled_frame_name
 from ..runtime.deferred import DeferredPlan
+from ..runtime.direct import direct
 from .plans import Plans
 from .rows import Node, Region, copy_subgraph, value
 
@@ -82,11 +83,11 @@ class _DenseThenHead:
         self.head_inputs, self.dense_outputs = head_inputs, dense_outputs
 
     def __call__(self, *args: Any) -> Tuple[Any, ...]:
-        dense = self.dense(*args[:self.n_dense_in])
+        dense = direct(self.dense)(*args[:self.n_dense_in])
         rest = args[self.n_dense_in:]
         head_out: Tuple[Any, ...] = ()
         if self.head is not None:
-            head_out = tuple(self.head(*[dense[i] if kind == "dense" else rest[i] for kind, i in self.head_inputs]))
+            head_out = tuple(direct(self.head)(*[dense[i] if kind == "dense" else rest[i] for kind, i in self.head_inputs]))
         return head_out + tuple(dense[i] for i in self.dense_outputs)
 
 

@@ -23,6 +23,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..torch_private import DisableTorchFunctionSubclass, FakeTensor, make_wrapper_subclass, tree_map_only
 from .absent_grads import ShapeSolver
+from .direct import direct
 
 # Read from the wrapper itself: metadata a deferred tensor has without computing anything.
 _METADATA = {
@@ -108,7 +109,7 @@ class _Pending:
                         f"the values it needs only ahead of an optimizer's step. Read the output before that "
                         f"change, or turn off the pass named in capture_info().optimizations.")
                 with torch.set_grad_enabled(self.grad):
-                    self.values = tuple(self.gm(*self.inputs))
+                    self.values = tuple(direct(self.gm)(*self.inputs))
                 self.inputs, self.versions = [], []
         return self.values[k]
 

@@ -22,6 +22,7 @@ import torch
 import torch.fx
 
 from .. import torch_private as tp
+from .direct import direct
 
 Compiled = Callable[[List[Any]], Any]   # boxed: takes the argument list, may clear it
 
@@ -53,7 +54,7 @@ class Executor:
 
     def torch_level(self, graph: torch.fx.GraphModule) -> Callable[..., Any]:
         """What runs the torch-level graph in the autograd mode (unboxed)."""
-        return graph.forward
+        return direct(graph)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -73,7 +74,7 @@ class InductorExecutor(Executor):
 
     def partition(self, joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
         # Recomputing cheap ops in the backward pays here: inductor fuses them into kernels it runs anyway.
-        return tp.min_cut_partition(joint, joint_inputs, **kwargs)
+        return tp.inductor_partition(joint, joint_inputs, **kwargs)
 
     def decompositions(self) -> Optional[Dict[Any, Callable[..., Any]]]:
         # Inductor's own table, less the ops fxtrain's backward passes rewrite (they must see them).

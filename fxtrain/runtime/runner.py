@@ -30,6 +30,7 @@ from ..capture.step import CapturedStep
 from .absent_grads import release_materialization
 from .deferred import with_deferred
 from .dense_route import DenseRoute
+from .direct import direct
 from .density import with_density_probes
 from .executors import Executor
 from .replay import replayed
@@ -112,7 +113,7 @@ def build(step: CapturedStep, executor: Executor, context: RunContext, preferenc
     if plans.guard is not None and executor.measures_batches:
         route = DenseRoute(plans.guard, context.dense_batches, context.sparsity_guard, context.owner)
         if step.dense_graph is not None:   # a cache hit has none: cache/call.py runs the module instead
-            core = route.wrap(core, step.dense_graph.forward)
+            core = route.wrap(core, direct(step.dense_graph))
     if plans.probes and executor.measures_batches and context.density is not None:
         core = with_density_probes(core, plans.probes, context.density, context.log_density)
     return core
