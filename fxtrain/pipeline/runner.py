@@ -84,15 +84,18 @@ class _Stage(PipelineStage):
 
     def set_parameters(self, params: List[torch.Tensor]) -> None:
         self._params = params
+        #: (kind F/B/I/W, microbatch, start, end) of every compute action since the last reset
+        self.actions: List[Tuple[str, int, float, float]] = []
 
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        return self._timed(super().forward_one_chunk, *args, **kwargs)
+        return self._timed("F", super().forward_one_chunk, *args, **kwargs)
 
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        return self._timed(super().backward_one_chunk, *args, **kwargs)
+        full = kwargs.get("full_backward", args[2] if len(args) > 2 else True)
+        return self._timed("B" if full else "I", super().backward_one_chunk, *args, **kwargs)
 
     def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        return self._timed(super().backward_weight_one_chunk, *args, **kwargs)
+        return self._timed("W", super().backward_weight_one_chunk, *args, **kwargs)
 
     def backward_maybe_with_nosync(self, backward_type: Any, bwd_kwargs: dict,
                                    last_backward: bool = False) -> Tuple[Tuple[Optional[torch.Tensor], ...], Any]:
@@ -112,7 +115,7 @@ class _Stage(PipelineStage):
             return (), None
         return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
-    def _timed(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def _timed(self, kind: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
         try:
             return fn(*args, **kwargs)
@@ -120,7 +123,10 @@ class _Stage(PipelineStage):
             self.failed_locally = True
             raise
         finally:
-            self.busy += time.perf_counter() - start
+            end = time.perf_counter()
+            self.busy += end - start
+            self.actions.append((kind, int(args[0]) if args else int(kwargs.get("fwd_chunk_id", kwargs.get("bwd_chunk_id", -1))),
+                                 start, end))
 
 
 def _meta(node: torch.fx.Node, device: torch.device) -> torch.Tensor:
@@ -251,6 +257,7 @@ class PipelineRunner:
         except ValueError as e:  # torch's own constraints (microbatches per round, ...)
             raise PipelineError(f"torch's {cls.__name__} refuses this layout: {e}") from None
         self.last_stats: Dict[str, float] = {}
+        self.last_actions: List[Tuple[int, str, int, float, float]] = []
         logger.info("fxtrain pipeline: rank %d runs stage(s) %s of %d (%d parameters, %s, %d microbatches)",
                     self.rank, self.stage_indices, self.num_stages, sum(1 for _ in self.parameters()), schedule, m)
 
@@ -277,6 +284,7 @@ class PipelineRunner:
         shared = self._snapshot_shared()
         for stage in self._stages:
             stage.busy, stage.failed_locally, stage.weight_parts = 0.0, False, 0
+            stage.actions.clear()
         losses: List[torch.Tensor] = []
         start = time.perf_counter()
         try:
@@ -288,16 +296,24 @@ class PipelineRunner:
                 self._schedule.step(target=self._dummy_target(), losses=losses, return_outputs=False)
             else:
                 self._schedule.step(return_outputs=False)
+            reduce_start = time.perf_counter()
             self._reduce_shared(shared)
         except Exception as e:
             raise self._failure(e) from e
-        elapsed = time.perf_counter() - start
+        end = time.perf_counter()
+        elapsed = end - start
         busy = sum(stage.busy for stage in self._stages)
-        #: step time, this rank's compute time (forward, backward, W), the idle share, and how many
-        #: weight-gradient parts (W) of split backward graphs ran
-        self.last_stats = {"step_time": elapsed, "busy_time": busy,
+        #: step time, this rank's compute time (forward, backward, W), the idle share, the time of
+        #: the shared-parameter all-reduce after the schedule, and how many weight-gradient parts
+        #: (W) of split backward graphs ran
+        self.last_stats = {"step_time": elapsed, "busy_time": busy, "step_start": start,
                            "bubble_fraction": max(0.0, 1.0 - busy / elapsed) if elapsed else 0.0,
+                           "reduce_time": end - reduce_start,
                            "weight_parts": float(sum(stage.weight_parts for stage in self._stages))}
+        #: this rank's compute actions of the step: (stage, kind F/B/I/W, microbatch, start, end),
+        #: seconds from the step's start (``timeline.measured`` assembles all ranks' into a Timeline)
+        self.last_actions = sorted((st.stage_index, kind, mb, a - start, b - start)
+                                   for st in self._stages for kind, mb, a, b in st.actions)
         if not self.is_last:
             return None
         return torch.stack([l.detach() for l in losses]).sum()
@@ -326,13 +342,23 @@ class PipelineRunner:
                 raise PipelineError(f"step() is missing input {info.name}, which the model was split with") from None
             if not isinstance(t, torch.Tensor):
                 raise PipelineError(f"step() input {info.name} is a {type(t).__name__}, expected a tensor")
+            convention = ""   # the example conventions confused (whole batch vs one microbatch)?
+            if t.dim() and tuple(t.shape[1:]) == shape[1:]:
+                if not self._example_is_microbatch and t.shape[0] == m * m * shape[0]:
+                    convention = (f"; the batch is n_microbatches times the example given to fxtrain.split, which "
+                                  f"takes the whole batch as example (build() cuts it into {m}); to give one "
+                                  f"microbatch instead (torch's pipeline(mb_args=...) convention), use "
+                                  f"fxtrain.split(model, mb_args=..., mb_kwargs=...)")
+                elif self._example_is_microbatch and t.shape[0] == shape[0]:
+                    convention = (f"; the example was one microbatch (mb_args/mb_kwargs), so a step takes "
+                                  f"n_microbatches={m} of them: a batch of {shape[0] * m}")
             if t.dim() == 0 or t.shape[0] % m:
                 raise PipelineError(f"batch size {t.shape[0] if t.dim() else 'of a scalar'} of input {info.name} "
-                                    f"is not divisible by n_microbatches={m}")
+                                    f"is not divisible by n_microbatches={m}{convention}")
             if (t.shape[0] // m,) + tuple(t.shape[1:]) != shape:
                 raise PipelineError(f"input {info.name} has shape {tuple(t.shape)}; this runner was built for "
-                                    f"microbatches of {shape} ({m} per step, batch {shape[0] * m}); pipeline "
-                                    f"stages have static shapes: build a runner for the new shape")
+                                    f"microbatches of {shape} ({m} per step, batch {shape[0] * m}); "
+                                    f"{convention[2:] or 'pipeline stages have static shapes: build a runner for the new shape'}")
             flat.append(t.to(self.device))
         known = {path_text(i.path) for i in self._inputs}
         for path, leaf in walk(root):
@@ -392,6 +418,17 @@ class PipelineRunner:
         if not self._shared:
             return
         params = dict(self.named_parameters())
+        if len(self._shared) == 1 and before[0] is None:
+            # One tensor, no earlier gradient (the usual tied embedding after zero_grad): reduce it
+            # in place instead of through a flat copy (tens of MB for a vocabulary-sized weight).
+            name, shape, dtype, here = self._shared[0]
+            g = params[name].grad if here else None
+            if g is None:
+                g = torch.zeros(shape, device=self.device, dtype=dtype)
+            dist.all_reduce(g, op=dist.ReduceOp.SUM, group=self._group)
+            if here:
+                params[name].grad = g
+            return
         parts = []
         for (name, shape, dtype, here), prev in zip(self._shared, before):
             if here and params[name].grad is not None:

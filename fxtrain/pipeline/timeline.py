@@ -136,10 +136,70 @@ def simulate(forward: Sequence[float], backward: Sequence[float], schedule: str,
     return Timeline(schedule, m, events, max(clock), busy, n)
 
 
+def measured(schedule: str, n_microbatches: int, actions: Sequence[Sequence[Tuple[int, str, int, float, float]]],
+             stats: Sequence[Dict[str, float]], stages: int) -> Timeline:
+    """A Timeline of what ran: ``actions[r]`` and ``stats[r]`` are rank r's ``runner.last_actions``
+    and ``runner.last_stats``. Ranks' times are aligned on their step starts (``perf_counter``, one
+    clock for all processes of a Linux machine)."""
+    origin = min(st["step_start"] for st in stats)
+    shift = [st["step_start"] - origin for st in stats]
+    events = [(r, s, kind, i, a + shift[r], b + shift[r]) for r, acts in enumerate(actions) for s, kind, i, a, b in acts]
+    busy = [sum(b - a for _, _, _, a, b in acts) for acts in actions]
+    makespan = max(st["step_time"] + d for st, d in zip(stats, shift))
+    return Timeline(schedule, n_microbatches, events, makespan, busy, stages)
+
+
+def idle_breakdown(timeline: Timeline) -> Dict[str, float]:
+    """Where the ranks' idle time went, as shares of all ranks' time (they add up to the bubble).
+
+    "schedule": waiting for a dependency's compute to finish on another rank (the schedule's own
+    bubble, imbalance included); "transfer": from the moment an action could start (its inputs
+    computed, the rank free) to its start: sending and receiving the activation or gradient and
+    the scheduler's own dispatch; "after": from the rank's last action to the end of its step:
+    the all-reduce of parameters shared across ranks and waiting for the last sends."""
+    n = timeline.stages
+    done = {(kind, s, i): b for _, s, kind, i, _, b in timeline.events}
+    wait = transfer = after = 0.0
+    ranks = timeline.ranks
+    last = [0.0] * ranks
+    for r, s, kind, i, a, b in sorted(timeline.events, key=lambda e: e[4]):
+        if kind == "F":
+            dep = done.get(("F", s - 1, i), 0.0) if s > 0 else 0.0
+        elif kind == "W":
+            dep = done.get(("I", s, i), 0.0)
+        else:
+            dep = done.get(("F", s, i), 0.0)
+            if s < n - 1:
+                dep = max(dep, done.get(("B", s + 1, i), done.get(("I", s + 1, i), 0.0)))
+        wait += max(0.0, min(dep, a) - last[r])
+        transfer += max(0.0, a - max(dep, last[r]))
+        last[r] = b
+    after = sum(max(0.0, timeline.makespan - t) for t in last)
+    total = ranks * timeline.makespan or 1.0
+    return {"schedule": wait / total, "transfer": transfer / total, "after": after / total}
+
+
+def action_times(timeline: Timeline) -> Tuple[List[float], List[float], List[float]]:
+    """Per stage, the median forward, backward (B, or I + W) and weight-gradient (W) time of a
+    measured timeline: what ``simulate`` needs to replay the schedule with the real compute times."""
+    import statistics
+    n = timeline.stages
+    per: Dict[Tuple[int, str], List[float]] = {}
+    for _, s, kind, _, a, b in timeline.events:
+        per.setdefault((s, kind), []).append(b - a)
+
+    def med(s: int, kind: str) -> float:
+        return statistics.median(per[(s, kind)]) if (s, kind) in per else 0.0
+    fwd = [med(s, "F") for s in range(n)]
+    wgt = [med(s, "W") for s in range(n)]
+    bwd = [med(s, "B") or med(s, "I") + med(s, "W") for s in range(n)]
+    return fwd, bwd, wgt
+
+
 COLORS = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#55a868"}
 
 
-def plot(timeline: Timeline, path: str) -> str:
+def plot(timeline: Timeline, path: str, title: str = "simulated") -> str:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -158,9 +218,9 @@ def plot(timeline: Timeline, path: str) -> str:
     ax.set_yticks(range(p))
     ax.set_yticklabels([f"rank {r}" for r in range(p)])
     ax.invert_yaxis()
-    ax.set_xlabel("time (fraction of the simulated step); F forward, B backward, I input grads, W weight grads")
+    ax.set_xlabel("time (fraction of the step); F forward, B backward, I input grads, W weight grads")
     ax.set_title(f"{timeline.schedule}, {timeline.stages} stages on {p} ranks, {timeline.n_microbatches} "
-                 f"microbatches: simulated bubble {timeline.bubble_fraction:.1%}")
+                 f"microbatches: {title} bubble {timeline.bubble_fraction:.1%}")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
