@@ -100,7 +100,13 @@ def test_b_then_w_is_the_whole_backward_bitwise():
     whole = _grads(model)
     model.zero_grad(set_to_none=True)
 
-    # B for both microbatches first, then W in the other order (as a schedule may).
+    # B for both microbatches first, then W in the other order (as a schedule may). Hooks on a
+    # parameter see its gradient in W. In B torch runs the parameter's AccumulateGrad node with no
+    # gradient, as for any custom Function (here the graph's) returning None for an input: a
+    # tensor hook gets None, a post-accumulate-grad hook finds .grad unchanged.
+    seen = []
+    model.l1.weight.register_hook(lambda g: seen.append("hook" if g is not None else "None") or None)
+    model.l1.weight.register_post_accumulate_grad_hook(lambda p: seen.append("post"))
     CALLS.update(ste=0, gate=0)
     pending, split_inputs = [], []
     for h, ids, labels in batches:
@@ -113,9 +119,11 @@ def test_b_then_w_is_the_whole_backward_bitwise():
         pending.append(p)
         split_inputs.append(x.grad)
     assert CALLS == {"ste": 2, "gate": 2}       # each user backward ran once per microbatch, in B
+    assert seen == ["None", "post"] * 2 and all(q.grad is None for q in model.parameters())
     for p in reversed(pending):
         p.run()
         assert len(p) == 0
+    assert seen == ["None", "post"] * 2 + ["hook", "post"] * 2
     assert CALLS == {"ste": 2, "gate": 2}       # W reused their results
     for a, b in zip(whole_inputs, split_inputs):
         assert torch.equal(a, b)

@@ -21,7 +21,7 @@ gradient (pytorch#166577), and a parameter reached from two places is counted tw
 The sum of B and W is the graph's backward exactly: the same nodes run on the same values, only
 in two calls. A parameter the stage reads twice (tied weights) is one graph input, so its one
 gradient output is already the sum of both uses; W hands it to the parameter's own
-``AccumulateGrad`` node (torch's accumulation, hooks included), once.
+``AccumulateGrad`` node through autograd's engine (torch's accumulation, hooks included), once.
 
 Use: inside ``with defer_weight_gradients(params) as pending:``, a backward through fxtrain's graph
 runtime (``runtime/replay.py``) runs only B for these parameters and queues W; ``pending.run()``
@@ -203,13 +203,21 @@ class PendingWeights:
         return len(self._queue)
 
     def run(self) -> None:
-        """Compute every queued weight gradient and accumulate it into its parameter's ``.grad``."""
-        with torch.no_grad():
-            while self._queue:
-                run, accumulators = self._queue.pop(0)
-                for acc, grad in zip(accumulators, run()):
-                    if grad is not None:
-                        acc(grad)   # the parameter's AccumulateGrad node: torch's accumulation and hooks
+        """Compute every queued weight gradient and accumulate it into its parameter's ``.grad``.
+
+        The gradients go through autograd's engine into each parameter's own ``AccumulateGrad``
+        node (through a view of the parameter, the one-node path to it), so whatever a backward
+        would do to them happens: tensor hooks (``register_hook``), accumulation into an existing
+        ``.grad``, post-accumulate-grad hooks."""
+        while self._queue:
+            run, accumulators = self._queue.pop(0)
+            with torch.no_grad():
+                grads = run()
+            params = [acc.variable for acc, g in zip(accumulators, grads) if g is not None]
+            if params:
+                with torch.enable_grad():
+                    views = [p.view_as(p) for p in params]
+                torch.autograd.backward(views, [g for g in grads if g is not None])
 
 
 _state = threading.local()
