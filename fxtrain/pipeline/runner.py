@@ -78,12 +78,12 @@ class _Stage(PipelineStage):
     (The first stage has no input gradient to send: torch runs its whole backward in W.)
     """
 
-    busy: float = 0.0
-    failed_locally: bool = False
-    weight_parts: int = 0       # W parts (split backward graphs) run since the last reset
-
-    def set_parameters(self, params: List[torch.Tensor]) -> None:
-        self._params = params
+    def __init__(self, submodule: nn.Module, *args: Any, **kwargs: Any) -> None:
+        super().__init__(submodule, *args, **kwargs)
+        self._params = list(submodule.parameters())   # what B defers and W accumulates
+        self.busy = 0.0                 # seconds of compute since the last reset
+        self.failed_locally = False
+        self.weight_parts = 0           # W parts (split backward graphs) run since the last reset
         #: (kind F/B/I/W, microbatch, start, end) of every compute action since the last reset
         self.actions: List[Tuple[str, int, float, float]] = []
 
@@ -246,7 +246,6 @@ class PipelineRunner:
                            input_args=tuple(_meta(v, self.device) for v in st.inputs),
                            output_args=tuple(_meta(v, self.device) for v in st.outputs),
                            group=self._group)
-            stage.set_parameters(list(self.modules[s].parameters()))
             self._stages.append(stage)
         cls = SCHEDULES[schedule]
         try:

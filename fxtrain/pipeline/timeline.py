@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .schedules import placement, schedule_info
+from .schedules import check_layout, placement, schedule_info
 
 
 @dataclasses.dataclass
@@ -79,6 +79,7 @@ def simulate(forward: Sequence[float], backward: Sequence[float], schedule: str,
     info = schedule_info(schedule)
     if ranks is None:
         ranks = n if info.placement == "single" else max(1, n // 2)
+    check_layout(schedule, n, ranks)
     # Avoid zero-length actions (a stage with no counted FLOPs still takes some time).
     eps = 1e-3 * max(max(forward), max(backward), 1.0)
     fwd = [max(f, eps) for f in forward]
