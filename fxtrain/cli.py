@@ -100,7 +100,8 @@ def _split_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--plot", metavar="PATH", help="draw the simulated schedule timeline (PNG/SVG/PDF)")
-    p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b", help="schedule to plot")
+    p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved-1f1b", "zb1p", "zbv", "dualpipev"),
+                   default="1f1b", help="schedule to plot (GPipe/1F1B: one stage per rank; the others: two)")
     p.add_argument("--microbatches", type=int, default=4, help="microbatches to plot")
 
 
@@ -114,9 +115,13 @@ def _split(args: argparse.Namespace) -> int:
         points = {p.split(":")[0]: (p.split(":")[1] if ":" in p else "before") for p in args.split_points}
     pipe = split(model, example_kwargs=batch, num_stages=args.stages, split_points=points, balance=args.balance)
     print(f"{args.model}, batch {args.batch} x {args.seq}")
-    pipe.describe()
+    pipe.describe(n_microbatches=args.microbatches)
     if args.plot:
-        pipe.plot(args.plot, schedule=args.schedule, n_microbatches=args.microbatches)
+        try:
+            pipe.plot(args.plot, schedule=args.schedule, n_microbatches=args.microbatches)
+        except ValueError as e:   # a layout the schedule cannot run
+            print(f"fxtrain split: cannot plot {args.schedule}: {e}")
+            return 2
         print(f"wrote {args.plot}")
     return 0
 

@@ -386,6 +386,29 @@ def process_group_timeout(group: Any) -> Any:
     return group._get_backend(torch.device("cpu")).options._timeout
 
 
+def schedule_actions(class_name: str, ranks: int, n_microbatches: int, stages_per_rank: int) -> List[List[Any]]:
+    """Every rank's compute actions, as (kind, stage, microbatch) with kind F, B, I or W, in the
+    order torch's multi-stage schedule class runs them (its ``pipeline_order``, built on mock
+    stages by ``torch.distributed.pipelining._schedule_visualizer.get_schedule_ops``). Idle slots
+    are dropped and an OVERLAP_F_B action becomes its sub-actions."""
+    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+    kinds = {"F": "F", "B": "B", "I": "I", "W": "W"}
+    orders = get_schedule_ops(getattr(schedules, class_name), ranks, n_microbatches, stages_per_rank)
+    out: List[List[Any]] = []
+    for rank_ops in orders:
+        flat: List[Any] = []
+        for action in rank_ops:
+            if action is None:
+                continue
+            for a in action.sub_actions or (action,):
+                kind = kinds.get(getattr(a.computation_type, "value", None))
+                if kind is not None:
+                    flat.append((kind, a.stage_index, a.microbatch_index))
+        out.append(flat)
+    return out
+
+
 def default_store() -> Any:
     """The key-value store of the default process group
     (``torch.distributed.distributed_c10d._get_default_store()``; raises when none is initialised)."""

@@ -348,6 +348,113 @@ def test_gpt2_tied_lm_head(tmp_path):
         assert len(holders) == 2 and int(config[0]) - 1 in holders, (config, holders)
 
 
+# ------------------------------------------------------------- every schedule, 2 stages per rank
+# torch's schedule classes, by fxtrain name: 2-stage plans (one per rank) for GPipe and 1F1B,
+# 4-stage plans (two per rank: looped for interleaved-1f1b/zb1p, V-shaped for zbv/dualpipev).
+ALL_SCHEDULES = (("gpipe", 2), ("1f1b", 2), ("interleaved-1f1b", 4), ("zb1p", 4), ("zbv", 4), ("dualpipev", 4))
+SPLIT_BACKWARD = {"zb1p", "zbv", "dualpipev"}
+
+
+def _schedules_job(rank: int, world: int, name: str) -> Dict[str, Any]:
+    """Every schedule in turn on one 2-process group; the stage TrainModules (graph runtime, which
+    the zero-bubble schedules need) are captured once per stage and reused by later schedules."""
+    build_model, build_batch = MODELS[name]
+    batch = build_batch()
+    opts = fxtrain.Options(fallback="raise", backward="graph")
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=40))
+    model = build_model()
+    pipes = {2: fxtrain.split(model, example_kwargs=batch, num_stages=2)}
+    pipes[4] = pipes[2].replan(num_stages=4)
+    steps = 2 if name == "toy" else 1   # toy: a second step without zero_grad must accumulate
+    results: Dict[str, Any] = {}
+    for schedule, stages in ALL_SCHEDULES:
+        model.zero_grad(set_to_none=True)
+        runner = pipes[stages].build(schedule, n_microbatches=M, group=group, options=opts)
+        losses = [runner.step(**batch) for _ in range(steps)]
+        results[schedule] = {
+            "stages": list(runner.stage_indices), "losses": losses,
+            "grads": {n: p.grad.clone() for n, p in runner.named_parameters() if p.grad is not None},
+            "names": {s: [n for n, _ in mod.named_parameters()] for s, mod in runner.modules.items()},
+            "optimizations": {s: dict(mod.capture_info().optimizations) for s, mod in runner.modules.items()},
+            "runtime": {s: [r.runtime for r in mod.capture_info().records] for s, mod in runner.modules.items()},
+            "python_op_calls": runner.python_op_calls, "stats": dict(runner.last_stats)}
+    if name == "toy":
+        # torch's convention: the example is one microbatch (mb_kwargs=); a step takes M of them.
+        first = {k: v[:BATCH // M] for k, v in batch.items()}
+        model.zero_grad(set_to_none=True)
+        mb_pipe = fxtrain.split(model, mb_kwargs=first, num_stages=4)
+        runner = mb_pipe.build("zbv", n_microbatches=M, group=group, options=opts)
+        results["mb_kwargs"] = {"stages": list(runner.stage_indices), "losses": [runner.step(**batch)],
+                                "grads": {n: p.grad.clone() for n, p in runner.named_parameters()},
+                                "describe": mb_pipe.describe()}
+        for wrong, who in ((first, "mb_kwargs runner"), ({k: torch.cat([v] * M) for k, v in batch.items()}, "batch runner")):
+            try:
+                (runner if who == "mb_kwargs runner" else pipes[4].build("zb1p", n_microbatches=M, group=group,
+                                                                        options=opts)).step(**wrong)
+            except fxtrain.PipelineError as e:  # every rank validates its batch before communicating
+                results[f"wrong: {who}"] = str(e)
+    return results
+
+
+@pytest.mark.parametrize("name", ["toy", "gpt2", "bert"])
+def test_every_schedule_matches_single_process(tmp_path, name):
+    """Loss and every gradient of each torch schedule against one process running the same
+    microbatches: custom Functions and a tied embedding/head (toy), HF GPT-2 and BERT-MLM."""
+    results = spawn("schedules", 2, tmp_path, name, deadline=150.0)
+    ref_loss, ref_grads, _ = _oracle(name)
+    steps = 2 if name == "toy" else 1
+    for schedule, stages in ALL_SCHEDULES:
+        got = [r[schedule] for r in results]
+        per_rank = stages // 2
+        assert sorted(s for g in got for s in g["stages"]) == list(range(stages)), schedule
+        assert all(len(g["stages"]) == per_rank for g in got), schedule
+        if schedule in ("zbv", "dualpipev"):
+            assert got[0]["stages"] == [0, 3] and got[1]["stages"] == [1, 2], schedule  # V-shaped
+        elif stages == 4:
+            assert got[0]["stages"] == [0, 2] and got[1]["stages"] == [1, 3], schedule  # looped
+        last = [g for g in got if stages - 1 in g["stages"]]
+        assert len(last) == 1
+        for loss in last[0]["losses"]:
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-7, msg=lambda m: f"{schedule} loss: {m}")
+        held = set()
+        for g in got:
+            for n, grad in g["grads"].items():
+                held.add(n)
+                ref = ref_grads[n] * steps
+                err, scale = (grad - ref).norm().item(), ref.norm().item()
+                assert err <= RTOL * scale or (scale < ZERO and err < ZERO), \
+                    f"{schedule}: stages {g['stages']} gradient of {n} off by {err:.3g} (norm {scale:.3g})"
+        assert held == set(ref_grads), f"{schedule}: parameters without a gradient: {set(ref_grads) - held}"
+        # The zero-bubble schedules did split: W parts ran on the rank whose stages are not all first.
+        parts = [g["stats"]["weight_parts"] for g in got]
+        if schedule in SPLIT_BACKWARD:
+            assert all(p > 0 for p in parts), (schedule, parts)
+            for g in got:
+                assert all(rt == ["graph: asked for (Options.backward)"] or all(r.startswith("graph") for r in rt)
+                           for rt in g["runtime"].values()), (schedule, g["runtime"])
+        else:
+            assert parts == [0, 0], (schedule, parts)
+        if name == "toy":
+            # Each custom Function call runs in exactly one stage; the tied embedding sits in the
+            # first and the last stage (on one rank under the V placement, on two otherwise).
+            assert sum(g["python_op_calls"] for g in got) == 2, schedule
+            holders = [s for g in got for s, names in g["names"].items() if "embed.weight" in names]
+            assert sorted(holders) == [0, stages - 1], (schedule, holders)
+        if name == "bert":
+            why = last[0]["optimizations"][stages - 1].get("label_sparsity", "")
+            assert why.startswith("on:"), f"{schedule}: label sparsity did not fire in the last stage: {why}"
+    if name == "toy":
+        got = [r["mb_kwargs"] for r in results]
+        torch.testing.assert_close(got[0]["losses"][0], ref_loss, rtol=1e-6, atol=1e-7)  # rank 0: stages 0 and 3
+        for g in got:
+            for n, grad in g["grads"].items():
+                assert (grad - ref_grads[n]).norm() <= RTOL * ref_grads[n].norm(), n
+        assert "example: one microbatch (2 rows" in got[0]["describe"]
+        for r in results:
+            assert "a step takes n_microbatches=4 of them: a batch of 8" in r["wrong: mb_kwargs runner"]
+            assert "fxtrain.split, which takes the whole batch as example" in r["wrong: batch runner"]
+
+
 # ----------------------------------------------------------------------------------- failures
 class FailOnDemand(torch.autograd.Function):
     """Identity, unless the test asks this process's stage to raise or to die in its forward."""
@@ -424,7 +531,7 @@ def test_failing_stage_ends_peers_within_timeout(tmp_path, mode, monkeypatch):
 
 
 JOBS: Dict[str, Callable[[int, int, Any], Any]] = {"parity": _parity_job, "fail_raise": _failure_job,
-                                                    "fail_die": _failure_job}
+                                                    "fail_die": _failure_job, "schedules": _schedules_job}
 
 
 # ------------------------------------------------------------------ planning (single process)
@@ -566,6 +673,55 @@ def test_describe_simulate_and_plot(tmp_path):
     assert [r["stage"] for r in rows] == [0, 1, 2] and rows[0]["send_bytes"] > 0 and rows[-1]["send_bytes"] == 0
     out = pipe.plot(str(tmp_path / "timeline.png"), schedule="gpipe", n_microbatches=4)
     assert Path(out).stat().st_size > 1000
+
+
+def test_placement_is_torchs():
+    """The runner places stages as torch's schedules expect (looped, or V for ZBV/DualPipeV)."""
+    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+    from fxtrain.pipeline.schedules import placement
+    for ranks in (1, 2, 3, 4):
+        for per_rank in (1, 2, 3, 4):
+            n = ranks * per_rank
+            assert placement(n, ranks, "loop") == [generate_stage_to_rank_mapping(ranks, n, "loop")[s] for s in range(n)]
+            assert placement(n, ranks, "v") == [generate_stage_to_rank_mapping(ranks, n, "v")[s] for s in range(n)]
+    assert placement(4, 2, "v") == [0, 1, 1, 0]
+
+
+def test_schedule_layouts_and_textbook_bubbles():
+    from fxtrain.pipeline.schedules import SCHEDULE_INFO, check_layout
+    from fxtrain.pipeline.timeline import simulate
+    assert check_layout("zb1p", 6, 2) == 3 and check_layout("1f1b", 2, 2) == 1
+    with pytest.raises(ValueError, match="'gpipe' runs one stage per rank.*interleaved-1f1b, zb1p, zbv, dualpipev"):
+        check_layout("gpipe", 4, 2)
+    with pytest.raises(ValueError, match="'zbv' runs two stages per rank"):
+        check_layout("zbv", 6, 2)
+    with pytest.raises(ValueError, match="cannot share evenly"):
+        check_layout("zb1p", 5, 2)
+    # Uniform stages (forward 1, backward 2 = input 1 + weight 1), free communication: the classic
+    # schedules land on their textbook bubble; the zero-bubble ones below it.
+    for p, m in ((2, 4), (2, 8), (4, 8)):
+        for name, info in SCHEDULE_INFO.items():
+            v = 1 if info.placement == "single" else 2
+            sim = simulate([1.0] * (p * v), [2.0] * (p * v), name, m, weight=[1.0] * (p * v), ranks=p)
+            if not info.split_backward:
+                assert sim.bubble_fraction == pytest.approx(info.bubble(p, v, m)), (name, p, m)
+            else:
+                assert sim.bubble_fraction <= (p - 1) / (3 * m) + 1e-9, (name, p, m)
+
+
+def test_microbatch_example_convention():
+    """torch's pipeline() takes one microbatch (mb_args); fxtrain.split a whole batch, or mb_args."""
+    whole = fxtrain.split(toy_model(), example_kwargs=toy_batch(2), num_stages=2)
+    assert "example: the whole batch (2 rows)" in whole.describe()
+    with pytest.raises(fxtrain.SplitError, match=r"not divisible by n_microbatches=4: fxtrain.split takes the "
+                                                 r"whole batch as example.*mb_args="):
+        whole.microbatch_plan(4, None)
+    mb = fxtrain.split(toy_model(), mb_kwargs=toy_batch(2), num_stages=2)
+    assert mb.example_is_microbatch and "example: one microbatch (2 rows" in mb.describe()
+    captured, plan = mb.microbatch_plan(4, None)
+    assert tuple(captured.user_inputs()[0].value.shape) == (2, 5)  # captured at the example's own shape
+    with pytest.raises(fxtrain.SplitError, match="not both"):
+        fxtrain.split(toy_model(), example_kwargs=toy_batch(2), mb_kwargs=toy_batch(2), num_stages=2)
 
 
 def test_cli_split_prints_the_plan(tmp_path, capsys):

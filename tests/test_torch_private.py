@@ -268,6 +268,17 @@ def test_distributed_and_subclass_accessors() -> None:
     assert isinstance(w, Wrapper) and w.shape == (2, 3)
 
 
+def test_schedule_actions_reads_torch_schedule_orders() -> None:
+    """Every rank's F/B/I/W actions of torch's multi-stage schedules (the pipeline simulation)."""
+    orders = _check("schedule_actions", tp.schedule_actions, "ScheduleInterleavedZeroBubble", 2, 4, 2)
+    assert len(orders) == 2
+    for rank, order in enumerate(orders):
+        # rank r runs stages r and r + 2 (looped), each microbatch's F, I and W once per stage
+        assert sorted(order) == sorted((k, s, i) for k in "FIW" for s in (rank, rank + 2) for i in range(4))
+    dual = _check("schedule_actions", tp.schedule_actions, "ScheduleDualPipeV", 2, 4, 2)
+    assert {s for _, s, _ in dual[0]} == {0, 3} and any(k == "B" for k, _, _ in dual[0])  # OVERLAP_F_B unpacked
+
+
 def test_set_custom_op_kernels_is_reachable() -> None:
     """``set_custom_op_kernels`` ran when fxtrain.pythonop.op was imported; its attributes are there."""
     import fxtrain.pythonop.op as op

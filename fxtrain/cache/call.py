@@ -44,8 +44,9 @@ class CachedCall:
         step.compiled_forward = executor.compile(forward, "inference" if spec.inference else "forward",
                                                  tp.placeholder_examples(forward))
         if backward is not None:
-            examples = tp.placeholder_examples(backward)
-            step.backward = AbsentGradBackward(backward, lambda g: executor.compile(g, "backward", examples))
+            # Each graph compiled with its own placeholders' values: the whole backward, its
+            # absent-gradient specialisations (same inputs) and its B/W parts (weight_split.py).
+            step.backward = AbsentGradBackward(backward, lambda g: executor.compile(g, "backward", tp.placeholder_examples(g)))
         self.step = step
         if preference == "auto":   # as the live capture chose (it saw the backward passes' reports)
             preference = "autograd" if entry.mode == "autograd" else "graph"

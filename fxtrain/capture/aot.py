@@ -43,8 +43,9 @@ def split(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], executor: Exe
         for backward_pass in BACKWARD_PASSES:
             result.backward_reports.append(backward_pass(bw))
         result.backward_graph = bw
-        examples = tp.placeholder_examples(bw)
-        result.backward = AbsentGradBackward(bw, lambda g: executor.compile(g, "backward", examples))
+        # Each graph compiled with its own placeholders' values: the whole backward, its
+        # absent-gradient specialisations (same inputs) and its B/W parts (weight_split.py).
+        result.backward = AbsentGradBackward(bw, lambda g: executor.compile(g, "backward", tp.placeholder_examples(g)))
         return fw, bw
 
     def forward_compiler(fw: torch.fx.GraphModule, inputs: List[Any], inference: bool = False) -> Callable[..., Any]:

@@ -147,6 +147,20 @@ def flops_of(node: torch.fx.Node) -> int:
     return 0
 
 
+def _product_operands(node: torch.fx.Node) -> List[Any]:
+    """The operands whose gradient each costs one product of the forward's size (as ``flops_of``)."""
+    target = node.target
+    operands = [a for a in node.args if isinstance(a, torch.fx.Node)]
+    if node.op == "call_function" and target in (F.linear, NN_LINEAR):
+        return [_arg(node, 0, "input"), _arg(node, 1, "weight")]
+    if node.op == "call_function" and target in _ADDMM_FUNCTIONS or node.op == "call_method" and target in _ADDMM_METHODS:
+        return operands[1:3]
+    if node.op == "call_function" and target is torch.einsum:
+        ops = node.args[1:]
+        return list(ops[0]) if len(ops) == 1 and isinstance(ops[0], (tuple, list)) else list(ops)
+    return operands[:2]
+
+
 def forward_flops_of(node: torch.fx.Node) -> int:
     """Forward-only FLOPs of one node (the training count without the backward products)."""
     target = node.target
@@ -156,16 +170,18 @@ def forward_flops_of(node: torch.fx.Node) -> int:
     if node.op == "call_function" and target in _SDPA:
         q, k, v = (_example(_arg(node, i, n)) for i, n in enumerate(("query", "key", "value")))
         return attention_flops(q, k, v)
-    operands = [_example(a) for a in node.args if isinstance(a, torch.fx.Node)]
-    if node.op == "call_function" and target in (F.linear, NN_LINEAR):
-        operands = [_example(_arg(node, 0, "input")), _example(_arg(node, 1, "weight"))]
-    elif node.op == "call_function" and target in _ADDMM_FUNCTIONS or node.op == "call_method" and target in _ADDMM_METHODS:
-        operands = operands[1:3]
-    elif node.op == "call_function" and target is torch.einsum:
-        operands = [_example(a) for a in node.args[1:]]
-    else:
-        operands = operands[:2]
-    return total // (1 + _grads(*operands))
+    return total // (1 + _grads(*[_example(a) for a in _product_operands(node)]))
+
+
+def weight_flops_of(node: torch.fx.Node, is_weight: Callable[[torch.fx.Node], bool]) -> int:
+    """The backward FLOPs of one node that go to weight gradients: one forward's worth per operand
+    that needs a gradient and ``is_weight`` (a parameter, or computed from parameters alone). The
+    rest of the backward computes input gradients: the B and W parts of a zero-bubble schedule."""
+    if flops_of(node) == 0 or node.op == "call_function" and node.target in _SDPA:
+        return 0
+    forward = forward_flops_of(node)
+    weights = [a for a in _product_operands(node) if isinstance(a, torch.fx.Node) and is_weight(a)]
+    return forward * _grads(*[_example(a) for a in weights])
 
 
 def node_flops(gm: torch.fx.GraphModule) -> List[float]:

@@ -9,6 +9,7 @@ from torch import nn
 from ..options import Options
 from .capture import capture
 from .costs import CostFn
+from .errors import SplitError
 from .plan import Plan, SplitPoints, make_plan
 
 
@@ -20,10 +21,14 @@ class Pipe:
     """
 
     def __init__(self, model: nn.Module, example: Tuple[Tuple[Any, ...], Dict[str, Any], Any],
-                 spec: Dict[str, Any], plan: Plan, loss_fn: Optional[Callable[..., Any]] = None) -> None:
+                 spec: Dict[str, Any], plan: Plan, loss_fn: Optional[Callable[..., Any]] = None,
+                 example_is_microbatch: bool = False) -> None:
         self.model = model
         self.loss_fn = loss_fn
         self.example = example
+        #: True when the example is one microbatch (``split(mb_args=...)``, torch's convention);
+        #: False when it is a whole batch, which ``build`` cuts into ``n_microbatches``
+        self.example_is_microbatch = example_is_microbatch
         self.spec = spec
         self.plan = plan
         # Per (microbatches, loss_fn): the graph at microbatch shape and its plan; per stage as
@@ -42,39 +47,61 @@ class Pipe:
         for s in self.plan.stages:
             rows.append({"stage": s.index, "first_module": s.first_module or "-", "last_module": s.last_module or "-",
                          "nodes": len(s.nodes), "params": s.param_numel, "flops": s.flops,
-                         "forward_flops": s.forward_flops, "send_bytes": s.send_bytes, "cost": s.cost,
+                         "forward_flops": s.forward_flops, "weight_flops": s.weight_flops,
+                         "send_bytes": s.send_bytes, "cost": s.cost,
                          "sends": len(s.outputs) if s.index < self.num_stages - 1 else 0})
         return rows
 
-    def describe(self, file: Any = None) -> str:
-        """Print (and return) the plan: per stage parameters, training FLOPs and activation bytes sent on."""
+    def describe(self, file: Any = None, n_microbatches: int = 4) -> str:
+        """Print (and return) the plan: per stage parameters, training FLOPs and activation bytes sent
+        on; which example convention was assumed (whole batch or one microbatch); and for every
+        schedule that can run these stages, its layout and simulated bubble beside the textbook one."""
         from .report import describe_plan
-        text = describe_plan(self)
+        text = describe_plan(self, n_microbatches)
         print(text, file=file)
         return text
 
-    def simulate(self, schedule: str = "1f1b", n_microbatches: int = 4) -> "Any":
-        """Simulated timeline of one step (stage times proportional to their FLOPs)."""
+    def example_text(self) -> str:
+        """Which convention the example follows, in words (``describe`` prints it)."""
+        rows = _rows(self.example)
+        size = f"{rows} rows" if rows is not None else "no batched tensor"
+        if self.example_is_microbatch:
+            return (f"example: one microbatch ({size}, given as mb_args/mb_kwargs as in torch's pipeline()); "
+                    f"a step's batch is n_microbatches times that")
+        return (f"example: the whole batch ({size}); build(n_microbatches=m) cuts each step's batch into m "
+                f"microbatches (torch's pipeline() takes one microbatch instead: pass it as mb_args=...)")
+
+    def simulate(self, schedule: str = "1f1b", n_microbatches: int = 4, ranks: Optional[int] = None) -> "Any":
+        """Simulated timeline of one step (stage times proportional to their FLOPs, free communication).
+
+        ``ranks``: the pipeline group size (default: what ``schedule`` needs for this plan, one
+        stage per rank for GPipe/1F1B, two for the others)."""
         from .timeline import simulate
         rows = self.stage_table()
         # Time ~ the balanced cost when it is a FLOP count (dense or after sparsity), else FLOPs;
-        # split into forward and backward in the dense graph's proportion.
+        # split into forward, input-gradient and weight-gradient parts in the dense graph's proportions.
         timed = "cost" if self.plan.balance != "params" else "flops"
         fwd = [r[timed] * (r["forward_flops"] / r["flops"] if r["flops"] else 1 / 3) for r in rows]
         bwd = [r[timed] - f for r, f in zip(rows, fwd)]
-        return simulate(fwd, bwd, schedule, n_microbatches)
+        weight = [b * (r["weight_flops"] / (r["flops"] - r["forward_flops"]) if r["flops"] > r["forward_flops"] else 0.5)
+                  for r, b in zip(rows, bwd)]
+        return simulate(fwd, bwd, schedule, n_microbatches, weight=weight, ranks=ranks)
 
-    def plot(self, path: str, schedule: str = "1f1b", n_microbatches: int = 4) -> str:
+    def plot(self, path: str, schedule: str = "1f1b", n_microbatches: int = 4, ranks: Optional[int] = None) -> str:
         """Draw the simulated schedule timeline to ``path`` (PNG/SVG/PDF by extension)."""
         from .timeline import plot
-        return plot(self.simulate(schedule, n_microbatches), path)
+        return plot(self.simulate(schedule, n_microbatches, ranks), path)
 
     def build(self, schedule: str = "1f1b", n_microbatches: int = 4, loss_fn: Optional[Callable[..., Any]] = None,
               *, group: Any = None, timeout: Optional[datetime.timedelta] = None,
               options: Optional[Options] = None) -> "Any":
         """This rank's stage as a runner: ``runner.step(*args, **kwargs)`` trains one batch.
 
-        ``schedule``: "gpipe" or "1f1b" (torch's ScheduleGPipe / Schedule1F1B). ``loss_fn(output,
+        ``schedule``: "gpipe", "1f1b" (one stage per rank), "interleaved-1f1b", "zb1p" (looped
+        placement, any number of stages per rank), "zbv" or "dualpipev" (V-shaped, two stages per
+        rank): torch's ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV. The plan's
+        ``num_stages`` must be the group size times the stages per rank. ``loss_fn(output,
         target)`` when the model's output holds no loss (``target`` is then passed to ``step``).
         ``timeout`` bounds every wait on a peer (default 5 minutes). ``options`` configure the
         stage TrainModules.
@@ -87,7 +114,8 @@ class Pipe:
                balance: Union[str, CostFn] = "flops") -> "Pipe":
         """The same captured model cut another way (no new capture; microbatch graphs are shared too)."""
         spec: Dict[str, Any] = {"num_stages": num_stages, "split_points": split_points, "balance": balance}
-        other = Pipe(self.model, self.example, spec, make_plan(self.plan.captured, **spec), self.loss_fn)
+        other = Pipe(self.model, self.example, spec, make_plan(self.plan.captured, **spec), self.loss_fn,
+                     self.example_is_microbatch)
         other._captures = self._captures
         return other
 
@@ -98,9 +126,16 @@ class Pipe:
         if key not in self._microbatch:
             if key not in self._captures:
                 args, kwargs, target = self.example
-                m = n_microbatches
-                self._captures[key] = capture(self.model, chunk0(tuple(args), m), chunk0(dict(kwargs), m),
-                                              loss_fn=loss_fn, target=chunk0(target, m))
+                m = 1 if self.example_is_microbatch else n_microbatches
+                try:
+                    mb = (chunk0(tuple(args), m), chunk0(dict(kwargs), m), chunk0(target, m))
+                except SplitError as e:
+                    raise SplitError(
+                        f"{e}: fxtrain.split takes the whole batch as example (what step() will get) and "
+                        f"build() cuts it into n_microbatches; if the example is one microbatch (torch's "
+                        f"pipeline(mb_args=...) convention), pass it as fxtrain.split(model, mb_args=..., "
+                        f"mb_kwargs=...)") from None
+                self._captures[key] = capture(self.model, mb[0], mb[1], loss_fn=loss_fn, target=mb[2])
             captured = self._captures[key]
             self._microbatch[key] = (captured, make_plan(captured, **self.spec)) if captured.has_loss else (captured, None)
         return self._microbatch[key]
@@ -114,18 +149,41 @@ class Pipe:
 def split(model: nn.Module, example_args: Sequence[Any] = (), example_kwargs: Optional[Dict[str, Any]] = None, *,
           num_stages: Optional[int] = None, split_points: Optional[SplitPoints] = None,
           balance: Union[str, CostFn] = "flops", example_target: Any = None,
-          loss_fn: Optional[Callable[..., Any]] = None) -> Pipe:
+          loss_fn: Optional[Callable[..., Any]] = None, mb_args: Optional[Sequence[Any]] = None,
+          mb_kwargs: Optional[Dict[str, Any]] = None, mb_target: Any = None) -> Pipe:
     """Cut ``model``'s training graph into pipeline stages.
 
     Where: ``num_stages=N`` (optimal contiguous min-max partition of ``balance``: "flops", the
     default, "params", or a ``CostFn``), ``split_points={"qualified.module": "before"|"after"}``
     (or a list of names, meaning before), or, with neither, the ``fxtrain.pipe_split()`` calls in
-    ``forward``. The example batch fixes the input structure; each stage's shapes are fixed at
-    ``build`` from it and the number of microbatches.
+    ``forward``. ``N`` is the number of stages, not of ranks: ``build`` puts ``N / group size``
+    stages on each rank.
+
+    The example fixes the input structure and shapes. ``example_args``/``example_kwargs`` (and
+    ``example_target``) are a whole batch, which ``build(n_microbatches=m)`` cuts into ``m``;
+    ``mb_args``/``mb_kwargs``/``mb_target`` instead are one microbatch (torch's
+    ``pipeline(mb_args=...)`` convention), and a step's batch is ``m`` times that. ``describe()``
+    says which was given.
     """
+    microbatch = mb_args is not None or mb_kwargs is not None or mb_target is not None
+    if microbatch:
+        if tuple(example_args) or example_kwargs or example_target is not None:
+            raise SplitError("give the example either as a whole batch (example_args/example_kwargs/"
+                             "example_target) or as one microbatch (mb_args/mb_kwargs/mb_target), not both")
+        example_args, example_kwargs, example_target = tuple(mb_args or ()), mb_kwargs, mb_target
     example_kwargs = dict(example_kwargs or {})
     captured = capture(model, tuple(example_args), example_kwargs, loss_fn=loss_fn, target=example_target,
                        want_loss=True)
     spec: Dict[str, Any] = {"num_stages": num_stages, "split_points": split_points, "balance": balance}
     plan = make_plan(captured, **spec)
-    return Pipe(model, (tuple(example_args), example_kwargs, example_target), spec, plan, loss_fn)
+    return Pipe(model, (tuple(example_args), example_kwargs, example_target), spec, plan, loss_fn, microbatch)
+
+
+def _rows(example: Any) -> Optional[int]:
+    """The batch size of an example: the first dimension of its first batched tensor."""
+    import torch
+    from .capture import walk
+    for _, leaf in walk({"args": tuple(example[0]), "kwargs": dict(example[1]), "target": example[2]}):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    return None

@@ -18,7 +18,7 @@ import torch
 import torch.fx
 
 from .capture import INPUT, PARAM, CapturedGraph, SplitError
-from .costs import COST_FUNCTIONS, CostFn, forward_flops_of, flops_of, module_of
+from .costs import COST_FUNCTIONS, CostFn, forward_flops_of, flops_of, module_of, weight_flops_of
 from .marker import is_marker
 from .partition import min_max_partition
 
@@ -36,6 +36,7 @@ class StagePlan:
     param_numel: int = 0
     flops: int = 0                       # forward + backward
     forward_flops: int = 0
+    weight_flops: int = 0                # the backward's weight-gradient products (W of zero bubble)
     send_bytes: int = 0                  # activation bytes sent to the next stage per call
     first_module: str = ""
     last_module: str = ""
@@ -262,6 +263,7 @@ def _stages(g: _Graph, cuts: List[int]) -> List[StagePlan]:
                           param_numel=sum(kinds[p].value.numel() for p in used),
                           flops=sum(flops_of(n) for n in nodes + replicated),
                           forward_flops=sum(forward_flops_of(n) for n in nodes + replicated),
+                          weight_flops=sum(weight_flops_of(n, lambda a: a not in g.position) for n in nodes + replicated),
                           send_bytes=0 if s == last else sum(_nbytes(v) for v in outputs),
                           first_module=modules[0] if modules else "", last_module=modules[-1] if modules else "")
         stages.append(stage)

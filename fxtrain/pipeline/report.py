@@ -1,7 +1,7 @@
 """The plan as a table a person reads (``Pipe.describe``, ``fxtrain split``)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, List
 
 if TYPE_CHECKING:
     from .pipe import Pipe
@@ -21,12 +21,14 @@ def _bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def describe_plan(pipe: "Pipe") -> str:
+def describe_plan(pipe: "Pipe", n_microbatches: int = 4) -> str:
     rows = pipe.stage_table()
     total = sum(r["flops"] for r in rows) or 1
     mean = total / len(rows)
     header = f"{'stage':>5}  {'modules':<58} {'params':>10} {'train FLOPs':>12} {'share':>6} {'sends':>5} {'bytes sent':>11}"
-    lines = [f"pipeline plan: {pipe.plan.how}; example batch; FLOPs are forward + backward", header, "-" * len(header)]
+    what = "one microbatch" if pipe.example_is_microbatch else "the example batch"
+    lines = [f"pipeline plan: {pipe.plan.how}; FLOPs are forward + backward of {what}", pipe.example_text(),
+             header, "-" * len(header)]
     for r in rows:
         span = r["first_module"] if r["first_module"] == r["last_module"] else f"{r['first_module']} .. {r['last_module']}"
         if len(span) > 58:
@@ -41,9 +43,27 @@ def describe_plan(pipe: "Pipe") -> str:
         cmean = sum(costs) / len(costs) or 1
         lines.append(f"balanced on {pipe.plan.balance}: " + ", ".join(f"{_si(c)}" for c in costs)
                      + f" per stage, max/mean = {max(costs) / cmean:.3f}")
-    for sched in ("gpipe", "1f1b"):
-        sim = pipe.simulate(sched, 4)
-        p = len(rows)
-        lines.append(f"simulated {sched}, 4 microbatches: bubble {sim.bubble_fraction:.1%} "
-                     f"(textbook (p-1)/(m+p-1) = {(p - 1) / (4 + p - 1):.1%})")
+    lines.extend(schedule_lines(pipe, n_microbatches))
     return "\n".join(lines)
+
+
+def schedule_lines(pipe: "Pipe", m: int) -> List[str]:
+    """Per schedule this plan can run: its layout and its simulated bubble beside the textbook one."""
+    from .schedules import SCHEDULE_INFO
+    n = pipe.num_stages
+    lines = [f"schedules for these {n} stages, {m} microbatches (simulated from stage FLOPs, free communication):"]
+    for name, info in SCHEDULE_INFO.items():
+        v = 1 if info.placement == "single" else 2
+        if n % v or (v == 2 and n < 4):
+            continue
+        p = n // v
+        layout = f"{p} ranks x {v}" + ("" if info.placement == "single" else f" ({info.placement})")
+        try:
+            sim = pipe.simulate(name, m, ranks=p)
+        except (ValueError, AssertionError) as e:   # torch's own limits (e.g. DualPipeV: m >= stages)
+            lines.append(f"  {name:<17} {layout:<18} not simulated: {e}")
+            continue
+        lines.append(f"  {name:<17} {layout:<18} bubble {sim.bubble_fraction:>5.1%}  textbook "
+                     f"{info.bubble(p, v, m):>5.1%} {info.textbook}"
+                     + ("; B split into I (input grads) + W (weight grads)" if info.split_backward else ""))
+    return lines

@@ -1,10 +1,17 @@
-"""Run this rank's stage of a plan on torch.distributed.pipelining, one training step at a time.
+"""Run this rank's stages of a plan on torch.distributed.pipelining, one training step at a time.
 
 Each process captures the model again at microbatch shape (static shapes: what the pipeline's
-send/receive buffers are made from), cuts it with the same plan, keeps its own stage as an fxtrain
-``TrainModule`` (so graph passes such as label sparsity run inside stages) and hands it to torch's
-``PipelineStage`` with its input and output metadata (static mode: no shape-inference pass).
-The schedule is torch's (``ScheduleGPipe``, ``Schedule1F1B``).
+send/receive buffers are made from), cuts it with the same plan, keeps its own stages as fxtrain
+``TrainModule``s (so graph passes such as label sparsity run inside stages) and hands each to
+torch's ``PipelineStage`` with its input and output metadata (static mode: no shape-inference pass).
+The schedule is torch's own class (``SCHEDULES``). A plan of S stages on a group of p ranks puts
+S/p stages on each rank: looped (stage s on rank s mod p) for the interleaved schedules, V-shaped
+(rank r holds stages r and 2p-1-r) for ZBV and DualPipeV, as torch's schedules expect.
+
+Zero-bubble schedules split each stage's backward into B (input gradients) and W (weight
+gradients). ``_Stage`` does it on fxtrain's own aten backward graph (``runtime/weight_split.py``)
+instead of torch's autograd-graph walk, which loses weight gradients through custom Functions
+(pytorch#166577) and counts a parameter reached twice twice (pytorch#180952).
 
 What torch's own pipeline gets wrong and this runner gets right:
 - custom autograd Functions stay opaque PythonOps in the stage graph, so their own backward runs;
@@ -19,6 +26,7 @@ records why in the rendezvous store before re-raising, and a peer that loses con
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import itertools
 import logging
@@ -28,13 +36,17 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional,
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
+                                          ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+                                          ScheduleZBVZeroBubble)
 
 from ..module import TrainModule
-from ..options import Options
+from ..options import Options, resolve
+from ..runtime.weight_split import PendingWeights, defer_weight_gradients
 from .capture import fetch, path_text, walk
 from .errors import PipelineError, SplitError
 from .plan import Plan
+from .schedules import SCHEDULE_INFO, check_layout, placement
 from .stage_module import stage_module
 from ..torch_private import default_store, process_group_timeout
 
@@ -43,7 +55,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("fxtrain")
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+SCHEDULES: Dict[str, type] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
+                              "interleaved-1f1b": ScheduleInterleaved1F1B, "zb1p": ScheduleInterleavedZeroBubble,
+                              "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
 _builds: Dict[Tuple[int, ...], Iterator[int]] = {}
 
 
@@ -52,19 +66,56 @@ def backend_for(device: torch.device) -> Optional[str]:
     return {"cpu": "gloo", "cuda": "nccl"}.get(device.type)
 
 
-class _TimedStage(PipelineStage):
-    """A PipelineStage that measures its compute (forward/backward) and marks local failures."""
+class _Stage(PipelineStage):
+    """torch's PipelineStage, with fxtrain's input/weight backward split and compute timing.
 
-    busy: float = 0.0
-    failed_locally: bool = False
+    torch's zero-bubble schedules call ``backward_maybe_with_nosync("input")`` for B and
+    ``("weight")`` for W (``stage.py``: ``backward_one_chunk(full_backward=False)`` then
+    ``backward_weight_one_chunk``). Here B is torch's ordinary stage backward run inside
+    ``defer_weight_gradients``: fxtrain's graph runtime computes the input gradients and queues
+    the weight-gradient part of the stage's backward graph, handed to W through the slot torch
+    keeps for its ``param_groups``. W runs that queue. Every other backward is torch's.
+    (The first stage has no input gradient to send: torch runs its whole backward in W.)
+    """
+
+    def __init__(self, submodule: nn.Module, *args: Any, **kwargs: Any) -> None:
+        super().__init__(submodule, *args, **kwargs)
+        self._params = list(submodule.parameters())   # what B defers and W accumulates
+        self.busy = 0.0                 # seconds of compute since the last reset
+        self.failed_locally = False
+        self.weight_parts = 0           # W parts (split backward graphs) run since the last reset
+        #: (kind F/B/I/W, microbatch, start, end) of every compute action since the last reset
+        self.actions: List[Tuple[str, int, float, float]] = []
 
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        return self._timed(super().forward_one_chunk, *args, **kwargs)
+        return self._timed("F", super().forward_one_chunk, *args, **kwargs)
 
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        return self._timed(super().backward_one_chunk, *args, **kwargs)
+        full = kwargs.get("full_backward", args[2] if len(args) > 2 else True)
+        return self._timed("B" if full else "I", super().backward_one_chunk, *args, **kwargs)
 
-    def _timed(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        return self._timed("W", super().backward_weight_one_chunk, *args, **kwargs)
+
+    def backward_maybe_with_nosync(self, backward_type: Any, bwd_kwargs: dict,
+                                   last_backward: bool = False) -> Tuple[Tuple[Optional[torch.Tensor], ...], Any]:
+        if backward_type == "input":
+            output, grads = bwd_kwargs["stage_output"], bwd_kwargs["output_grads"]
+            if grads is None and isinstance(output, tuple) and len(output) == 1:
+                # The last stage's loss, which torch wrapped in a tuple for its own input backward.
+                bwd_kwargs = dict(bwd_kwargs, stage_output=output[0])
+            with defer_weight_gradients(self._params) as pending:
+                input_grads, _ = super().backward_maybe_with_nosync("full", bwd_kwargs, last_backward)
+            return input_grads, [pending]
+        if backward_type == "weight":
+            for pending in bwd_kwargs["param_groups"] or ():
+                if isinstance(pending, PendingWeights):
+                    self.weight_parts += len(pending)
+                    pending.run()
+            return (), None
+        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+    def _timed(self, kind: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
         try:
             return fn(*args, **kwargs)
@@ -72,7 +123,10 @@ class _TimedStage(PipelineStage):
             self.failed_locally = True
             raise
         finally:
-            self.busy += time.perf_counter() - start
+            end = time.perf_counter()
+            self.busy += end - start
+            self.actions.append((kind, int(args[0]) if args else int(kwargs.get("fwd_chunk_id", kwargs.get("bwd_chunk_id", -1))),
+                                 start, end))
 
 
 def _meta(node: torch.fx.Node, device: torch.device) -> torch.Tensor:
@@ -99,7 +153,12 @@ def chunk0(value: Any, m: int) -> Any:
 
 
 class PipelineRunner:
-    """This rank's stage of a pipeline; ``step(*args, **kwargs)`` trains one batch (see ``Pipe.build``)."""
+    """This rank's stages of a pipeline; ``step(*args, **kwargs)`` trains one batch (see ``Pipe.build``).
+
+    ``stage_indices`` are the stages this rank runs (one, or several for the interleaved and V
+    schedules), ``modules`` their ``TrainModule``s by stage index; ``stage_index`` and ``module``
+    are the first of them.
+    """
 
     def __init__(self, pipe: "Pipe", schedule: str, n_microbatches: int, loss_fn: Optional[Callable[..., Any]],
                  group: Optional[dist.ProcessGroup] = None, timeout: Optional[datetime.timedelta] = None,
@@ -108,9 +167,10 @@ class PipelineRunner:
             raise PipelineError("Pipe.build needs torch.distributed initialised (torchrun, or "
                                 "init_process_group in each torch.multiprocessing worker)")
         if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
+            raise ValueError(f"schedule must be one of {list(SCHEDULES)}, got {schedule!r}")
         if n_microbatches < 1:
             raise ValueError(f"n_microbatches must be >= 1, got {n_microbatches}")
+        info = SCHEDULE_INFO[schedule]
         self.schedule_name = schedule
         self.n_microbatches = m = n_microbatches
         base = group or dist.group.WORLD
@@ -121,11 +181,16 @@ class PipelineRunner:
         self.rank = dist.get_rank()
         if self.rank not in ranks:
             raise PipelineError(f"rank {self.rank} is not in the pipeline group {ranks}")
-        if len(ranks) != pipe.num_stages:
-            raise PipelineError(f"the plan has {pipe.num_stages} stages but the pipeline group has {len(ranks)} "
-                                f"ranks; run one process per stage")
-        self.stage_index = ranks.index(self.rank)
-        self.num_stages = len(ranks)
+        try:
+            self.stages_per_rank = check_layout(schedule, pipe.num_stages, len(ranks))
+        except ValueError as e:
+            raise PipelineError(str(e)) from None
+        self.num_stages = pipe.num_stages
+        self.group_rank = ranks.index(self.rank)
+        #: rank (position in the pipeline group) of every stage
+        self.placement = placement(self.num_stages, len(ranks), info.placement)
+        self.stage_indices = [s for s, r in enumerate(self.placement) if r == self.group_rank]
+        self.stage_index = self.stage_indices[0]
         self._ranks = ranks
         # Every rank captures and plans the whole model (deterministic), so all agree on the cuts
         # and on which stages share a parameter without exchanging anything.
@@ -141,18 +206,30 @@ class PipelineRunner:
         self.plan: Plan = plan
         self._inputs = captured.user_inputs()
         self._example_root = {"args": tuple(pipe.example[0]), "kwargs": dict(pipe.example[1]), "target": pipe.example[2]}
+        self._example_is_microbatch = pipe.example_is_microbatch
         self._mb_shapes = [tuple(i.value.shape) for i in self._inputs]
-        stage = plan.stages[self.stage_index]
-        self.is_first, self.is_last = self.stage_index == 0, self.stage_index == self.num_stages - 1
-        self.module = pipe.stage_train_module(
-            (m, loss_fn, self.stage_index, repr(options)),
-            lambda: TrainModule(stage_module(captured, stage, last=self.is_last), options))
-        gm = self.module.module
+        self.is_first = 0 in self.stage_indices
+        self.is_last = self.num_stages - 1 in self.stage_indices
+        if info.split_backward:
+            # B/W is cut from the aten backward graph, which fxtrain's graph runtime runs.
+            options = dataclasses.replace(options or Options(), backward="graph")
+        #: this rank's stages as TrainModules, by stage index
+        self.modules: Dict[int, TrainModule] = {}
+        for s in self.stage_indices:
+            stage_plan, last = plan.stages[s], s == self.num_stages - 1
+            self.modules[s] = pipe.stage_train_module(
+                (m, loss_fn, s, repr(options)),
+                lambda stage_plan=stage_plan, last=last: TrainModule(stage_module(captured, stage_plan, last=last), options))
+        self.module = self.modules[self.stage_index]
         #: custom autograd Functions of the whole model kept as opaque PythonOps, and how many of
-        #: their calls this stage runs
+        #: their calls this rank's stages run
         self.python_ops = list(captured.python_ops)
-        self.python_op_calls = sum(1 for n in gm.graph.nodes if n.target in (torch.ops.fxtrain.python_op,
-                                                                              torch.ops.fxtrain.python_op.default))
+        self.python_op_calls = sum(1 for mod in self.modules.values() for n in mod.module.graph.nodes
+                                   if n.target in (torch.ops.fxtrain.python_op, torch.ops.fxtrain.python_op.default))
+        if info.split_backward and resolve(options).backward != "graph":
+            logger.warning("fxtrain pipeline: FXTRAIN_BACKWARD=%s keeps the stages off fxtrain's graph runtime: "
+                           "%s runs each backward whole in its B step (exact, no weight/input split)",
+                           resolve(options).backward, schedule)
         if group is None:
             # A group of our own carries the configured timeout (collective over the world: every
             # rank calls build, as with any torch.distributed group creation).
@@ -162,19 +239,36 @@ class PipelineRunner:
             self.timeout = _group_timeout(group) or timeout
         self._uid = (tuple(ranks), next(_builds.setdefault(tuple(ranks), itertools.count())))
         self._shared = self._shared_parameters(plan, captured)
-        self._stage = _TimedStage(self.module, self.stage_index, self.num_stages, self.device,
-                                  input_args=tuple(_meta(v, self.device) for v in stage.inputs),
-                                  output_args=tuple(_meta(v, self.device) for v in stage.outputs),
-                                  group=self._group)
-        self._schedule = SCHEDULES[schedule](self._stage, m, loss_fn=self._microbatch_loss, scale_grads=False)
+        self._stages: List[_Stage] = []
+        for s in self.stage_indices:
+            st = plan.stages[s]
+            stage = _Stage(self.modules[s], s, self.num_stages, self.device,
+                           input_args=tuple(_meta(v, self.device) for v in st.inputs),
+                           output_args=tuple(_meta(v, self.device) for v in st.outputs),
+                           group=self._group)
+            self._stages.append(stage)
+        cls = SCHEDULES[schedule]
+        try:
+            if info.placement == "single":
+                self._schedule = cls(self._stages[0], m, loss_fn=self._microbatch_loss, scale_grads=False)
+            else:
+                self._schedule = cls(self._stages, m, loss_fn=self._microbatch_loss, scale_grads=False)
+        except ValueError as e:  # torch's own constraints (microbatches per round, ...)
+            raise PipelineError(f"torch's {cls.__name__} refuses this layout: {e}") from None
         self.last_stats: Dict[str, float] = {}
-        logger.info("fxtrain pipeline: rank %d runs stage %d/%d (%d parameters, %s, %d microbatches)",
-                    self.rank, self.stage_index, self.num_stages, len(stage.params), schedule, m)
+        self.last_actions: List[Tuple[int, str, int, float, float]] = []
+        logger.info("fxtrain pipeline: rank %d runs stage(s) %s of %d (%d parameters, %s, %d microbatches)",
+                    self.rank, self.stage_indices, self.num_stages, sum(1 for _ in self.parameters()), schedule, m)
 
     # ------------------------------------------------------------------------------- public API
     def named_parameters(self) -> Iterator[Tuple[str, nn.Parameter]]:
-        """This rank's parameters under the original model's qualified names."""
-        return self.module.named_parameters()
+        """This rank's parameters (of all its stages, each once) under the original model's names."""
+        seen: set = set()
+        for module in self.modules.values():
+            for name, p in module.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield name, p
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return (p for _, p in self.named_parameters())
@@ -187,8 +281,9 @@ class PipelineRunner:
         """
         flat = self._flatten(args, kwargs, target)
         shared = self._snapshot_shared()
-        self._stage.busy = 0.0
-        self._stage.failed_locally = False
+        for stage in self._stages:
+            stage.busy, stage.failed_locally, stage.weight_parts = 0.0, False, 0
+            stage.actions.clear()
         losses: List[torch.Tensor] = []
         start = time.perf_counter()
         try:
@@ -200,12 +295,24 @@ class PipelineRunner:
                 self._schedule.step(target=self._dummy_target(), losses=losses, return_outputs=False)
             else:
                 self._schedule.step(return_outputs=False)
+            reduce_start = time.perf_counter()
             self._reduce_shared(shared)
         except Exception as e:
             raise self._failure(e) from e
-        elapsed = time.perf_counter() - start
-        self.last_stats = {"step_time": elapsed, "busy_time": self._stage.busy,
-                           "bubble_fraction": max(0.0, 1.0 - self._stage.busy / elapsed) if elapsed else 0.0}
+        end = time.perf_counter()
+        elapsed = end - start
+        busy = sum(stage.busy for stage in self._stages)
+        #: step time, this rank's compute time (forward, backward, W), the idle share, the time of
+        #: the shared-parameter all-reduce after the schedule, and how many weight-gradient parts
+        #: (W) of split backward graphs ran
+        self.last_stats = {"step_time": elapsed, "busy_time": busy, "step_start": start,
+                           "bubble_fraction": max(0.0, 1.0 - busy / elapsed) if elapsed else 0.0,
+                           "reduce_time": end - reduce_start,
+                           "weight_parts": float(sum(stage.weight_parts for stage in self._stages))}
+        #: this rank's compute actions of the step: (stage, kind F/B/I/W, microbatch, start, end),
+        #: seconds from the step's start (``timeline.measured`` assembles all ranks' into a Timeline)
+        self.last_actions = sorted((st.stage_index, kind, mb, a - start, b - start)
+                                   for st in self._stages for kind, mb, a, b in st.actions)
         if not self.is_last:
             return None
         return torch.stack([l.detach() for l in losses]).sum()
@@ -234,13 +341,23 @@ class PipelineRunner:
                 raise PipelineError(f"step() is missing input {info.name}, which the model was split with") from None
             if not isinstance(t, torch.Tensor):
                 raise PipelineError(f"step() input {info.name} is a {type(t).__name__}, expected a tensor")
+            convention = ""   # the example conventions confused (whole batch vs one microbatch)?
+            if t.dim() and tuple(t.shape[1:]) == shape[1:]:
+                if not self._example_is_microbatch and t.shape[0] == m * m * shape[0]:
+                    convention = (f"; the batch is n_microbatches times the example given to fxtrain.split, which "
+                                  f"takes the whole batch as example (build() cuts it into {m}); to give one "
+                                  f"microbatch instead (torch's pipeline(mb_args=...) convention), use "
+                                  f"fxtrain.split(model, mb_args=..., mb_kwargs=...)")
+                elif self._example_is_microbatch and t.shape[0] == shape[0]:
+                    convention = (f"; the example was one microbatch (mb_args/mb_kwargs), so a step takes "
+                                  f"n_microbatches={m} of them: a batch of {shape[0] * m}")
             if t.dim() == 0 or t.shape[0] % m:
                 raise PipelineError(f"batch size {t.shape[0] if t.dim() else 'of a scalar'} of input {info.name} "
-                                    f"is not divisible by n_microbatches={m}")
+                                    f"is not divisible by n_microbatches={m}{convention}")
             if (t.shape[0] // m,) + tuple(t.shape[1:]) != shape:
                 raise PipelineError(f"input {info.name} has shape {tuple(t.shape)}; this runner was built for "
-                                    f"microbatches of {shape} ({m} per step, batch {shape[0] * m}); pipeline "
-                                    f"stages have static shapes: build a runner for the new shape")
+                                    f"microbatches of {shape} ({m} per step, batch {shape[0] * m}); "
+                                    f"{convention[2:] or 'pipeline stages have static shapes: build a runner for the new shape'}")
             flat.append(t.to(self.device))
         known = {path_text(i.path) for i in self._inputs}
         for path, leaf in walk(root):
@@ -261,21 +378,29 @@ class PipelineRunner:
         return flat
 
     def _shared_parameters(self, plan: Plan, captured: Any) -> List[Tuple[str, torch.Size, torch.dtype, bool]]:
-        """Parameters held by more than one stage: (name, shape, held here), in one agreed order."""
+        """Parameters held by stages on more than one rank: (name, shape, dtype, held here), in one agreed order.
+
+        Stages on one rank share the very parameter tensor, so their contributions already add up
+        in its ``.grad``; only holders on several ranks need the all-reduce.
+        """
         holders: Dict[str, List[int]] = {}
-        for s in plan.stages:
-            for name in s.params:
-                holders.setdefault(name, []).append(s.index)
+        for st in plan.stages:
+            for name in st.params:
+                holders.setdefault(name, []).append(st.index)
         values = {i.name: i.value for i in captured.inputs}
         shared = []
-        for name in sorted(n for n, st in holders.items() if len(st) > 1):
-            shared.append((name, values[name].shape, values[name].dtype, self.stage_index in holders[name]))
-            logger.info("fxtrain pipeline: stages %s share %s; their gradients are summed after each step",
-                        holders[name], name)
+        for name in sorted(holders):
+            stages = holders[name]
+            ranks = {self.placement[s] for s in stages}
+            if len(stages) > 1:
+                logger.info("fxtrain pipeline: stages %s (ranks %s) share %s%s", stages, sorted(ranks), name,
+                            "; their gradients are summed after each step" if len(ranks) > 1 else "")
+            if len(ranks) > 1:
+                shared.append((name, values[name].shape, values[name].dtype, self.group_rank in ranks))
         return shared
 
     def _snapshot_shared(self) -> List[Optional[torch.Tensor]]:
-        params = dict(self.module.named_parameters())
+        params = dict(self.named_parameters())
         out = []
         for name, _, _, here in self._shared:
             g = params[name].grad if here else None
@@ -291,7 +416,18 @@ class PipelineRunner:
         """
         if not self._shared:
             return
-        params = dict(self.module.named_parameters())
+        params = dict(self.named_parameters())
+        if len(self._shared) == 1 and before[0] is None:
+            # One tensor, no earlier gradient (the usual tied embedding after zero_grad): reduce it
+            # in place instead of through a flat copy (tens of MB for a vocabulary-sized weight).
+            name, shape, dtype, here = self._shared[0]
+            g = params[name].grad if here else None
+            if g is None:
+                g = torch.zeros(shape, device=self.device, dtype=dtype)
+            dist.all_reduce(g, op=dist.ReduceOp.SUM, group=self._group)
+            if here:
+                params[name].grad = g
+            return
         parts = []
         for (name, shape, dtype, here), prev in zip(self._shared, before):
             if here and params[name].grad is not None:
@@ -317,12 +453,16 @@ class PipelineRunner:
         """Record a local failure for peers; for a lost peer, say which stage failed if it told us."""
         from ..module import root_cause
         cause = root_cause(exc)
-        here = f"pipeline stage {self.stage_index} (rank {self.rank}, {self.schedule_name})"
+        failed = [st.stage_index for st in self._stages if st.failed_locally]
+        index = failed[0] if failed else self.stage_index
+        stages = f"stage {index}" if failed or len(self._stages) == 1 else \
+            f"stages {', '.join(map(str, self.stage_indices))}"
+        here = f"pipeline {stages} (rank {self.rank}, {self.schedule_name})"
         store = _default_store()
-        if self._stage.failed_locally:
+        if failed:
             if store is not None:
                 try:
-                    store.set(self._store_key(self.rank), f"stage {self.stage_index} (rank {self.rank}) raised {cause}")
+                    store.set(self._store_key(self.rank), f"stage {index} (rank {self.rank}) raised {cause}")
                 except Exception:
                     pass
             return PipelineError(f"{here} failed: {cause}")

@@ -4,9 +4,10 @@ The stage's graph takes the values its plan receives as positional inputs and re
 it sends on (the loss, for the last stage). Parameters and buffers are attributes under their
 original qualified names, bound to the very tensors of the user's model: ``named_parameters()``
 of a stage reads like the model's, and an optimizer over it updates the model.
-Values passed through unchanged are cloned, so no stage output aliases a stage input (autograd
-and AOTAutograd treat such aliases specially, and the pipeline would accumulate their gradient
-into the received buffer); non-contiguous outputs are made contiguous to be sent.
+Values passed through unchanged and views are cloned, so no stage output aliases a stage input
+(autograd and AOTAutograd treat such aliases specially, the pipeline would accumulate their
+gradient into the received buffer, and the stage would leave fxtrain's graph runtime);
+non-contiguous outputs are made contiguous to be sent.
 """
 from __future__ import annotations
 
@@ -62,8 +63,10 @@ def stage_module(captured: CapturedGraph, stage: StagePlan, last: bool) -> torch
     for v in stage.outputs:
         node = lookup(v)
         ex = v.meta.get("example_value")
-        if v in received:
-            node = graph.call_method("clone", (node,))
+        if v in received or isinstance(ex, torch.Tensor) and ex._is_view():
+            # A view may alias a stage input (``input_ids.view(...)``): AOTAutograd then keeps the
+            # stage on its own runtime, whose backward fxtrain cannot split for zero bubble.
+            node = graph.call_method("clone", (node,), {"memory_format": torch.contiguous_format})
         elif isinstance(ex, torch.Tensor) and not ex.is_contiguous():
             node = graph.call_method("contiguous", (node,))
         results.append(node)

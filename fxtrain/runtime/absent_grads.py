@@ -152,6 +152,8 @@ class AbsentGradBackward:
         self.accepts_none = all(info is not None and info.shape is not None and self.solver.can_solve(info.shape)
                                 for info in infos.values())
         self.variants: Dict[Tuple[int, ...], Tuple[Callable[..., Any], List[int]]] = {}
+        # (absent tangents, weight outputs) -> the graph cut into B and W (runtime/weight_split.py)
+        self.splits: Dict[Tuple[Tuple[int, ...], Tuple[int, ...]], Tuple[Any, List[int]]] = {}
 
     def _variant(self, absent: Tuple[int, ...]) -> Tuple[Callable[..., Any], List[int]]:
         if absent not in self.variants:
@@ -173,11 +175,39 @@ class AbsentGradBackward:
             run = self.compile_full()
         else:
             run, needs_zeros = self._variant(absent)
-            for i in needs_zeros:
-                info = value_info(self.placeholders[i])
-                assert info is not None and info.shape is not None
-                args[i] = torch.zeros(self.solver.solve(info.shape, args), dtype=info.dtype, device=info.device)
+            self._materialize(args, needs_zeros)
         return run(args)
+
+    def _materialize(self, args: List[Any], needs_zeros: List[int]) -> None:
+        for i in needs_zeros:
+            info = value_info(self.placeholders[i])
+            assert info is not None and info.shape is not None
+            args[i] = torch.zeros(self.solver.solve(info.shape, args), dtype=info.dtype, device=info.device)
+
+    def split_call(self, args: List[Any], weights: Tuple[int, ...]) -> Tuple[List[Any], Optional[Callable[[], List[Any]]]]:
+        """Boxed call of B only: every output's gradient (None at ``weights``, the parameter
+        gradients) and W, a callable that returns those (``runtime/weight_split.py``). B and W are
+        cut from the same specialisation the whole call would run, so their sum is that call.
+        A graph that cannot be cut runs whole: all gradients, and None for W."""
+        from .weight_split import CompiledSplit, NotSplittable, split_backward
+        absent = tuple(i for i in self.tangents if args[i] is None)
+        key = (absent, weights)
+        if key not in self.splits:
+            gm, needs_zeros = _eliminate(self.gm, absent) if absent else (self.gm, [])
+            try:
+                parts = split_backward(gm, weights)
+            except NotSplittable as e:
+                logger.info("backward not split into input and weight parts: %s", e)
+                self.splits[key] = (None, needs_zeros)
+            else:
+                logger.debug("backward split for %d weight gradient(s): B %d nodes, W %d nodes, %d carried",
+                             len(weights), parts.input_nodes, parts.weight_nodes, parts.n_carried)
+                self.splits[key] = (CompiledSplit(parts, self.compile), needs_zeros)
+        compiled, needs_zeros = self.splits[key]
+        if compiled is None:
+            return list(self(args)), None
+        self._materialize(args, needs_zeros)
+        return compiled(args)
 
     def boxed(self) -> Callable[[List[Any]], Any]:
         def run(args: List[Any]) -> Any:

@@ -19,6 +19,7 @@ import torch.fx
 from torch.autograd.function import once_differentiable
 
 from ..torch_private import release_saved_tensors
+from . import weight_split
 from .absent_grads import AbsentGradBackward
 
 
@@ -102,12 +103,18 @@ class _Runner:
     def __init__(self, forward: Callable[[List[Any]], Any], backward: Optional[AbsentGradBackward],
                  spec: ReplaySpec) -> None:
         self.forward, self.backward, self.spec = forward, backward, spec
+        # Argument positions of the tensors among the graph's inputs (the same on every call of
+        # one capture), recorded on the first call: the backward maps the node's next_functions,
+        # one per tensor input, back to them when it splits off weight gradients.
+        self.tensor_positions: Optional[Tuple[int, ...]] = None
 
 
 class _ReplayFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, runner: _Runner, *args: Any) -> Any:  # type: ignore[override]
         spec = runner.spec
+        if runner.tensor_positions is None:
+            runner.tensor_positions = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
         outs = runner.forward(list(args))
         returns = _plain_returns(outs, spec)
         # A view saved for backward would keep its base's autograd history: AOTAutograd detaches too.
@@ -136,7 +143,17 @@ class _ReplayFunction(torch.autograd.Function):
         # one after its last use, as eager's engine frees a node's saved tensors when it has run.
         release_saved_tensors(ctx)
         assert runner.backward is not None
-        input_grads = list(runner.backward(args))
+        pending = weight_split.current()
+        weights: Tuple[int, ...] = ()
+        if pending is not None and runner.tensor_positions is not None:
+            weights, accumulators = weight_split.weight_positions(ctx, runner.tensor_positions, pending)
+        if weights and pending is not None:
+            # A zero-bubble schedule's B step: input gradients now, parameter gradients queued (W).
+            input_grads, run_weights = runner.backward.split_call(args, weights)
+            if run_weights is not None:
+                pending.defer(run_weights, accumulators)
+        else:
+            input_grads = list(runner.backward(args))
         if len(input_grads) < ctx.n_args:
             input_grads += [None] * (ctx.n_args - len(input_grads))
         return (None, *input_grads[:ctx.n_args])
