@@ -5,8 +5,10 @@ import os
 import pytest
 
 _KEEP = {"FXTRAIN_TEST_DEVICE", "FXTRAIN_LOG_LEVEL"}
-# FXTRAIN_TEST_EXECUTOR=inductor runs the whole suite with that executor (FXTRAIN_EXECUTOR, which
-# applies over explicit options too): the suite's second pass, the one `make test` does not run.
+# FXTRAIN_TEST_EXECUTOR=inductor runs the whole suite with that executor as the default of
+# fxtrain.Options (a test that names an executor keeps it: those test one executor's features):
+# the suite's second pass, the one `make test` does not run. Fresh processes a test starts (the
+# CLI, cache and pipeline workers) keep the library's default.
 EXECUTOR = os.environ.get("FXTRAIN_TEST_EXECUTOR")
 
 
@@ -25,6 +27,16 @@ def _scaled_assert_close(assert_close):
     return check
 
 
+def _default_executor(init):
+    def with_default(self, *args, **kwargs):
+        kwargs.setdefault("executor", EXECUTOR)
+        init(self, *args, **kwargs)
+    return with_default
+
+
+if EXECUTOR:
+    import fxtrain
+    fxtrain.Options.__init__ = _default_executor(fxtrain.Options.__init__)
 if EXECUTOR == "inductor":
     import torch.testing
     torch.testing.assert_close = _scaled_assert_close(torch.testing.assert_close)
@@ -35,8 +47,6 @@ def _no_fxtrain_environment(monkeypatch):
     for name in list(os.environ):
         if name.startswith("FXTRAIN_") and name not in _KEEP:
             monkeypatch.delenv(name)
-    if EXECUTOR:
-        monkeypatch.setenv("FXTRAIN_EXECUTOR", EXECUTOR)
 
 
 @pytest.fixture

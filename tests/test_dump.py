@@ -14,7 +14,7 @@ def _train(tm):
 
 def test_each_capture_gets_a_folder_with_readable_graphs(tmp_path):
     tm = fxtrain.TrainModule(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()),
-                             fxtrain.Options(fallback="raise", save_graphs_dir=str(tmp_path)))
+                             fxtrain.Options(executor="eager", fallback="raise", save_graphs_dir=str(tmp_path)))
     _train(tm)
     tm.eval()
     _train(tm)

@@ -6,6 +6,9 @@ on) once (the batch guard reads its conditions and the row counts in one transfe
 never; in both runtime modes (``Options.backward``: the torch-level graph under PyTorch's autograd,
 the aten graphs replayed). The counter is first shown to see what it must: a read inside a compiled
 graph, one in the model's Python, and the ops of the backward.
+
+The eager executor throughout (also in the suite's inductor pass): the counter sees dispatched ops,
+and inductor's generated code dispatches none for what it fuses.
 """
 import pytest
 import torch
@@ -60,7 +63,7 @@ def test_counter_sees_a_nonzero_inside_the_compiled_graph():
             h = self.lin(x)
             return h[torch.nonzero(h[:, 0] > 0).view(-1)].sum()
 
-    tm, _ = wrap_pair(Pick())
+    tm, _ = wrap_pair(Pick(), executor="eager")
     counter, _ = _steady(tm, [to_device(dict(x=torch.randn(6, 8))) for _ in range(WARMUP + 1)])
     info = tm.capture_info()
     assert info.graphs == 1 and info.graph_breaks == 0  # the nonzero ran from the captured graph
@@ -78,7 +81,7 @@ def test_counter_sees_an_item_in_the_model_and_the_backward_ops():
             out = self.net(x).sum()
             return out * (1.0 + 0.0 * out.detach().item())  # a deliberate host read
 
-    tm, _ = wrap_pair(Scaled(), fallback="eager")
+    tm, _ = wrap_pair(Scaled(), executor="eager", fallback="eager")
     counter, _ = _steady(tm, [to_device(dict(x=torch.randn(6, 8))) for _ in range(WARMUP + 1)])
     assert counter.syncs["aten._local_scalar_dense"] == 1 and counter.total == 1, counter.syncs
     assert counter.ops["aten.threshold_backward"] == 1  # ReLU's backward: the counter sees the backward
@@ -87,7 +90,7 @@ def test_counter_sees_an_item_in_the_model_and_the_backward_ops():
 # ----------------------------------------------------------------------------- the budget
 @pytest.mark.parametrize("backward", RUNTIME_MODES)
 def test_dense_step_never_syncs(backward):
-    tm, _ = wrap_pair(MLP(), backward=backward)
+    tm, _ = wrap_pair(MLP(), executor="eager", backward=backward)
     counter, _ = _steady(tm, _mlp_batches(WARMUP + 1))
     _ran_in(tm, backward)
     assert counter.ops["aten.addmm"] >= 2 and counter.ops["aten.mm"] >= 2  # the step ran under the counter
@@ -117,7 +120,7 @@ def _check_sparse_step(tm, ref, batches, counter, loss):
 
 @pytest.mark.parametrize("backward", RUNTIME_MODES)
 def test_sparse_bert_mlm_step_syncs_once(backward):
-    tm, ref = wrap_pair(_bert(), backward=backward)
+    tm, ref = wrap_pair(_bert(), executor="eager", backward=backward)
     batches = _bert_batches()
     counter, loss = _steady(tm, batches, lambda out: out.loss)
     _ran_in(tm, backward)
@@ -134,7 +137,7 @@ def test_sparse_bert_mlm_step_in_the_aot_mode_syncs_once(monkeypatch):
         raise NotReplayable("declared by the test")
 
     monkeypatch.setattr(backend, "replay_spec", not_replayable)
-    tm, ref = wrap_pair(_bert(), backward="graph")
+    tm, ref = wrap_pair(_bert(), executor="eager", backward="graph")
     batches = _bert_batches()
     counter, loss = _steady(tm, batches, lambda out: out.loss)
     _ran_in(tm, "aot")
@@ -144,9 +147,9 @@ def test_sparse_bert_mlm_step_in_the_aot_mode_syncs_once(monkeypatch):
 def test_sparse_bert_mlm_step_from_the_cache_syncs_once(tmp_path):
     """A cache hit checks the loaded guard itself (cache/call.py) and runs the stored aten graphs."""
     batches = _bert_batches()
-    writer, _ = wrap_pair(_bert(), cache_dir=str(tmp_path))
+    writer, _ = wrap_pair(_bert(), executor="eager", cache_dir=str(tmp_path))
     writer(**batches[0]).loss.backward()
-    tm, ref = wrap_pair(_bert(), cache_dir=str(tmp_path))
+    tm, ref = wrap_pair(_bert(), executor="eager", cache_dir=str(tmp_path))
     counter, loss = _steady(tm, batches, lambda out: out.loss)
     info = tm.capture_info()
     assert (info.cache_hits, info.cache_misses, info.graphs) == (1, 0, 1), info.cache_log
@@ -180,7 +183,7 @@ def test_python_op_step_never_syncs(backward):
     from fxtrain.pythonop.op import _new_handle
     with torch.device(DEVICE):
         assert _new_handle(7).device.type == "cpu"
-    tm, _ = wrap_pair(WithPythonOp(), backward=backward)
+    tm, _ = wrap_pair(WithPythonOp(), executor="eager", backward=backward)
     counter, _ = _steady(tm, _mlp_batches(WARMUP + 1))
     _ran_in(tm, backward)
     assert tm.capture_info().python_ops, "the Function did not run as a PythonOp"

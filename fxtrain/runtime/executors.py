@@ -86,8 +86,8 @@ class InductorExecutor(Executor):
         # from fxtrain's cache has another order than the live one). It gets a fresh module around
         # a copy: the graph fxtrain keeps, caches and costs stays as captured, and a process that
         # loads it from fxtrain's cache hits the kernels the capture compiled.
-        copied = copy.deepcopy(graph)
-        fresh = torch.fx.GraphModule(copied, copied.graph)
+        # (A copy of the graph's nodes only: attributes stay shared, fake constants included.)
+        fresh = torch.fx.GraphModule(graph, copy.deepcopy(graph.graph))
         return tp.inductor_compile(fresh, example_inputs, is_backward=kind == "backward",
                                    is_inference=kind == "inference")
 

@@ -177,7 +177,11 @@ def replayed(forward: Callable[[List[Any]], Any], backward: Optional[AbsentGradB
     runner (None for an inference graph)."""
     if spec.inference:
         def run_inference(*args: Any) -> List[Any]:
-            return _write_back(spec, args, _plain_returns(forward(list(args)), spec))
+            # No output takes a gradient, so nothing is recorded (AOTAutograd's runtime does the
+            # same); inductor's out= kernels refuse inputs that require grad when grad is on.
+            with torch.no_grad():
+                outs = forward(list(args))
+            return _write_back(spec, args, _plain_returns(outs, spec))
         return run_inference
     if backward is None:
         raise NotReplayable("no backward graph was saved")
