@@ -37,3 +37,6 @@ class CapturedStep:
     aot_callable: Optional[Callable[..., Any]] = None   # AOTAutograd's runtime, for unreplayable graphs
     mode: str = ""                               # "autograd" | "graph" | "aot", chosen by the runtime
     mode_reason: str = ""
+    # Options.memory_budget's plan (capture/budget.py: MemoryPlan): the graphs above are the plan's,
+    # made for the graph runtime, which must then run them.
+    memory_plan: Optional[Any] = None

@@ -5,21 +5,11 @@ import argparse
 import importlib.util
 import json
 import os
-import re
 from typing import Any, Dict, Tuple
 
 import torch
 
-_UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
-          "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
-
-
-def parse_bytes(text: str) -> int:
-    """'80GiB', '1.5 TB', '1000000' -> bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot read {text!r} as a size; write e.g. 80GiB, 512MB or a number of bytes")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+from ..options import parse_bytes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
