@@ -135,7 +135,8 @@ def outside_compile() -> Any:
 def size_hint(size: Any, overrides: Optional[Dict[Any, int]] = None, fallback: int = 1) -> int:
     """A concrete value for a size that may be symbolic, without adding a guard: the capturing
     call's value (``symbolic_shapes.optimization_hint``), or the expression evaluated with some of
-    its symbols set by ``overrides`` (sympy symbol -> int) and the rest at their hints."""
+    its symbols set by ``overrides`` (sympy symbol -> int) and the rest at their hints
+    (``ShapeEnv.backed_var_to_val``, ``var_to_val`` before 2.13)."""
     if not isinstance(size, torch.SymInt):
         return int(size)
     from torch.fx.experimental.symbolic_shapes import optimization_hint
@@ -143,7 +144,10 @@ def size_hint(size: Any, overrides: Optional[Dict[Any, int]] = None, fallback: i
         return int(optimization_hint(size, fallback=fallback))
     expr = size.node.expr
     env = size.node.shape_env
-    values = {s: overrides[s] if s in overrides else env.var_to_val.get(s, fallback) for s in expr.free_symbols}
+    known = getattr(env, "backed_var_to_val", None)
+    if known is None:
+        known = env.var_to_val
+    values = {s: overrides[s] if s in overrides else known.get(s, fallback) for s in expr.free_symbols}
     return int(expr.xreplace(values))
 
 

@@ -18,7 +18,7 @@ from ..runtime.executors import Executor, executor_named
 from ..runtime.replay import NotReplayable, check_graph_arity, replay_spec
 from .aot import split
 from .breaks import graph_break_site
-from .budget import BudgetRequest, MemoryBudgetWarning, plan_step
+from .budget import BudgetRequest, BudgetState, MemoryBudgetWarning, plan_step
 from .dump import dump_capture
 from .info import CaptureInfo, GraphRecord
 from .step import CapturedStep
@@ -84,8 +84,8 @@ class Backend:
         if self.options.memory_budget is None:
             return None
         fallback = getattr(self.executor, "budget_fallback", None) or self.options.fallback
-        return BudgetRequest(int(self.options.memory_budget), self.optimizer,
-                             "raise" if fallback == "raise" else "warn", self._warn_once)
+        return BudgetRequest(int(self.options.memory_budget), "raise" if fallback == "raise" else "warn",
+                             self._warn_once)
 
     def _warn_once(self, message: str) -> None:
         key = message.split(" (", 1)[0]
@@ -110,7 +110,7 @@ class Backend:
         record.optimizations = run_passes(gm, example_inputs, self.options, plans)
         if plans.guard is None:
             dense = None  # no batch can need the graph without the passes
-        step = capture_step(gm, dense, plans, example_inputs, self.executor, self.budget_request())
+        step = capture_step(gm, dense, plans, example_inputs, self.executor, self.budget_request(), self.optimizer)
         for report in step.backward_reports:
             record.optimizations[report.name] = str(report)
         compiled = runner.build(step, self.executor, self.context, self.options.backward)
@@ -138,10 +138,11 @@ class Backend:
 
 def capture_step(gm: torch.fx.GraphModule, dense: Optional[torch.fx.GraphModule], plans: Plans,
                  example_inputs: List[object], executor: Executor,
-                 budget: Optional[BudgetRequest] = None) -> CapturedStep:
+                 budget: Optional[BudgetRequest] = None, optimizer: Any = None) -> CapturedStep:
     """The rewritten graph, split by AOTAutograd into aten graphs compiled by ``executor``; with a
-    memory budget, split again until the step fits (capture/budget.py)."""
-    parts = split(gm, example_inputs, executor, keep_joint=budget is not None)
+    memory budget, split again until the step fits (capture/budget.py). ``optimizer``: what a
+    budget counts the state of (Options.optimizer or TrainModule.attach_optimizer's)."""
+    parts = split(gm, example_inputs, executor, keep_joint=budget is not None or executor.keeps_budget_state)
     step = CapturedStep(graph=gm, dense_graph=dense, plans=plans, forward_graph=parts.forward_graph,
                         backward_graph=parts.backward_graph, inference=parts.inference,
                         backward_reports=parts.backward_reports, compiled_forward=parts.compiled_forward,
@@ -154,16 +155,19 @@ def capture_step(gm: torch.fx.GraphModule, dense: Optional[torch.fx.GraphModule]
         check_graph_arity(parts.forward_graph, parts.backward_graph, step.spec, example_inputs)
     except NotReplayable as e:
         step.not_replayable = str(e)
-    if budget is not None and not step.inference:
-        if step.spec is not None and not step.not_replayable and parts.joint is not None:
-            step.memory_plan = plan_step(step, parts.joint, parts.partition_kwargs, example_inputs, executor,
-                                         budget.bytes, budget.optimizer, budget.below_minimum, budget.warn)
-        else:
-            if budget.warn is not None:
-                budget.warn(f"fxtrain: memory budget not applied to a graph fxtrain's runtime cannot replay "
-                            f"({step.not_replayable or 'no joint graph'}); it runs as captured")
-            if executor.compiles_ahead and step.backward is not None:
-                step.backward.compile_full()
+    replayable = step.spec is not None and not step.not_replayable
+    if parts.joint is not None and replayable and not step.inference:
+        state = BudgetState(step, parts.joint, parts.partition_kwargs, example_inputs, optimizer)
+        if executor.keeps_budget_state:
+            step.budget_state = state
+        if budget is not None:
+            step.memory_plan = plan_step(step, state, executor, budget.bytes, budget.below_minimum, budget.warn)
+    elif budget is not None and not step.inference:
+        if budget.warn is not None:
+            budget.warn(f"fxtrain: memory budget not applied to a graph fxtrain's runtime cannot replay "
+                        f"({step.not_replayable or 'no joint graph'}); it runs as captured")
+    if parts.joint is not None and step.memory_plan is None and executor.compiles_ahead and step.backward is not None:
+        step.backward.compile_full()   # split() left it to us: the graphs might have changed
     return step
 
 

@@ -632,10 +632,9 @@ def search(planner: Planner, budget: int, baseline: Candidate, make: Callable[[i
 # --------------------------------------------------------------------------------- the capture
 @dataclass
 class BudgetRequest:
-    """What the backend asks of a capture: fit ``bytes``, counting ``optimizer``'s state."""
+    """What the backend asks of a capture: fit ``bytes``; what to do below the smallest peak."""
 
     bytes: int
-    optimizer: Any = None
     below_minimum: str = "warn"                      # "warn" | "raise"
     warn: Optional[Callable[[str], None]] = None
 
@@ -666,71 +665,145 @@ def optimizer_label(optimizer: Any) -> str:
     return getattr(optimizer, "__name__", type(optimizer).__name__)
 
 
-def plan_step(step: Any, joint: torch.fx.GraphModule, partition_kwargs: Dict[str, Any],
-              example_inputs: Sequence[Any], executor: Any, budget: int, optimizer: Any = None,
-              below_minimum: str = "warn", warn: Optional[Callable[[str], None]] = None) -> MemoryPlan:
-    """Make ``step`` (a CapturedStep with its baseline graphs, replayable) fit ``budget`` bytes.
+class BudgetState:
+    """What planning a capture for a budget needs, kept so that it can be planned again.
 
-    Replaces the step's graphs, spec and compiled pieces with the plan's and returns the plan.
-    ``below_minimum``: "raise" (MemoryBudgetError) or "warn" (``warn(message)``, then the smallest
-    plan) when no plan fits.
+    A capture with a budget plans once, for its own sizes (``apply``). The profiler keeps this
+    object on its captures (``Executor.keeps_budget_state``) to plan at other sizes without
+    capturing again (``plan(budget, sizes)``: the largest batch that fits with recomputation). The
+    greedy order is made once, at the capture's sizes: batch and sequence scale every candidate
+    alike, so the order holds; each plan is still costed at its own sizes.
     """
-    from ..passes import BACKWARD_PASSES
-    from ..profile.graph_step import GraphStepCoster
+
+    def __init__(self, step: Any, joint: torch.fx.GraphModule, partition_kwargs: Dict[str, Any],
+                 example_inputs: Sequence[Any], optimizer: Any = None) -> None:
+        self.joint = joint
+        self.num = int(partition_kwargs["num_fwd_outputs"])
+        self.static = partition_kwargs.get("static_lifetime_input_indices")
+        from ..profile.graph_step import graph_inputs
+        self.inputs = graph_inputs(step.forward_graph, example_inputs)
+        self.optimizer = optimizer
+        self.spec = step.spec
+        self.baseline_graphs = (step.forward_graph, step.backward_graph)
+        self.baseline_reports = list(step.backward_reports)
+        self._planner: Optional[Planner] = None
+        self._graphs: Dict[int, Tuple[torch.fx.GraphModule, torch.fx.GraphModule, List[Any]]] = {}
+        self._costers: Dict[Any, Any] = {}
+
+    def set_optimizer(self, optimizer: Any) -> None:
+        self.optimizer = optimizer
+        self._costers.clear()
+
+    @property
+    def planner(self) -> Planner:
+        if self._planner is None:
+            self._planner = Planner(self.joint, self.baseline_graphs[0], self.num, self.static)
+        return self._planner
+
+    def graphs(self, k: int) -> Tuple[torch.fx.GraphModule, torch.fx.GraphModule, List[Any]]:
+        """(forward, backward, backward-pass reports) of plan ``k`` (0: the baseline)."""
+        from ..passes import BACKWARD_PASSES
+        if k == 0:
+            return self.baseline_graphs[0], self.baseline_graphs[1], self.baseline_reports
+        if k not in self._graphs:
+            fw, bw = self.planner.graphs(k)
+            reports = [backward_pass(bw) for backward_pass in BACKWARD_PASSES]
+            self._graphs[k] = (fw, bw, reports)
+        return self._graphs[k]
+
+    def spec_for(self, forward: torch.fx.GraphModule) -> Any:
+        return replay_spec_for(forward, self.spec, self.num)
+
+    def cost(self, k: int, sizes: Optional[Dict[Any, int]] = None) -> Any:
+        """The profiler's cost (``GraphStepCost``) of plan ``k``'s step at ``sizes``."""
+        from ..profile.graph_step import GraphStepCoster
+        key = tuple(sorted((str(s), v) for s, v in (sizes or {}).items()))
+        if key not in self._costers:
+            self._costers[key] = GraphStepCoster(self.inputs, self.optimizer, sizes)
+        fw, bw, _ = self.graphs(k)
+        return self._costers[key].cost(fw, bw, self.spec_for(fw))
+
+    def steps(self) -> int:
+        return len(self.planner.steps())
+
+    def batch_symbols(self) -> Tuple[List[Any], Optional[int]]:
+        """(size symbols of the batch axis, the capture's batch): the leading sizes of inputs that
+        take no gradient (not parameters) with the most common capturing value, as
+        ``profile/inputs.py: batch_size`` finds the batch. None when the sizes are static."""
+        by_hint: Dict[int, List[Any]] = {}
+        for x, grad in self.inputs:
+            if isinstance(x, torch.Tensor) and not grad and x.dim() >= 1:
+                sym = tp.size_symbol(x.shape[0])
+                if sym is not None:
+                    found = by_hint.setdefault(tp.size_hint(x.shape[0]), [])
+                    if sym not in found:
+                        found.append(sym)
+        if not by_hint:
+            return [], None
+        batch = max(by_hint, key=lambda h: len(by_hint[h]))
+        return by_hint[batch], batch
+
+    def plan(self, budget: int, sizes: Optional[Dict[Any, int]] = None) -> Tuple[MemoryPlan, int]:
+        """The plan for ``budget`` at ``sizes`` (the capture's own by default) and its step count."""
+        started = time.perf_counter()
+        baseline = self.cost(0, sizes)
+        candidates = 0
+        if baseline.peak_bytes <= budget:
+            k, chosen, smallest, fits, costings = 0, baseline, None, True, 1
+        else:
+            candidates = len(self.planner.groups)
+
+            def make(j: int) -> Candidate:
+                fw, bw, _ = self.graphs(j)
+                return fw, bw, self.cost(j, sizes)
+            found, k, smallest, fits, costings = search(self.planner, budget, (*self.baseline_graphs, baseline), make)
+            chosen = found[2]
+        kinds, _, dropped = self.planner.summary(k) if k else ({}, 0, 0)
+        plan = MemoryPlan(
+            budget_bytes=int(budget), planned_peak_bytes=chosen.peak_bytes,
+            unplanned_peak_bytes=baseline.peak_bytes, smallest_peak_bytes=smallest, fits=fits,
+            saved_bytes=max(0, baseline.saved_bytes - chosen.saved_bytes),
+            extra_flops=max(0, chosen.flops_backward - baseline.flops_backward),
+            recomputed_ops=kinds, dropped_values=dropped, candidates=candidates,
+            optimizer=optimizer_label(self.optimizer), peak_phase=chosen.peak_phase, costings=costings)
+        plan.seconds = time.perf_counter() - started
+        return plan, k
+
+    def apply(self, step: Any, k: int, executor: Any) -> None:
+        """Put plan ``k``'s graphs into ``step``, compiled by ``executor``."""
+        from ..runtime.absent_grads import AbsentGradBackward
+        if k:
+            fw, bw, reports = self.graphs(k)
+            step.forward_graph, step.backward_graph = fw, bw
+            step.spec = self.spec_for(fw)
+            step.backward_reports = list(reports)
+            step.compiled_forward = executor.compile(fw, "forward", tp.placeholder_examples(fw))
+            examples = tp.placeholder_examples(bw)
+            step.backward = AbsentGradBackward(bw, lambda g: executor.compile(g, "backward", examples))
+        if executor.compiles_ahead and step.backward is not None:
+            step.backward.compile_full()
+
+
+def below_minimum_message(plan: MemoryPlan) -> str:
     from ..profile.report import human_bytes
-    from ..runtime.absent_grads import AbsentGradBackward
-    started = time.perf_counter()
-    num = int(partition_kwargs["num_fwd_outputs"])
-    coster = GraphStepCoster(example_inputs, optimizer)
+    return (f"fxtrain: memory budget {human_bytes(plan.budget_bytes)} is below the smallest peak this training "
+            f"step reaches by recomputing in the backward, {human_bytes(plan.smallest_peak_bytes or 0)} "
+            f"(without recomputation {human_bytes(plan.unplanned_peak_bytes)}; optimizer state counted: "
+            f"{plan.optimizer})")
 
-    def cost(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> Any:
-        return coster.cost(fw, bw, replay_spec_for(fw, step.spec, num))
 
-    baseline: Candidate = (step.forward_graph, step.backward_graph, cost(step.forward_graph, step.backward_graph))
-    reports: Dict[int, List[Any]] = {0: list(step.backward_reports)}
-    planner: Optional[Planner] = None
-    candidates = 0
-
-    def make(k: int) -> Candidate:
-        assert planner is not None
-        fw, bw = planner.graphs(k)
-        reports[k] = [backward_pass(bw) for backward_pass in BACKWARD_PASSES]
-        return fw, bw, cost(fw, bw)
-
-    if baseline[2].peak_bytes <= budget:
-        chosen, k, smallest, fits, costings = baseline, 0, None, True, 1
-    else:
-        planner = Planner(joint, step.forward_graph, num, partition_kwargs.get("static_lifetime_input_indices"))
-        candidates = len(planner.groups)
-        chosen, k, smallest, fits, costings = search(planner, budget, baseline, make)
-    fw, bw, chosen_cost = chosen
-    kinds, _, dropped = planner.summary(k) if planner is not None else ({}, 0, 0)
-    plan = MemoryPlan(
-        budget_bytes=int(budget), planned_peak_bytes=chosen_cost.peak_bytes,
-        unplanned_peak_bytes=baseline[2].peak_bytes, smallest_peak_bytes=smallest, fits=fits,
-        saved_bytes=max(0, baseline[2].saved_bytes - chosen_cost.saved_bytes),
-        extra_flops=max(0, chosen_cost.flops_backward - baseline[2].flops_backward),
-        recomputed_ops=kinds, dropped_values=dropped, candidates=candidates,
-        optimizer=optimizer_label(optimizer), peak_phase=chosen_cost.peak_phase, costings=costings)
-    if k:
-        step.forward_graph, step.backward_graph = fw, bw
-        step.spec = replay_spec_for(fw, step.spec, num)
-        step.backward_reports = reports[k]
-        step.compiled_forward = executor.compile(fw, "forward", tp.placeholder_examples(fw))
-        examples = tp.placeholder_examples(bw)
-        step.backward = AbsentGradBackward(bw, lambda g: executor.compile(g, "backward", examples))
-    if executor.compiles_ahead and step.backward is not None:
-        step.backward.compile_full()
-    plan.seconds = time.perf_counter() - started
-    if not fits:
-        message = (f"fxtrain: memory budget {human_bytes(budget)} is below the smallest peak this training step "
-                   f"reaches by recomputing in the backward, {human_bytes(plan.smallest_peak_bytes or 0)} "
-                   f"(without recomputation {human_bytes(plan.unplanned_peak_bytes)}; optimizer state counted: "
-                   f"{plan.optimizer}); running the smallest plan")
-        plan.note = message
+def plan_step(step: Any, state: BudgetState, executor: Any, budget: int, below_minimum: str = "warn",
+              warn: Optional[Callable[[str], None]] = None) -> MemoryPlan:
+    """Make ``step`` (a CapturedStep with its baseline graphs, replayable) fit ``budget`` bytes:
+    its graphs, spec and compiled pieces become the plan's. ``below_minimum``: "raise"
+    (MemoryBudgetError) or "warn" (``warn(message)``, then the smallest plan) when no plan fits."""
+    plan, k = state.plan(budget)
+    state.apply(step, k, executor)
+    if not plan.fits:
+        plan.note = below_minimum_message(plan) + "; running the smallest plan"
         if below_minimum == "raise":
-            raise MemoryBudgetError(message.replace("; running the smallest plan", ""))
+            raise MemoryBudgetError(below_minimum_message(plan))
         if warn is not None:
-            warn(message)
+            warn(plan.note)
     logger.info("memory plan: %s", str(plan).replace("\n", "; "))
     return plan

@@ -20,7 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--optimizer", default=None, help="adamw, adam, sgd, adagrad or rmsprop (default: none)")
-    p.add_argument("--budget", default=None, help="memory budget, e.g. 80GiB: also report the largest batch that fits")
+    p.add_argument("--budget", default=None, help="memory budget, e.g. 80GiB: also report the largest batch that fits, "
+                                                  "without and with recomputation (Options.memory_budget's plan)")
     p.add_argument("--plot", metavar="PNG", default=None, help="write the per-module and memory plot here")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
     p.add_argument("--no-optimizations", action="store_true", help="cost eager PyTorch instead of fxtrain's graph")
@@ -72,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     from .inputs import fake_inputs
 
     optimizations = not args.no_optimizations
-    stages = 3 + bool(args.budget) + bool(args.plot)
+    stages = 3 + 2 * bool(args.budget) + bool(args.plot)
     with tqdm(total=stages, disable=args.no_progress, desc="build model", leave=False) as bar:
         if args.model in PRESETS:
             preset = PRESETS[args.model]
@@ -108,6 +109,10 @@ def run(args: argparse.Namespace) -> int:
         if args.budget:
             bar.set_description("fit the memory budget")
             report.max_batch(parse_bytes(args.budget))
+            bar.update(1)
+            if optimizations:
+                bar.set_description("fit the memory budget, recomputing")
+                report.max_batch_recomputed(parse_bytes(args.budget))
             bar.update(1)
         if args.plot:
             bar.set_description("plot")

@@ -56,7 +56,19 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _concrete(value: Any, mode: Any, sizes: Optional[Dict[Any, int]]) -> Any:
+GraphInput = Tuple[Any, bool]   # (the forward graph placeholder's value, whether it takes a gradient)
+
+
+def graph_inputs(forward: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> List[GraphInput]:
+    """What ``GraphStepCoster`` needs of a graph's inputs: the placeholders' values (fake tensors
+    and sizes, symbolic where the capture is) and which inputs take a gradient (the parameters), as
+    the examples dynamo handed the backend say. No reference to the examples is kept: they are the
+    user's first batch, which must not outlive its step."""
+    values = tp.placeholder_examples(forward)
+    return [(v, isinstance(x, torch.Tensor) and x.requires_grad) for v, x in zip(values, example_inputs)]
+
+
+def _concrete(value: Any, requires_grad: bool, mode: Any, sizes: Optional[Dict[Any, int]]) -> Any:
     """A fake tensor of ``mode`` with ``value``'s layout at concrete sizes (an int for a size)."""
     if isinstance(value, torch.SymInt):
         return tp.size_hint(value, sizes)
@@ -66,7 +78,7 @@ def _concrete(value: Any, mode: Any, sizes: Optional[Dict[Any, int]]) -> Any:
     stride = [tp.size_hint(s, sizes) for s in value.stride()]
     with mode:
         out = torch.empty_strided(shape, stride, dtype=value.dtype, device=value.device)
-    if value.requires_grad:
+    if requires_grad:
         out.requires_grad_(True)
     return out
 
@@ -118,9 +130,11 @@ class GraphStepCoster:
     the optimizer's. That halves the cost of a costing with a per-parameter optimizer.
     """
 
-    def __init__(self, example_inputs: Sequence[Any], optimizer: OptimizerSpec = None,
+    def __init__(self, inputs: Sequence[GraphInput], optimizer: OptimizerSpec = None,
                  sizes: Optional[Dict[Any, int]] = None, keep_outputs: bool = True) -> None:
-        self.example_inputs = list(example_inputs)
+        """``inputs``: ``graph_inputs(forward, example_inputs)``; ``sizes``: values for some size
+        symbols (the rest at the capture's values)."""
+        self.inputs = list(inputs)
         self.optimizer = optimizer
         self.sizes = sizes
         self.keep_outputs = keep_outputs
@@ -135,7 +149,7 @@ class GraphStepCoster:
         # run time rather than inside dynamo's compile.
         with tp.disable_current_modes(), tp.outside_compile():
             mode = tp.FakeTensorMode(allow_non_fake_inputs=False)
-            args = [_concrete(x, mode, self.sizes) for x in self.example_inputs]
+            args = [_concrete(v, grad, mode, self.sizes) for v, grad in self.inputs]
             params = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
             others = [a for a in args if isinstance(a, torch.Tensor) and not a.requires_grad]
             run = replayed(tp.boxed_copy(forward).forward,
@@ -199,8 +213,9 @@ def cost_graph_step(forward: torch.fx.GraphModule, backward: torch.fx.GraphModul
                     sizes: Optional[Dict[Any, int]] = None, keep_outputs: bool = True) -> GraphStepCost:
     """Cost one step of ``forward``/``backward`` (see ``GraphStepCoster``).
 
-    ``example_inputs``: the graph's inputs as dynamo handed them to the backend (fake, possibly
-    symbolic); those that require grad are the parameters, which get gradients and optimizer state.
-    ``optimizer``: a name, class, instance or factory (``profile/step.py``), or None.
+    ``example_inputs``: the graph's inputs as dynamo handed them to the backend; those that require
+    grad are the parameters, which get gradients and optimizer state. ``optimizer``: a name, class,
+    instance or factory (``profile/step.py``), or None.
     """
-    return GraphStepCoster(example_inputs, optimizer, sizes, keep_outputs).cost(forward, backward, spec)
+    coster = GraphStepCoster(graph_inputs(forward, example_inputs), optimizer, sizes, keep_outputs)
+    return coster.cost(forward, backward, spec)
