@@ -28,7 +28,7 @@ VOCAB = 500
 def _gpt2(dropout: float = 0.0) -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
     cfg = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=2, n_positions=64, bos_token_id=0,
-                     eos_token_id=0, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
+                     eos_token_id=0, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, use_cache=False)
     torch.manual_seed(0)
     return GPT2LMHeadModel(cfg)
 
@@ -160,3 +160,20 @@ def test_profile_reports_the_largest_batch_with_recomputation() -> None:
     assert report.recompute_fit.batch == recomputing
     text = str(report)
     assert "max batch, recomputing" in text and "plan" in text
+
+
+def test_a_cache_hit_runs_and_reports_the_plan(tmp_path, eager_peak: int) -> None:
+    options = Options(memory_budget=int(0.75 * eager_peak), optimizer="adamw", cache_dir=str(tmp_path),
+                      fallback="raise")
+    live, loaded = _gpt2(), _gpt2()
+    first = fxtrain.TrainModule(live, options)
+    _step(first, 0)
+    second = fxtrain.TrainModule(loaded, options)
+    _step(second, 0)
+    assert second.capture_info().cache_hits == 1, second.capture_info().cache_log
+    plan = second.capture_info().memory_plan
+    assert plan is not None and plan.fits and plan.dropped_values > 0
+    assert plan.planned_peak_bytes == first.capture_info().memory_plan.planned_peak_bytes
+    assert second.capture_info().records[0].runtime.startswith("graph")
+    for a, b in zip(live.parameters(), loaded.parameters()):
+        assert torch.equal(a.grad, b.grad)
