@@ -39,7 +39,6 @@ CUDA-only in torch 2.13; on CPU its partitioner bans random ops from recomputati
 """
 from __future__ import annotations
 
-import heapq
 import logging
 import operator
 import time
@@ -255,8 +254,7 @@ class _Step:
     recomputed: List[torch.fx.Node]     # ops the backward runs again because of this step
     freed: int
     cost: int
-    touched: Set[torch.fx.Node] = field(default_factory=set)   # nodes the cost walk visited
-    harmful: bool = False
+    harmful: bool = False               # see Planner._lifetimes
 
 
 class Planner:
@@ -381,7 +379,7 @@ class Planner:
         if new_keys:
             new_keys -= {self._key(s) for s in saved if s not in members}
             extra = sum(max(self._nbytes(s) for s in new if self._key(s) == k) for k in new_keys)
-        step = _Step(group, saves, rec, group.nbytes - extra, cost, touched=seen)
+        step = _Step(group, saves, rec, group.nbytes - extra, cost)
         step.harmful = self._lifetimes(step, reused, recomputed)
         return step
 
@@ -466,55 +464,37 @@ class Planner:
 
     def steps(self) -> List[_Step]:
         """The greedy order: each step drops the group cheapest to recompute per byte, given the
-        steps before it. Exact greedy: after a step, the groups whose recomputation it changes
-        (their walk met a value it dropped or an op it recomputed) are costed again."""
+        steps before it. Exact greedy: after a step every waiting group is costed again (a step
+        changes what others must recompute, and when the backward first needs the ops it
+        recomputes, hence other groups' lifetime verdicts); a few hundred groups take well under a
+        second (GPT-2 small: 212 groups, 0.7 s)."""
         if self._steps is not None:
             return self._steps
         self._need_times()
         saved = set(self.saved0)
         recomputed: Set[torch.fx.Node] = set()
-        current: Dict[int, Optional[_Step]] = {}
-        version: Dict[int, int] = {}
-        touched_by: Dict[torch.fx.Node, Set[int]] = {}
-        heap: List[Tuple[float, int, int]] = []
-
-        def update(i: int) -> None:
-            step = self._marginal(self.groups[i], saved, recomputed)
-            current[i] = step
-            version[i] = version.get(i, 0) + 1
-            if step is None:
-                return
-            for n in step.touched:
-                touched_by.setdefault(n, set()).add(i)
-            # Below a few kB a value is not worth a recomputation that costs anything (a loss's
-            # normaliser behind a whole nll_loss); free ones (a norm's statistics once the norm
-            # itself is recomputed) still go.
-            worth = step.freed >= SMALL_BYTES or step.cost == 0
-            if step.freed > 0 and worth and not step.harmful:
-                heapq.heappush(heap, (step.cost / step.freed, version[i], i))
-
-        for i in range(len(self.groups)):
-            update(i)
+        current: Dict[int, _Step] = {}
         out: List[_Step] = []
-        taken: Set[int] = set()
-        while heap:
-            _, v, i = heapq.heappop(heap)
-            if i in taken or v != version[i]:
-                continue
+        waiting = set(range(len(self.groups)))
+        while waiting:
+            current.clear()
+            for i in waiting:
+                step = self._marginal(self.groups[i], saved, recomputed)
+                # Below a few kB a value is not worth a recomputation that costs anything (a loss's
+                # normaliser behind a whole nll_loss); free ones (a norm's statistics once the norm
+                # itself is recomputed) still go.
+                if step is not None and step.freed > 0 and not step.harmful and (
+                        step.freed >= SMALL_BYTES or step.cost == 0):
+                    current[i] = step
+            if not current:
+                break
+            i = min(current, key=lambda j: (current[j].cost / current[j].freed, j))
             step = current[i]
-            assert step is not None
-            taken.add(i)
+            waiting.discard(i)
             saved.difference_update(step.group.nodes)
             saved.update(step.saves)
             recomputed.update(step.recomputed)
             out.append(step)
-            affected: Set[int] = set()
-            for n in list(step.group.nodes) + step.recomputed:
-                affected |= touched_by.get(n, set())
-            # A step also moves need times earlier for ops it reads, which changes other groups'
-            # lifetime verdicts: cheap to recompute them all for the groups still waiting.
-            for j in (affected | set(current)) - taken:
-                update(j)
         self._steps = out
         return out
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import logging
 import os
 from typing import Any, Dict, Tuple
 
@@ -112,7 +113,10 @@ def run(args: argparse.Namespace) -> int:
             bar.update(1)
             if optimizations:
                 bar.set_description("fit the memory budget, recomputing")
-                report.max_batch_recomputed(parse_bytes(args.budget))
+                try:
+                    report.max_batch_recomputed(parse_bytes(args.budget))
+                except RuntimeError as e:   # costed eagerly, static sizes: say why, keep the report
+                    logging.getLogger("fxtrain").warning("fxtrain profile: no largest batch with recomputation: %s", e)
             bar.update(1)
         if args.plot:
             bar.set_description("plot")
