@@ -113,6 +113,17 @@ class TrainModule(nn.Module):
     def capture_info(self) -> CaptureInfo:
         return self._info
 
+    def attach_optimizer(self, optimizer: Any) -> "TrainModule":
+        """Name the optimizer the training loop steps, so that ``Options.memory_budget`` counts its
+        state and its step's temporaries: an instance, a class, or a name ("adamw"), as
+        ``Options.optimizer`` takes. Attach before the first call: a graph already captured keeps
+        the plan it was made with (a warning says so)."""
+        self._backend.optimizer = optimizer
+        if self._options.memory_budget is not None and any(r.memory_plan is not None for r in self._info.records):
+            warnings.warn("fxtrain: optimizer attached after a memory plan was made; graphs captured so far "
+                          "keep plans that did not count it", stacklevel=2)
+        return self
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._eager or in_fake_run():
             return self._wrapped(*args, **kwargs)

@@ -8,9 +8,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import typing
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Union
 
 logger = logging.getLogger("fxtrain")
 
@@ -79,6 +80,17 @@ class Options:
     recompile_limit: int = field(default=64, metadata={
         "help": "Calls of one TrainModule that may capture (a call whose model breaks into several graphs "
                 "counts once); one more counts as a capture failure, and `fallback` decides."})
+    memory_budget: Optional[Union[int, str]] = field(default=None, metadata={
+        "help": "Peak memory the whole training step must fit, in bytes or as a size ('6GiB', '512MB'): "
+                "parameters, gradients, optimizer state (see `optimizer`), the batch, activations and "
+                "temporaries. fxtrain then chooses which activations the backward recomputes instead of "
+                "saving (cheapest per byte first), costs the plan with the profiler and runs the aten graphs; "
+                "capture_info().memory_plan reports it. A budget below the smallest achievable peak warns "
+                "once and runs the smallest plan (`fallback='raise'`: raises)."})
+    optimizer: Optional[str] = field(default=None, metadata={
+        "help": "The optimizer the training loop steps ('adamw', 'adam', 'sgd', 'adagrad', 'rmsprop'), whose "
+                "state and step temporaries `memory_budget` counts; `TrainModule.attach_optimizer(opt)` "
+                "attaches an instance instead. None: no optimizer state is counted."})
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -90,6 +102,16 @@ class Options:
             raise ValueError(f"fxtrain.Options.sparsity_threshold must be within [0, 1], got {self.sparsity_threshold}")
         if self.recompile_limit < 1:
             raise ValueError(f"fxtrain.Options.recompile_limit must be >= 1, got {self.recompile_limit}")
+        if self.memory_budget is not None:
+            # One type from here on: a number of bytes, whatever the user wrote.
+            self.memory_budget = parse_bytes(self.memory_budget)
+            if self.memory_budget <= 0:
+                raise ValueError(f"fxtrain.Options.memory_budget must be positive, got {self.memory_budget}")
+            if self.backward == "autograd":
+                raise ValueError("fxtrain.Options.memory_budget plans the aten graphs' recomputation, which the "
+                                 "'autograd' runtime does not run: use backward='auto' or 'graph'")
+        if self.optimizer is not None and self.optimizer.lower() not in OPTIMIZERS:
+            raise ValueError(f"fxtrain.Options.optimizer={self.optimizer!r}: expected one of {list(OPTIMIZERS)}")
 
     def with_env(self, environ: Optional[Mapping[str, str]] = None) -> "Options":
         """Return a copy with every ``FXTRAIN_<FIELD>`` variable applied on top of these values."""
@@ -110,6 +132,23 @@ class Options:
         return dataclasses.asdict(self)
 
 
+# Optimizers Options.optimizer may name (profile/step.py maps them to torch.optim classes).
+OPTIMIZERS = ("adamw", "adam", "sgd", "adagrad", "rmsprop")
+
+_UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
+          "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
+
+
+def parse_bytes(text: Union[int, float, str]) -> int:
+    """'80GiB', '1.5 TB', '1000000' (or a number) -> bytes."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        return int(text)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read {text!r} as a size; write e.g. 80GiB, 512MB or a number of bytes")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
 # Environment variables fxtrain reads that are not Options fields.
 _NON_OPTION_ENV = {"FXTRAIN_LOG_LEVEL"}
 
@@ -125,7 +164,10 @@ def _parse(name: str, raw: str, typ: Any) -> Any:
     if optional:
         if raw.strip().lower() in ("", "none"):
             return None
-        typ = next(a for a in typing.get_args(typ) if a is not type(None))
+        rest = [a for a in typing.get_args(typ) if a is not type(None)]
+        if len(rest) > 1:   # a size: bytes or '6GiB' (Options normalises it to bytes)
+            return raw.strip()
+        typ = rest[0]
     try:
         if typ is bool:
             low = raw.strip().lower()

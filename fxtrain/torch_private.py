@@ -94,6 +94,80 @@ def inductor_partition(joint: torch.fx.GraphModule, joint_inputs: Sequence[Any],
     return partition_fn(joint, joint_inputs, **kwargs)
 
 
+def partition_saving(joint: torch.fx.GraphModule, saved: Sequence[torch.fx.Node],
+                     saved_sizes: Sequence[torch.fx.Node], *, num_fwd_outputs: int,
+                     static_lifetime_input_indices: Optional[Sequence[int]] = None) -> Any:
+    """The forward and backward graphs of ``joint`` when the forward saves exactly ``saved`` (tensor
+    nodes) and ``saved_sizes`` (SymInt nodes): whatever else the backward reads of the forward, it
+    recomputes from those and the primals among ``saved``. Finished as ``default_partition`` finishes
+    its own choice: ``_extract_fwd_bwd_modules``, dead code removed (collectives kept),
+    ``reordering_to_mimic_autograd_engine`` (each recomputed op moved to just before its first use in
+    the backward, not all at its start), ``raise_getitems``. Does not modify ``joint``.
+    """
+    from torch._functorch.compile_utils import raise_getitems
+    from torch._functorch.partitioners import (_extract_fwd_bwd_modules, is_not_collective,
+                                               reordering_to_mimic_autograd_engine)
+    from torch.utils._ordered_set import OrderedSet
+    primals = [n for n in joint.graph.nodes if n.op == "placeholder" and "tangents" not in str(n.target)]
+    static = OrderedSet(p for i, p in enumerate(primals) if i in set(static_lifetime_input_indices or ()))
+    fw, bw = _extract_fwd_bwd_modules(joint, list(saved), saved_sym_nodes=list(saved_sizes),
+                                      num_fwd_outputs=num_fwd_outputs, static_lifetime_input_nodes=static)
+    fw.graph.eliminate_dead_code(is_impure_node=is_not_collective)
+    bw.graph.eliminate_dead_code(is_impure_node=is_not_collective)
+    bw = reordering_to_mimic_autograd_engine(bw)
+    return raise_getitems(fw), raise_getitems(bw)
+
+
+def is_size_node(node: torch.fx.Node) -> bool:
+    """Whether an FX node computes a SymInt/SymFloat/SymBool (``proxy_tensor.is_sym_node``)."""
+    from torch.fx.experimental.proxy_tensor import is_sym_node
+    return bool(is_sym_node(node))
+
+
+@contextlib.contextmanager
+def outside_compile() -> Any:
+    """``torch.compiler.is_compiling()`` false within the block (``torch.compiler._is_compiling_flag``).
+
+    Dynamo holds the flag true for a whole compile, backend included; code that a backend runs for
+    real (a memory budget costing a step on fake tensors) must take the paths it takes at run time:
+    the optimizers stack their scalars into tensors when they think they are being compiled."""
+    import torch.compiler as compiler
+    old = compiler._is_compiling_flag
+    compiler._is_compiling_flag = False
+    try:
+        yield
+    finally:
+        compiler._is_compiling_flag = old
+
+
+def size_hint(size: Any, overrides: Optional[Dict[Any, int]] = None, fallback: int = 1) -> int:
+    """A concrete value for a size that may be symbolic, without adding a guard: the capturing
+    call's value (``symbolic_shapes.optimization_hint``), or the expression evaluated with some of
+    its symbols set by ``overrides`` (sympy symbol -> int) and the rest at their hints
+    (``ShapeEnv.backed_var_to_val``, ``var_to_val`` before 2.13)."""
+    if not isinstance(size, torch.SymInt):
+        return int(size)
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+    if not overrides:
+        return int(optimization_hint(size, fallback=fallback))
+    expr = size.node.expr
+    env = size.node.shape_env
+    known = getattr(env, "backed_var_to_val", None)
+    if known is None:
+        known = env.var_to_val
+    values = {s: overrides[s] if s in overrides else known.get(s, fallback) for s in expr.free_symbols}
+    return int(expr.xreplace(values))
+
+
+def size_symbol(size: Any) -> Any:
+    """The sympy symbol a size is, or None (a constant or a compound expression)."""
+    if isinstance(size, torch.SymInt):
+        import sympy
+        expr = size.node.expr
+        return expr if isinstance(expr, sympy.Symbol) else None
+    return None
+
+
 def aot_autograd(**kwargs: Any) -> Callable[..., Any]:
     """AOTAutograd as a dynamo backend (fw_compiler, bw_compiler, partition_fn, decompositions...)."""
     from torch._dynamo.backends.common import aot_autograd as aot

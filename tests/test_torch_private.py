@@ -232,6 +232,37 @@ def test_aot_accessors(partition: str) -> None:
     assert all(v is not None for v in seen["examples"]) and callable(seen["compiled"])
 
 
+def test_partition_saving_and_size_accessors() -> None:
+    """partition_saving splits a joint graph saving only what it is told (the rest recomputed in the
+    backward); the size helpers read hints without guards; outside_compile clears is_compiling."""
+    seen = {}
+
+    def partition(joint, inputs, **kwargs):
+        fw, bw = tp.default_partition(joint, inputs, **kwargs)
+        out = next(n for n in reversed(fw.graph.nodes) if n.op == "output").args[0]
+        names = {n.name: n for n in joint.graph.nodes}
+        saved = [names[n.name] for n in out[kwargs["num_fwd_outputs"]:]]
+        seen["sizes"] = [n for n in saved if _check("is_size_node", tp.is_size_node, n)]
+        primals = [n for n in joint.graph.nodes if n.op == "placeholder" and "primals" in n.name]
+        fw2, bw2 = _check("partition_saving", tp.partition_saving, joint, primals, seen["sizes"],
+                          num_fwd_outputs=kwargs["num_fwd_outputs"])
+        seen["bw_ops"] = {str(n.target) for n in bw2.graph.nodes if n.op == "call_function"}
+        x = next(p.meta["val"] for p in primals if isinstance(p.meta["val"], torch.Tensor))
+        seen["hint"] = _check("size_hint", tp.size_hint, x.shape[0])
+        seen["symbol"] = tp.size_symbol(x.shape[0])
+        return fw2, bw2
+
+    backend = tp.aot_autograd(fw_compiler=lambda g, i: g, bw_compiler=lambda g, i: g, partition_fn=partition)
+    x = torch.randn(6, requires_grad=True)
+    fn = torch.compile(lambda t: t.sin().sin().sum(), backend=backend, fullgraph=True, dynamic=True)
+    fn(x).backward()
+    assert torch.allclose(x.grad, x.detach().cos() * x.detach().sin().cos())
+    assert "aten.sin.default" in seen["bw_ops"]      # sin(x) recomputed from the saved primal
+    assert seen["hint"] == 6 and seen["symbol"] is not None
+    with _check("outside_compile", tp.outside_compile):
+        assert not torch.compiler.is_compiling()
+
+
 def test_dynamo_compile_runs_around_compile() -> None:
     entered = []
 

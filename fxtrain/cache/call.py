@@ -40,7 +40,7 @@ class CachedCall:
         forward, backward, spec = entry.forward_graph, entry.backward_graph, entry.spec
         step = CapturedStep(graph=entry.graph, dense_graph=None, forward_graph=forward, backward_graph=backward,
                             plans=Plans(deferred=recipe.plan, probes=list(recipe.probes), guard=recipe.guard),
-                            inference=spec.inference, spec=spec)
+                            inference=spec.inference, spec=spec, memory_plan=entry.memory_plan)
         step.compiled_forward = executor.compile(forward, "inference" if spec.inference else "forward",
                                                  tp.placeholder_examples(forward))
         if backward is not None:

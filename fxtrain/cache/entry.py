@@ -40,6 +40,9 @@ class Entry:
     # live capture did ("autograd" runs ``graph`` under PyTorch's engine; "graph" the aten graphs).
     graph: Optional[torch.fx.GraphModule] = None
     mode: str = "graph"
+    # Options.memory_budget's plan (capture/budget.py: MemoryPlan): the graphs are the plan's, and a
+    # hit reports it in capture_info() as the live capture did.
+    memory_plan: Optional[Any] = None
 
 
 def output_recipe(out: Any, graph_outputs: Any) -> Tuple[Any, List[Tuple[str, Any]]]:
@@ -77,7 +80,7 @@ def build(record: Any, recipe: Recipe, out: Any, about: Dict[str, Any]) -> Entry
     header = dict(about, format=FORMAT, created=time.time(), **versions())
     return Entry(recipe=recipe, spec=spec, forward_graph=step.forward_graph, backward_graph=step.backward_graph,
                  graph=step.graph if step.mode == "autograd" else None, mode=step.mode,
-                 treespec=treespec, leaves=leaves, header=header)
+                 treespec=treespec, leaves=leaves, header=header, memory_plan=step.memory_plan)
 
 
 _KEEP_VAL = {torch.ops.aten.add.Tensor}

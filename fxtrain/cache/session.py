@@ -135,6 +135,7 @@ class ModuleCache:
                              optimizations=dict(entry.optimizations), step=step,
                              runtime=f"{step.mode}: {step.mode_reason} (cache hit)")
         record.from_cache = True  # type: ignore[attr-defined]
+        record.memory_plan = entry.memory_plan
         self.info.records.append(record)
         self.info.graphs += 1
         self.info.optimizations.update(entry.optimizations)

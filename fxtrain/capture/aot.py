@@ -8,6 +8,7 @@ for graphs fxtrain's runtime cannot replay (``runtime/replay.py: NotReplayable``
 """
 from __future__ import annotations
 
+import copy
 import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -31,14 +32,24 @@ class Split:
     backward: Optional[AbsentGradBackward] = None
     backward_reports: List[PassReport] = field(default_factory=list)
     aot_callable: Optional[Callable[..., Any]] = None   # AOTAutograd's own runtime around the above
+    # With keep_joint: a copy of the joint graph and the partitioner's arguments, so that a memory
+    # budget (capture/budget.py) can split it again, saving less.
+    joint: Optional[torch.fx.GraphModule] = None
+    partition_kwargs: Dict[str, Any] = field(default_factory=dict)
 
 
-def split(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], executor: Executor) -> Split:
+def split(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], executor: Executor,
+          keep_joint: bool = False) -> Split:
+    """``keep_joint``: keep a copy of the joint graph (a memory budget re-partitions it); the
+    executor then compiles nothing ahead, since the graphs may still change."""
     from ..passes import BACKWARD_PASSES  # the passes import the runtime: resolve at call time
 
     result = Split()
 
     def partition(joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
+        if keep_joint:   # before the partitioner, which may rewrite the joint graph in place
+            result.joint = torch.fx.GraphModule(joint, copy.deepcopy(joint.graph))
+            result.partition_kwargs = dict(kwargs)
         fw, bw = executor.partition(joint, joint_inputs, **kwargs)
         for backward_pass in BACKWARD_PASSES:
             result.backward_reports.append(backward_pass(bw))
@@ -76,7 +87,7 @@ def split(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], executor: Exe
     if decompositions is not None:
         kwargs["decompositions"] = decompositions
     result.aot_callable = tp.aot_autograd(**kwargs)(gm, example_inputs)
-    if executor.compiles_ahead and result.backward is not None:
+    if executor.compiles_ahead and result.backward is not None and not keep_joint:
         # Still inside dynamo's compile of this graph: guards the compiler adds join the capture's.
         result.backward.compile_full()
     return result

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Callable, List, Optional
+import warnings
+from typing import Any, Callable, List, Optional, Set
 
 import torch
 import torch.fx
@@ -17,6 +18,7 @@ from ..runtime.executors import Executor, executor_named
 from ..runtime.replay import NotReplayable, check_graph_arity, replay_spec
 from .aot import split
 from .breaks import graph_break_site
+from .budget import BudgetRequest, BudgetState, MemoryBudgetWarning, plan_step
 from .dump import dump_capture
 from .info import CaptureInfo, GraphRecord
 from .step import CapturedStep
@@ -71,6 +73,29 @@ class Backend:
         # Called first for every graph, before anything of it runs (TrainModule copies buffers there).
         self.on_graph = on_graph
         self.may_capture = True   # set by TrainModule per call (Options.recompile_limit)
+        # The optimizer a memory budget counts: Options.optimizer, or TrainModule.attach_optimizer's.
+        self.optimizer: Any = options.optimizer
+        self._warned: Set[str] = set()
+
+    def budget_request(self) -> Optional[BudgetRequest]:
+        """What Options.memory_budget asks of the next capture (None without a budget). Below the
+        smallest achievable peak the policy is the fallback's: the profiler's executor, which
+        captures under fallback="raise", says the user's own (``budget_fallback``)."""
+        if self.options.memory_budget is None:
+            return None
+        fallback = getattr(self.executor, "budget_fallback", None) or self.options.fallback
+        return BudgetRequest(int(self.options.memory_budget), "raise" if fallback == "raise" else "warn",
+                             self._warn_once)
+
+    def _warn_once(self, message: str) -> None:
+        # Once per module and kind (below the smallest peak; a graph it cannot plan), whatever the
+        # numbers of later captures.
+        key = "below" if "below the smallest peak" in message else "not applied"
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        logger.warning(message)
+        warnings.warn(message, MemoryBudgetWarning, stacklevel=2)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: List[object]) -> Callable[..., object]:
         # No try/except here: dynamo restarts analysis by raising through its backend, and a real
@@ -87,7 +112,7 @@ class Backend:
         record.optimizations = run_passes(gm, example_inputs, self.options, plans)
         if plans.guard is None:
             dense = None  # no batch can need the graph without the passes
-        step = capture_step(gm, dense, plans, example_inputs, self.executor)
+        step = capture_step(gm, dense, plans, example_inputs, self.executor, self.budget_request(), self.optimizer)
         for report in step.backward_reports:
             record.optimizations[report.name] = str(report)
         compiled = runner.build(step, self.executor, self.context, self.options.backward)
@@ -95,6 +120,7 @@ class Backend:
         record.forward_graph, record.backward_graph = step.forward_graph, step.backward_graph
         record.backward_runner, record.inference = step.backward, step.inference
         record.runtime = f"{step.mode}: {step.mode_reason}"
+        record.memory_plan = step.memory_plan
         if recipe is not None:
             cache_recipe.finish(recipe, gm)
             recipe.plan = plans.deferred.portable() if plans.deferred is not None else None
@@ -113,9 +139,12 @@ class Backend:
 
 
 def capture_step(gm: torch.fx.GraphModule, dense: Optional[torch.fx.GraphModule], plans: Plans,
-                 example_inputs: List[object], executor: Executor) -> CapturedStep:
-    """The rewritten graph, split by AOTAutograd into aten graphs compiled by ``executor``."""
-    parts = split(gm, example_inputs, executor)
+                 example_inputs: List[object], executor: Executor,
+                 budget: Optional[BudgetRequest] = None, optimizer: Any = None) -> CapturedStep:
+    """The rewritten graph, split by AOTAutograd into aten graphs compiled by ``executor``; with a
+    memory budget, split again until the step fits (capture/budget.py). ``optimizer``: what a
+    budget counts the state of (Options.optimizer or TrainModule.attach_optimizer's)."""
+    parts = split(gm, example_inputs, executor, keep_joint=budget is not None or executor.keeps_budget_state)
     step = CapturedStep(graph=gm, dense_graph=dense, plans=plans, forward_graph=parts.forward_graph,
                         backward_graph=parts.backward_graph, inference=parts.inference,
                         backward_reports=parts.backward_reports, compiled_forward=parts.compiled_forward,
@@ -128,6 +157,19 @@ def capture_step(gm: torch.fx.GraphModule, dense: Optional[torch.fx.GraphModule]
         check_graph_arity(parts.forward_graph, parts.backward_graph, step.spec, example_inputs)
     except NotReplayable as e:
         step.not_replayable = str(e)
+    replayable = step.spec is not None and not step.not_replayable
+    if parts.joint is not None and replayable and not step.inference:
+        state = BudgetState(step, parts.joint, parts.partition_kwargs, example_inputs, optimizer)
+        if executor.keeps_budget_state:
+            step.budget_state = state
+        if budget is not None:
+            step.memory_plan = plan_step(step, state, executor, budget.bytes, budget.below_minimum, budget.warn)
+    elif budget is not None and not step.inference:
+        if budget.warn is not None:
+            budget.warn(f"fxtrain: memory budget not applied to a graph fxtrain's runtime cannot replay "
+                        f"({step.not_replayable or 'no joint graph'}); it runs as captured")
+    if parts.joint is not None and step.memory_plan is None and executor.compiles_ahead and step.backward is not None:
+        step.backward.compile_full()   # split() left it to us: the graphs might have changed
     return step
 
 

@@ -54,6 +54,8 @@ class GraphRecord:
     inference: bool = False                     # an inference pair: no backward graph
     # How the runtime runs this capture ("autograd" | "graph" | "aot") and why (runtime/runner.py).
     runtime: str = ""
+    # Options.memory_budget's plan for this graph (capture/budget.py: MemoryPlan), or None.
+    memory_plan: Optional[Any] = None
     # The captured step itself (capture/step.py) and what the on-disk cache needs of the capture.
     step: Optional[Any] = field(default=None, repr=False)
     cache_recipe: Optional[Any] = field(default=None, repr=False)
@@ -87,6 +89,13 @@ class CaptureInfo:
     records: List[GraphRecord] = field(default_factory=list, repr=False)
 
     @property
+    def memory_plan(self) -> Optional[Any]:
+        """The memory budget's plan (``Options.memory_budget``) of the last training graph captured:
+        budget, planned peak, peak without recomputation, bytes saved, extra FLOPs (``MemoryPlan``)."""
+        plans = [r.memory_plan for r in self.records if r.memory_plan is not None]
+        return plans[-1] if plans else None
+
+    @property
     def capture_reasons(self) -> List[str]:
         """Why each capture happened, in order: 'graph 0 (train): first call', ..."""
         return [f"graph {r.index} ({r.mode}): {r.reason or 'loaded from the cache'}" for r in self.records]
@@ -98,6 +107,9 @@ class CaptureInfo:
                  f"python ops:      {', '.join(self.python_ops) or '-'}"]
         for name, why in self.optimizations.items():
             lines.append(f"  {name:<22} {why}")
+        plan = self.memory_plan
+        if plan is not None:
+            lines.extend(f"  memory plan: {line}" for line in str(plan).splitlines())
         for what, d in self.density.items():
             lines.append(f"  last batch {what}: {d:.3f}")
         if self.cache_hits or self.cache_misses or self.cache_log:

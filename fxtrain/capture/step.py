@@ -37,3 +37,9 @@ class CapturedStep:
     aot_callable: Optional[Callable[..., Any]] = None   # AOTAutograd's runtime, for unreplayable graphs
     mode: str = ""                               # "autograd" | "graph" | "aot", chosen by the runtime
     mode_reason: str = ""
+    # Options.memory_budget's plan (capture/budget.py: MemoryPlan): the graphs above are the plan's,
+    # made for the graph runtime, which must then run them.
+    memory_plan: Optional[Any] = None
+    # What re-planning this capture needs (capture/budget.py: BudgetState), for executors that
+    # keep it (the profiler's: the largest batch that fits with recomputation).
+    budget_state: Optional[Any] = field(default=None, repr=False)

@@ -102,12 +102,16 @@ class MarkedExecutor(EagerExecutor):
 
     autograd_mode = False
     measures_batches = False
+    keeps_budget_state = True   # report.max_batch_recomputed plans the capture again at other sizes
 
-    def __init__(self, base: Optional[Executor] = None) -> None:
+    def __init__(self, base: Optional[Executor] = None, budget_fallback: Optional[str] = None) -> None:
         """``base``: the executor whose graphs to cost (its partitioner and decompositions: what
-        inductor would compile, before fusion); the graphs themselves run marked, op by op."""
+        inductor would compile, before fusion); the graphs themselves run marked, op by op.
+        ``budget_fallback``: the user's ``Options.fallback``, which decides what a memory budget
+        below the smallest achievable peak does (the profiler itself captures under "raise")."""
         self.base = base if base is not None else EagerExecutor()
         self.name = f"{self.base.name} (profiler)"
+        self.budget_fallback = budget_fallback
 
     def partition(self, joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
         return self.base.partition(joint, joint_inputs, **kwargs)
@@ -137,4 +141,4 @@ def profiling_module(model: torch.nn.Module, optimizations: bool, options: Optio
     import dataclasses
     # A graph loaded from Options.cache_dir runs marked too: no capture, same attribution.
     return TrainModule(model, dataclasses.replace(base, **updates),
-                       executor=MarkedExecutor(executor_named(base.executor)))
+                       executor=MarkedExecutor(executor_named(base.executor), budget_fallback=base.fallback))

@@ -4,22 +4,13 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import logging
 import os
-import re
 from typing import Any, Dict, Tuple
 
 import torch
 
-_UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
-          "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
-
-
-def parse_bytes(text: str) -> int:
-    """'80GiB', '1.5 TB', '1000000' -> bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot read {text!r} as a size; write e.g. 80GiB, 512MB or a number of bytes")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+from ..options import parse_bytes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,7 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--optimizer", default=None, help="adamw, adam, sgd, adagrad or rmsprop (default: none)")
-    p.add_argument("--budget", default=None, help="memory budget, e.g. 80GiB: also report the largest batch that fits")
+    p.add_argument("--budget", default=None, help="memory budget, e.g. 80GiB: also report the largest batch that fits, "
+                                                  "without and with recomputation (Options.memory_budget's plan)")
     p.add_argument("--plot", metavar="PNG", default=None, help="write the per-module and memory plot here")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
     p.add_argument("--no-optimizations", action="store_true", help="cost eager PyTorch instead of fxtrain's graph")
@@ -82,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     from .inputs import fake_inputs
 
     optimizations = not args.no_optimizations
-    stages = 3 + bool(args.budget) + bool(args.plot)
+    stages = 3 + 2 * bool(args.budget) + bool(args.plot)
     with tqdm(total=stages, disable=args.no_progress, desc="build model", leave=False) as bar:
         if args.model in PRESETS:
             preset = PRESETS[args.model]
@@ -118,6 +110,13 @@ def run(args: argparse.Namespace) -> int:
         if args.budget:
             bar.set_description("fit the memory budget")
             report.max_batch(parse_bytes(args.budget))
+            bar.update(1)
+            if optimizations:
+                bar.set_description("fit the memory budget, recomputing")
+                try:
+                    report.max_batch_recomputed(parse_bytes(args.budget))
+                except RuntimeError as e:   # costed eagerly, static sizes: say why, keep the report
+                    logging.getLogger("fxtrain").warning("fxtrain profile: no largest batch with recomputation: %s", e)
             bar.update(1)
         if args.plot:
             bar.set_description("plot")

@@ -108,6 +108,12 @@ class ProfileReport:
     seconds: float = 0.0
     capture_seconds: float = 0.0
     fit: Optional[BatchFit] = None
+    # Options.memory_budget's plan of the costed capture (capture/budget.py: MemoryPlan), if any.
+    memory_plan: Optional[Any] = None
+    # max_batch_recomputed: the fit of the smallest peak (everything worth recomputing recomputed)
+    # against the batch, and the plan for the budget at the batch found.
+    recompute_fit: Optional[BatchFit] = None
+    recompute_plan: Optional[Any] = None
     fallback: Optional[str] = None   # why fxtrain's graph could not be costed (eager costed instead)
     cache: List[str] = field(default_factory=list)  # Options.cache_dir events of the capture (hit, miss, stored)
     _session: Optional[Session] = field(default=None, repr=False, compare=False)
@@ -188,6 +194,16 @@ class ProfileReport:
         if self.fit is not None:
             head.append(["max batch", f"{self.fit.batch:,} for {human_bytes(self.fit.budget_bytes)} "
                                       f"(peak {human_bytes(self.fit.checked_peak_bytes or 0)} checked)"])
+        if self.recompute_fit is not None:
+            plan = self.recompute_plan
+            head.append(["max batch, recomputing", f"{self.recompute_fit.batch:,} for "
+                         f"{human_bytes(self.recompute_fit.budget_bytes)}" + (
+                             f" (planned peak {human_bytes(plan.planned_peak_bytes)}, "
+                             f"{human_flops(plan.extra_flops)} FLOPs recomputed)" if plan is not None else "")])
+            if plan is not None:
+                head.extend([["  plan", line] for line in str(plan).splitlines()])
+        if self.memory_plan is not None:
+            head.extend([["memory plan", line] for line in str(self.memory_plan).splitlines()])
         if self.fallback:
             head.append(["fallback", f"eager PyTorch costed: {self.fallback}"])
         if self.cache:
@@ -200,6 +216,62 @@ class ProfileReport:
     def plot(self, path: str) -> str:
         from .plot import plot_report
         return plot_report(self, path)
+
+    # ------------------------------------------------------------------------- memory budgets
+    def max_batch_recomputed(self, budget_bytes: int, runs: int = 6) -> int:
+        """Largest batch whose step fits ``budget_bytes`` when the backward recomputes activations
+        instead of saving them, as ``Options(memory_budget=budget_bytes)`` would plan it.
+
+        The captured graphs are planned again at each batch size probed (no capture): the smallest
+        peak (every recomputation worth doing done) is fitted against the batch as ``max_batch``
+        fits the plain peak, and the batch found is planned for the budget like a capture with that
+        budget would be (``recompute_plan``: the least recomputation that fits). Needs the capture's
+        batch axis to be symbolic (the profiler's default, ``dynamic=True``).
+        """
+        states = self._session.budget_states() if self._session is not None else []
+        if not states:
+            raise RuntimeError("no training capture to plan (the step was costed eagerly, or "
+                               "fxtrain's runtime cannot replay its graphs)")
+        state = states[-1]
+        symbols, capture_batch = state.batch_symbols()
+        if not symbols or capture_batch is None:
+            raise RuntimeError("the capture has static sizes (Options.dynamic=False): it cannot be planned "
+                               "at other batch sizes")
+
+        def sizes(batch: int) -> Dict[Any, int]:
+            return {s: batch for s in symbols}
+
+        def smallest(batch: int) -> int:
+            return state.cost(state.steps(), sizes(batch)).peak_bytes
+
+        base = self.batch or capture_batch
+        points = [(base, smallest(base)), (2 * base, smallest(2 * base))]
+        best, slope, intercept = 0, 0.0, 0.0
+        for _ in range(runs):
+            (xa, ya), (xb, yb) = points[-2], points[-1]
+            slope = (yb - ya) / (xb - xa) if xb != xa else slope
+            if slope <= 0:
+                raise RuntimeError("peak memory does not grow with the batch; no batch limit to find")
+            intercept = ya - slope * xa
+            guess = int(math.floor((budget_bytes - intercept) / slope))
+            if guess < 1 or any(guess == x for x, _ in points):
+                break
+            points.append((guess, smallest(guess)))
+            if points[-1][1] <= budget_bytes and intercept + slope * (guess + 1) > budget_bytes:
+                break
+        fitting = [x for x, y in points if y <= budget_bytes]
+        best = max(fitting) if fitting else 0
+        plan = None
+        while best >= 1:
+            plan, _ = state.plan(int(budget_bytes), sizes(best))
+            if plan.fits:
+                break
+            best -= max(1, best // 100)
+        self.recompute_fit = BatchFit(points=points, intercept=intercept, slope=slope,
+                                      budget_bytes=int(budget_bytes), batch=max(best, 0),
+                                      checked_peak_bytes=plan.planned_peak_bytes if plan is not None else None)
+        self.recompute_plan = plan
+        return max(best, 0)
 
     # --------------------------------------------------------------------------- other batches
     def at_batch(self, batch: int) -> "ProfileReport":
@@ -304,4 +376,5 @@ def build_report(session: Session, cost: StepCost, model_name: str, batch: Optio
         passes=dict(info.optimizations) if info is not None else {},
         timeline=_downsample(tr.timeline), seconds=cost.seconds, capture_seconds=session.capture_seconds,
         fallback=session.fallback_reason, cache=list(info.cache_log) if info is not None else [],
+        memory_plan=info.memory_plan if info is not None else None,
         _session=session, _cost=cost)

@@ -67,16 +67,29 @@ class Session:
         # autograd saving what eager saves. (If it cannot run on fake tensors, e.g. a Function that
         # leaves torch, the captured graph without passes stands in; see _warm_up.)
         self.eager = not optimizations
-        self.tm = None if self.eager else profiling_module(model, optimizations, options)
+        self.optimizer_spec = optimizer
+        self.tm = None if self.eager else self._profiling_module(optimizations)
         self.modules: Optional[ModuleAttribution] = None
         self.fallback_reason: Optional[str] = None
-        self.optimizer_spec = optimizer
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.fakes: Dict[str, torch.Tensor] = {}
         self.fake_params: List[torch.nn.Parameter] = []
         self.warm = False
         self.optimizer_ready = False
         self.capture_seconds = 0.0
+
+    def _profiling_module(self, optimizations: bool) -> Any:
+        tm = profiling_module(self.model, optimizations, self.options)
+        # A memory budget (Options.memory_budget) counts the optimizer the profile costs.
+        tm.attach_optimizer(self.optimizer_spec)
+        return tm
+
+    def budget_states(self) -> List[Any]:
+        """What re-planning the training captures for a memory budget needs (capture/budget.py)."""
+        if self.tm is None:
+            return []
+        return [r.step.budget_state for r in self.tm.capture_info().records
+                if r.step is not None and getattr(r.step, "budget_state", None) is not None]
 
     # ---------------------------------------------------------------------------- model state
     def _make_fakes(self, device: torch.device) -> None:
@@ -104,6 +117,12 @@ class Session:
         self.optimizer_spec = spec
         self.optimizer = None
         self.optimizer_ready = False
+        for state in self.budget_states():
+            state.set_optimizer(spec)
+        if self.tm is not None and self.tm.options.memory_budget is not None:
+            # The captured plans counted the previous optimizer's state: plan (capture) again.
+            self.tm = self._profiling_module(self.optimizations)
+            self.warm = False
 
     def _make_optimizer(self) -> Optional[torch.optim.Optimizer]:
         spec = self.optimizer_spec
@@ -197,7 +216,7 @@ class Session:
             self.eager = False
             self.warm = False
             self.optimizer_ready = False
-            self.tm = profiling_module(self.model, False, self.options)
+            self.tm = self._profiling_module(False)
             for p in self.fake_params:
                 p.grad = None
             return self._measure(fake_args, fake_kwargs, args, kwargs, hints, keep_outputs)

@@ -42,6 +42,9 @@ class Executor:
     # Compiling may add shape guards (a code generator specialises): the backward is then compiled
     # at capture, with the forward, so its guards join the capture's before any call relies on them.
     compiles_ahead = False
+    # Keep what planning a memory budget needs on each capture (capture/budget.py: BudgetState), so
+    # that it can be planned again at other sizes (the profiler's largest batch with recomputation).
+    keeps_budget_state = False
 
     def partition(self, joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
         return tp.default_partition(joint, joint_inputs, **kwargs)

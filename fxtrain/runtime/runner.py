@@ -62,6 +62,9 @@ def choose_mode(step: CapturedStep, executor: Executor, preference: str = "auto"
     if preference not in MODES:
         raise ValueError(f"unknown backward mode {preference!r}; choose one of {MODES}")
     graph_mode = ("graph", "") if step.spec is not None else ("aot", f"not replayable: {step.not_replayable}")
+    if step.memory_plan is not None:
+        # The budget was planned, and costed, on the aten graphs: only the graph mode runs them.
+        return graph_mode[0], graph_mode[1] or "memory budget: the plan is made for the aten graphs"
     can_autograd = executor.autograd_mode and step.graph is not None
     if preference == "graph" or not can_autograd:
         why = f"executor {executor.name} compiles the aten graphs" if not executor.autograd_mode else \
