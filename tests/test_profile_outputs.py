@@ -197,3 +197,37 @@ def test_cli_drop_outputs(capsys):
     assert peaks["--keep-outputs"] - peaks["--drop-outputs"] == B * S * 1000 * 4
     with pytest.raises(SystemExit):
         main(["profile", "gpt2-tiny", "--keep-outputs", "--drop-outputs"])
+
+
+class _Uncapturable(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.graph_break()
+        return self.fc(x).sum()
+
+
+def test_outputs_dropped_after_a_failed_capture_in_the_process():
+    """A capture that failed leaves the next profiles' dropped loop intact.
+
+    A failed fullgraph capture leaves dynamo's frame evaluator installed in the interpreter for the
+    rest of the process (torch does not uninstall it when its callback raises), and under it every
+    caller holds its call's arguments until the call returns. The session used to hand the outputs
+    to the rest of the step as an argument, so dropping them there freed nothing: the dropped loop
+    was costed as the keeping one (gpt2-tiny: the logits, 512,000 bytes, over its peak)."""
+    failed = fxtrain.profile(_Uncapturable(), torch.randn(4, 8), options=fxtrain.Options(fullgraph=True))
+    assert failed.fallback is not None and "capture" in failed.fallback
+    model = models.build("gpt2-tiny")
+    batch = _batch("gpt2-tiny", "padded")
+    keep = fxtrain.profile(model, optimizations=False, **batch)
+    drop = fxtrain.profile(model, optimizations=False, keep_outputs=False, **batch)
+    logits_bytes = B * S * models.PRESETS["gpt2-tiny"].vocab * 4
+    assert keep.peak_memory_bytes - drop.peak_memory_bytes == logits_bytes
+    assert keep.output_bytes_at_peak - drop.output_bytes_at_peak == logits_bytes
+    x = torch.randn(64, 16)
+    net = _ScalarLoss().net
+    keep = fxtrain.profile(net, x, optimizations=False)
+    drop = fxtrain.profile(net, x, optimizations=False, keep_outputs=False)
+    assert keep.peak_memory_bytes - drop.peak_memory_bytes == 64 * 4

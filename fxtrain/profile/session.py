@@ -152,17 +152,26 @@ class Session:
 
     # ------------------------------------------------------------------------------------ step
     def _step(self, tracker: CostTracker, args: Any, kwargs: Any, keep_outputs: bool = True) -> None:
-        # The forward's result goes straight into _rest_of_step (no local here holds it), so the
-        # ``del`` there is what releases it.
-        self._rest_of_step(tracker, self._forward(tracker, args, kwargs), keep_outputs)
+        # The outputs go to _rest_of_step in a list it empties, not as an argument: a caller's
+        # evaluation stack may hold an argument until the call returns, and then dropping the
+        # outputs inside would free nothing before the backward. CPython does so whenever a call is
+        # not inlined: on 3.10, and on 3.11+ under any PEP 523 frame evaluator, such as dynamo's,
+        # which torch leaves installed for the rest of the process once a fullgraph capture has
+        # failed (a profile that fell back to eager, a TrainModule's fallback).
+        outputs = [self._forward(tracker, args, kwargs)]
+        self._rest_of_step(tracker, outputs, keep_outputs)
 
     def _forward(self, tracker: CostTracker, args: Any, kwargs: Any) -> Any:
         tracker.phase = "forward"
         with torch.autograd.graph.saved_tensors_hooks(tracker.pack_saved, _unpack):
             return (self.model if self.eager else self.tm)(*args, **kwargs)
 
-    def _rest_of_step(self, tracker: CostTracker, out: Any, keep_outputs: bool = True) -> None:
-        """Backward and optimizer step, with the outputs held through the backward or dropped first."""
+    def _rest_of_step(self, tracker: CostTracker, outputs: List[Any], keep_outputs: bool = True) -> None:
+        """Backward and optimizer step, with the outputs held through the backward or dropped first.
+
+        ``outputs`` is a list holding the forward's result, which this takes out of it: the list is
+        how the caller hands over its only reference (see _step)."""
+        out = outputs.pop()
         loss = loss_of(out)
         tracker.watch_outputs(held_by_outputs(out, loss), loss)
         if not keep_outputs:
@@ -245,7 +254,7 @@ class Session:
                     del out
                     self._make_optimizer_state()
                 else:
-                    self._rest_of_step(warm, out)
+                    self._rest_of_step(warm, [out])
         if not self.warm:
             self.capture_seconds = time.perf_counter() - started
         self.warm = True
