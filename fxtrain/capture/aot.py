@@ -2,7 +2,8 @@
 
 AOTAutograd is used for its tracing and partitioning; what it compiles is handed back here, not
 kept in closures: the partition hook gets the backward graph at capture time (AOTAutograd would
-compile it only at the first backward), runs fxtrain's backward passes on it, and the result is a
+compile it only at the first backward), runs fxtrain's backward passes on it (the forward compiler
+runs the forward graph passes on the forward graph), and the result is a
 ``Split`` the capture puts into its ``CapturedStep``. The callable AOTAutograd returns is kept only
 for graphs fxtrain's runtime cannot replay (``runtime/replay.py: NotReplayable``).
 """
@@ -30,11 +31,12 @@ class Split:
     compiled_forward: Optional[Callable[[List[Any]], Any]] = None
     backward: Optional[AbsentGradBackward] = None
     backward_reports: List[PassReport] = field(default_factory=list)
+    forward_reports: List[PassReport] = field(default_factory=list)
     aot_callable: Optional[Callable[..., Any]] = None   # AOTAutograd's own runtime around the above
 
 
 def split(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], executor: Executor) -> Split:
-    from ..passes import BACKWARD_PASSES  # the passes import the runtime: resolve at call time
+    from ..passes import BACKWARD_PASSES, FORWARD_GRAPH_PASSES  # the passes import the runtime: resolve at call time
 
     result = Split()
 
@@ -48,6 +50,7 @@ def split(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], executor: Exe
         return fw, bw
 
     def forward_compiler(fw: torch.fx.GraphModule, inputs: List[Any], inference: bool = False) -> Callable[..., Any]:
+        result.forward_reports = [forward_pass(fw) for forward_pass in FORWARD_GRAPH_PASSES]
         result.forward_graph = fw
         result.metadata = tp.aot_metadata()
         result.inference = inference
