@@ -102,6 +102,8 @@ PRESETS: Dict[str, Preset] = {
     "roberta-base": Preset(lambda: roberta_mlm(hidden=768, layers=12, heads=12, vocab=50265), "mlm", 50265, 1,
                            "RoBERTa-base dimensions"),
     "distilbert-mlm": Preset(distilbert_mlm, "mlm", 30522, 0, "DistilBERT-MLM: hidden 256, 4 layers"),
+    "distilbert-320": Preset(lambda: distilbert_mlm(hidden=320, layers=3, heads=5), "mlm", 30522, 0,
+                             "DistilBERT-MLM of DESIGN §7: dim 320, 3 layers, 5 heads of 64, vocab 30522"),
     "electra-mlm": Preset(electra_mlm, "mlm", 30522, 0, "ELECTRA generator MLM: hidden 256, 4 layers"),
     "gpt2": Preset(gpt2_lm, "clm", 50257, 0, "GPT-2 LM: hidden 256, 4 layers, vocab 50257"),
     "gpt2-small": Preset(lambda: gpt2_lm(hidden=768, layers=12, heads=12), "clm", 50257, 0,

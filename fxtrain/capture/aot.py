@@ -2,7 +2,8 @@
 
 AOTAutograd is used for its tracing and partitioning; what it compiles is handed back here, not
 kept in closures: the partition hook gets the backward graph at capture time (AOTAutograd would
-compile it only at the first backward), runs fxtrain's backward passes on it, and the result is a
+compile it only at the first backward), runs fxtrain's backward passes on it (the forward compiler
+runs the forward graph passes on the forward graph), and the result is a
 ``Split`` the capture puts into its ``CapturedStep``. The callable AOTAutograd returns is kept only
 for graphs fxtrain's runtime cannot replay (``runtime/replay.py: NotReplayable``).
 """
@@ -31,6 +32,7 @@ class Split:
     compiled_forward: Optional[Callable[[List[Any]], Any]] = None
     backward: Optional[AbsentGradBackward] = None
     backward_reports: List[PassReport] = field(default_factory=list)
+    forward_reports: List[PassReport] = field(default_factory=list)
     aot_callable: Optional[Callable[..., Any]] = None   # AOTAutograd's own runtime around the above
     # With keep_joint: a copy of the joint graph and the partitioner's arguments, so that a memory
     # budget (capture/budget.py) can split it again, saving less.
@@ -42,7 +44,7 @@ def split(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], executor: Exe
           keep_joint: bool = False) -> Split:
     """``keep_joint``: keep a copy of the joint graph (a memory budget re-partitions it); the
     executor then compiles nothing ahead, since the graphs may still change."""
-    from ..passes import BACKWARD_PASSES  # the passes import the runtime: resolve at call time
+    from ..passes import BACKWARD_PASSES, FORWARD_GRAPH_PASSES  # the passes import the runtime: resolve at call time
 
     result = Split()
 
@@ -60,6 +62,7 @@ def split(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], executor: Exe
         return fw, bw
 
     def forward_compiler(fw: torch.fx.GraphModule, inputs: List[Any], inference: bool = False) -> Callable[..., Any]:
+        result.forward_reports = [forward_pass(fw) for forward_pass in FORWARD_GRAPH_PASSES]
         result.forward_graph = fw
         result.metadata = tp.aot_metadata()
         result.inference = inference

@@ -113,7 +113,7 @@ class Backend:
         if plans.guard is None:
             dense = None  # no batch can need the graph without the passes
         step = capture_step(gm, dense, plans, example_inputs, self.executor, self.budget_request(), self.optimizer)
-        for report in step.backward_reports:
+        for report in step.forward_reports + step.backward_reports:
             record.optimizations[report.name] = str(report)
         compiled = runner.build(step, self.executor, self.context, self.options.backward)
         record.step = step
@@ -147,7 +147,8 @@ def capture_step(gm: torch.fx.GraphModule, dense: Optional[torch.fx.GraphModule]
     parts = split(gm, example_inputs, executor, keep_joint=budget is not None or executor.keeps_budget_state)
     step = CapturedStep(graph=gm, dense_graph=dense, plans=plans, forward_graph=parts.forward_graph,
                         backward_graph=parts.backward_graph, inference=parts.inference,
-                        backward_reports=parts.backward_reports, compiled_forward=parts.compiled_forward,
+                        backward_reports=parts.backward_reports, forward_reports=parts.forward_reports,
+                        compiled_forward=parts.compiled_forward,
                         backward=parts.backward, aot_callable=parts.aot_callable)
     if parts.forward_graph is None or parts.metadata is None:
         step.not_replayable = "AOTAutograd produced no forward graph"

@@ -682,11 +682,14 @@ class BudgetState:
 
     def graphs(self, k: int) -> Tuple[torch.fx.GraphModule, torch.fx.GraphModule, List[Any]]:
         """(forward, backward, backward-pass reports) of plan ``k`` (0: the baseline)."""
-        from ..passes import BACKWARD_PASSES
+        from ..passes import BACKWARD_PASSES, FORWARD_GRAPH_PASSES
         if k == 0:
             return self.baseline_graphs[0], self.baseline_graphs[1], self.baseline_reports
         if k not in self._graphs:
             fw, bw = self.planner.graphs(k)
+            # the passes that ran on the baseline's graphs run on the plan's (capture/aot.py)
+            for forward_pass in FORWARD_GRAPH_PASSES:
+                forward_pass(fw)
             reports = [backward_pass(bw) for backward_pass in BACKWARD_PASSES]
             self._graphs[k] = (fw, bw, reports)
         return self._graphs[k]

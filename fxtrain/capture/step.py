@@ -31,6 +31,7 @@ class CapturedStep:
     spec: Optional[ReplaySpec] = None           # None: fxtrain's runtime cannot replay these graphs
     not_replayable: str = ""                    # ... and why
     backward_reports: List[PassReport] = field(default_factory=list)
+    forward_reports: List[PassReport] = field(default_factory=list)   # passes on the aten forward graph
     # Compiled pieces (built by the executor; rebuilt after a cache load).
     compiled_forward: Optional[Callable[[List[Any]], Any]] = None
     backward: Optional[AbsentGradBackward] = None

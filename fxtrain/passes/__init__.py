@@ -4,7 +4,8 @@ Forward passes are functions ``(GraphModule, example_inputs, Options, Plans) -> 
 rewrite the dynamo-level graph before AOTAutograd (so their rewrites are differentiated like any
 other torch code and the backward shrinks with the forward) and put what the runtime needs besides
 the graph (deferred outputs, density probes, the batch guard) into the capture's ``Plans``.
-Backward passes are ``GraphModule -> PassReport`` on the aten backward graph after partitioning.
+Backward passes are ``GraphModule -> PassReport`` on the aten backward graph after partitioning;
+forward graph passes the same on the aten forward graph (what the graph runtime replays).
 Ordering needs are declared in ``RUNS_AFTER`` and checked, not left to a list's order.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ from .embedding_grad import tied_embedding_grad
 from .label_sparsity import label_sparsity
 from .padding_elimination import padding_elimination
 from .plans import Plans
+from .scatter_in_place import scatter_in_place
 from .upstream_slicing import upstream_slicing
 
 # Padding elimination keeps the row selections the others inserted and checks them on real tokens.
@@ -51,6 +53,7 @@ def ordered(passes: Sequence[Pass]) -> List[Pass]:
 
 PASSES: List[Pass] = ordered([label_sparsity, upstream_slicing, padding_elimination])
 BACKWARD_PASSES: List[Callable[[torch.fx.GraphModule], PassReport]] = [cross_entropy_grad, tied_embedding_grad]
+FORWARD_GRAPH_PASSES: List[Callable[[torch.fx.GraphModule], PassReport]] = [scatter_in_place]
 
 
 def run_passes(gm: torch.fx.GraphModule, example_inputs: Sequence[object], options: Options,
@@ -68,4 +71,4 @@ def run_passes(gm: torch.fx.GraphModule, example_inputs: Sequence[object], optio
     return reports
 
 
-__all__ = ["BACKWARD_PASSES", "PASSES", "Pass", "PassReport", "Plans", "RUNS_AFTER", "ordered", "run_passes"]
+__all__ = ["BACKWARD_PASSES", "FORWARD_GRAPH_PASSES", "PASSES", "Pass", "PassReport", "Plans", "RUNS_AFTER", "ordered", "run_passes"]

@@ -46,8 +46,8 @@ def tied_embedding_grad(bw: torch.fx.GraphModule) -> PassReport:
         if add.op != "call_function" or add.target is not aten.add.Tensor or add.kwargs or len(add.args) != 2:
             continue
         other = add.args[0] if add.args[1] is emb else add.args[1]
-        if other is emb or not _private(other):
-            continue
+        if other is emb or not _private(other) or not any(u.op == "output" for u in add.users):
+            continue  # not a weight's gradient (an activation's, through a row gather of row_ops)
         ov, ev, gv = (n.meta.get("val") for n in (other, emb, grad))
         if ov is None or ev is None or gv is None or ov.dtype != ev.dtype or gv.dtype != ev.dtype \
                 or tuple(ov.shape) != tuple(ev.shape) or not isinstance(ev.shape[-1], int):

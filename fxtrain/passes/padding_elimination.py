@@ -5,7 +5,9 @@ projection, FFN, LayerNorm and residual add on the padding too. Right after the 
 picks the real tokens (``attention_mask != 0``) as rows ``[tokens, hidden]`` and runs every op that
 computes a row from the same row alone (``rows.row_inputs``) on them: Q/K/V and output projections
 included. Only attention needs the ``[batch, seq]`` layout: its inputs are scattered back into zeros
-at the padding positions, and its output is gathered again.
+at the padding positions, and its output is gathered again (``row_ops``: row copies whose backward
+is a row copy too). Rows that a later op selects (the labelled positions of label sparsity, a
+classifier's ``h[:, 0]``) are taken from the real tokens' rows directly, not re-padded first.
 
 Why that is exact for the real tokens: a padding position reaches a real token only as an attention
 key or value, and the attention mask gives those keys weight 0 (checked on the capturing batch by
@@ -33,7 +35,8 @@ from .batch_guard import GuardBuilder, counted_index
 from .defer import defer_dense, feeds_resumed_code
 from .label_sparsity import cross_entropy_args, unsupported_cross_entropy
 from .density import add_probe, density_reason, source_example
-from .rows import Node, _same_shape, same_shape_guarded, copy_on_rows, heavy, is_regroup, op_name, row_inputs, value
+from .row_ops import put_rows, row_selection, take_rows
+from .rows import Node, _same, _same_shape, same_shape_guarded, copy_on_rows, heavy, is_regroup, op_name, row_inputs, value
 
 NAME = "padding_elimination"
 _SDPA = {NN_SDPA, F.scaled_dot_product_attention}
@@ -159,7 +162,7 @@ class _Plan:
         self.broadcast: Set[Node] = set()
         self.consumers: List[Tuple[Node, Node, str]] = []   # (region node, consumer, kind)
         self.flat: Any = None                                # batch * seq
-        self.row_cuts: List[Node] = []  # index_select(tokens, 0, i) of padded values: real rows asserted
+        self.row_cuts: List[Node] = []  # row gathers (row_ops) of padded values: real rows asserted
 
 
 def _plan(gm: torch.fx.GraphModule, lead_shape: Sequence[Any]) -> Tuple[Optional[_Plan], str]:
@@ -244,17 +247,23 @@ def _consumer_kind(node: Node, user: Node, plan: _Plan, output: Node) -> Optiona
     lead = plan.region[node]
     if lead == 1 and _loss_on_rows(node, user):
         return "loss"
-    if user.op == "call_method" and user.target == "flatten" and lead == 2 and len(user.users) == 1:
+    if user.op == "call_method" and user.target == "flatten" and lead == 2 and tuple(user.args[1:]) == (0, 1) \
+            and not user.kwargs and len(user.users) == 1:
         (sel,) = user.users
-        if sel.op == "call_function" and sel.target is torch.index_select and sel.args[1] == 0:
+        if _gathers_from(sel, user):
             return "rows"
-    if user.op == "call_function" and user.target is torch.index_select and lead == 1 and user.args[1] == 0:
+    if lead == 1 and _gathers_from(user, node):
         return "rows"
     if user.op == "call_function" and user.target is operator.getitem and lead == 2 and isinstance(user.args[1], tuple):
         index = user.args[1]
         if len(index) >= 2 and index[0] == slice(None) and isinstance(index[1], int):
             return "select"
     return None
+
+
+def _gathers_from(sel: Node, src: Node) -> bool:
+    found = row_selection(sel)
+    return found is not None and found[0] is src
 
 
 def _loss_on_rows(node: Node, user: Node) -> bool:
@@ -332,7 +341,7 @@ def _erase_unused(gm: torch.fx.GraphModule, nodes: Set[Node]) -> None:
 def _padded_values(plan: _Plan) -> Set[Node]:
     """Nodes whose values at padding positions the rewrite changes: all that the region reaches,
     except through a selection of real rows, which reads exact values. Row selections
-    (``index_select(x, 0, i)`` over the flattened tokens) are recorded in ``plan.row_cuts``: that
+    (``row_ops.row_selection`` over the flattened tokens) are recorded in ``plan.row_cuts``: that
     ``i`` only names real tokens is checked on the capturing batch and asserted on every batch."""
     cuts = {user for _, user, kind in plan.consumers if kind in ("select", "loss")}
     seen: Set[Node] = set()
@@ -341,7 +350,7 @@ def _padded_values(plan: _Plan) -> Set[Node]:
         node = stack.pop()
         if node in seen or node in cuts:
             continue
-        if _selects_token_rows(node, plan.flat) and node.args[0] in seen:
+        if _selects_token_rows(node, plan.flat) and row_selection(node)[0] in seen:
             if node not in plan.row_cuts:
                 plan.row_cuts.append(node)
             continue
@@ -351,9 +360,10 @@ def _padded_values(plan: _Plan) -> Set[Node]:
 
 
 def _selects_token_rows(node: Node, flat: Any) -> bool:
-    if node.op != "call_function" or node.target is not torch.index_select or node.args[1] != 0:
+    found = row_selection(node)
+    if found is None:
         return False
-    src = node.args[0]
+    src = found[0]
     if isinstance(value(src), torch.Tensor):
         return value(src).dim() >= 1 and _same_shape([value(src).shape[0]], [flat])
     # Inserted by an earlier pass, without metadata: ``flatten(x, 0, k)`` of a node that has it.
@@ -382,7 +392,7 @@ def _loss_on_real_rows(graph: torch.fx.Graph, ce: Node, rows: Node, index: Node,
 def _check_capturing_batch(gm: torch.fx.GraphModule, plan: _Plan, tokens: torch.Tensor) -> str:
     flat = tokens.flatten()
     for sel in plan.row_cuts:
-        index = _evaluate(gm, sel.args[2])
+        index = _evaluate(gm, row_selection(sel)[1])
         if index is None or not bool(flat[index].all()):
             return "the loss reads padding positions (labels on padding tokens)"
     for node, user, kind in plan.consumers:
@@ -410,16 +420,23 @@ def _rewrite(gm: torch.fx.GraphModule, plan: _Plan, mask_node: Node, pad_id: Opt
             n_flat = graph.call_function(operator.mul, (n_flat, s))
     rows: Dict[Node, Node] = {}
     guard = _Guard(gm, plans, mask_node, pad_id or 0, valid)
+    packed: List[Node] = []
+
+    def packed_row() -> Node:
+        """Each position's row in the packed layout (the number of real tokens before it), computed
+        once, where the selection of real tokens is."""
+        if not packed:
+            with graph.inserting_before(first):
+                packed.append(graph.call_function(operator.sub, (graph.call_function(torch.cumsum, (valid, 0)), 1)))
+        return packed[0]
 
     def gathered(node: Node, lead: int) -> Node:
         if node not in rows:
-            src = node
             if node in plan.broadcast:
-                feat = list(value(node).shape[lead:])
-                lead_sizes = sizes if lead == len(sizes) else [n_flat]
-                src = graph.call_method("expand", (node, *lead_sizes, *[-1] * len(feat)))
-            flat = src if lead == 1 else graph.call_method("flatten", (src, 0, lead - 1))
-            rows[node] = graph.call_function(torch.index_select, (flat, 0, index))
+                rows[node] = _broadcast_rows(graph, node, lead, index, sizes if lead == len(sizes) else [n_flat])
+            else:
+                flat = node if lead == 1 else graph.call_method("flatten", (node, 0, lead - 1))
+                rows[node] = take_rows(graph, flat, index, value(node), lead)
         return rows[node]
 
     for node in list(graph.nodes):
@@ -434,27 +451,82 @@ def _rewrite(gm: torch.fx.GraphModule, plan: _Plan, mask_node: Node, pad_id: Opt
                 rows[node] = rows[node.args[0]]
                 continue
             rows[node] = copy_on_rows(graph, node, rows, lead)
+    cut_index = {sel: row_selection(sel)[1] for sel in plan.row_cuts}
+    moved: Dict[Node, Node] = {}   # a row selection of padded values -> the same rows taken from the packed layout
     repadded: Dict[Node, Node] = {}
     for node, user, kind in plan.consumers:
+        lead = plan.region[node]
         if kind == "loss":
             _loss_on_real_rows(graph, user, rows[node], index, guard)
             continue
+        if kind == "rows":
+            # Labelled rows of the padded layout are rows of the packed one: take them there, at
+            # their packed positions, instead of re-padding everything to pick a few rows back.
+            sel = next(iter(user.users)) if user.op == "call_method" else user
+            with graph.inserting_before(sel):
+                at = graph.call_function(torch.index_select, (packed_row(), 0, row_selection(sel)[1]))
+                moved[sel] = take_rows(graph, rows[node], at, value(node), lead)
+            sel.replace_all_uses_with(moved[sel])
+            graph.erase_node(sel)
+            if user is not sel and not user.users:
+                graph.erase_node(user)
+            continue
+        j = user.args[1][1] if kind == "select" else None
+        if kind == "select" and all(i == slice(None) for i in user.args[1][2:]):
+            # h[:, j]: one row per sequence, taken from the packed layout.
+            with graph.inserting_before(user):
+                at = graph.call_function(operator.getitem, (graph.call_method("view", (packed_row(), *sizes)),
+                                                            (slice(None), j)))
+                taken = take_rows(graph, rows[node], at, value(node), lead)
+            user.replace_all_uses_with(taken)
+            graph.erase_node(user)
+            guard.position_is_real(j, taken, sizes)
+            continue
         if node not in repadded:
-            lead = plan.region[node]
             feat = list(value(node).shape[lead:])
             with graph.inserting_before(user):
-                zeros = graph.call_method("new_zeros", (rows[node], (n_flat, *feat)))
-                full = graph.call_method("index_copy", (zeros, 0, index, rows[node]))
+                full = put_rows(graph, rows[node], index, n_flat, value(node), lead)
                 repadded[node] = full if lead == 1 else graph.call_method("view", (full, *sizes, *feat))
         user.replace_input_with(node, repadded[node])
         if kind == "select":
-            guard.position_is_real(user.args[1][1], user, sizes)
+            guard.position_is_real(j, user, sizes)
     for sel in plan.row_cuts:
-        guard.rows_are_real(sel.args[2], sel)
+        guard.rows_are_real(cut_index[sel], moved.get(sel, sel))
     for node in reversed(list(graph.nodes)):
         if node in plan.region and not node.users:
             graph.erase_node(node)
     guard.store(plans)
+
+
+def _broadcast_rows(graph: torch.fx.Graph, node: Node, lead: int, index: Node, lead_sizes: List[Any]) -> Node:
+    """The real tokens' rows of ``node``, an operand broadcast over the tokens (a ``[1, seq, hidden]``
+    position embedding): gathered from ``node`` itself, at each token's row of it (its position in the
+    sequence, say), not from a ``[batch * seq, hidden]`` expanded copy. The backward then sums into
+    ``node``'s own few rows instead of zero-filling and reducing a padded gradient."""
+    shape = value(node).shape[:lead]
+
+    def times(a: Any, b: Any) -> Any:
+        return b if isinstance(a, int) and a == 1 else graph.call_function(operator.mul, (a, b))
+
+    row: Optional[Node] = None
+    outer: Any = 1   # size of the dims of lead_sizes after d (a flat position's stride along d)
+    own: Any = 1     # the same over node's own (unbroadcast) dims
+    for d in reversed(range(lead)):
+        if not _same(shape[d], 1):
+            coord = index if isinstance(outer, int) and outer == 1 else \
+                graph.call_function(torch.div, (index, outer), {"rounding_mode": "floor"})
+            if d > 0:
+                coord = graph.call_function(torch.remainder, (coord, lead_sizes[d]))
+            term = coord if isinstance(own, int) and own == 1 else graph.call_function(torch.mul, (coord, own))
+            row = term if row is None else graph.call_function(torch.add, (row, term))
+            if d > 0:
+                own = times(own, lead_sizes[d])
+        if d > 0:
+            outer = times(outer, lead_sizes[d])
+    if row is None:   # broadcast along every leading dim: every token reads the one row
+        row = graph.call_function(torch.zeros_like, (index,))
+    src = node if lead == 1 else graph.call_method("flatten", (node, 0, lead - 1))
+    return take_rows(graph, src, row, value(node), lead)
 
 
 class _Guard:

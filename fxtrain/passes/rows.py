@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..torch_private import NN_GELU, NN_LINEAR, NN_SILU
+from .row_ops import take_rows
 
 Node = torch.fx.Node
 
@@ -252,10 +253,10 @@ Select = Callable[[torch.fx.Graph, Node, int], Node]
 
 
 def index_rows(index: Node) -> Select:
-    """Rows of the flattened leading dims picked by a 1-d int64 ``index`` node."""
+    """Rows of the flattened leading dims picked by a 1-d int64 ``index`` node (``row_ops.take_rows``)."""
     def select(graph: torch.fx.Graph, node: Node, lead: int) -> Node:
         flat = node if lead == 1 else graph.call_method("flatten", (node, 0, lead - 1))
-        return graph.call_function(torch.index_select, (flat, 0, index))
+        return take_rows(graph, flat, index, value(node), lead)
     return select
 
 
