@@ -17,7 +17,9 @@ op autograd derives for its backward, which runs as often:
   aten forward graph. (``embedding_dense_backward``, the functional "zeros plus rows", would need no
   such pass, but its own derivative fails on the data-dependent row count in torch 2.13.)
 
-Integer gathers (token ids, labels) take no gradient and stay ``index_select``.
+Integer gathers (token ids, labels) take no gradient and stay ``index_select``; so do float rows
+with more than one feature dim (an embedding's table is 2-d), which the passes do not produce on
+the transformer models they target.
 """
 from __future__ import annotations
 
