@@ -22,7 +22,7 @@ class _Classifier(nn.Module):
 # "auto" picks it where the rewrite saves more than replaying the graph costs), and with both executors.
 @pytest.mark.parametrize("reduction,smoothing,fires,executor", [
     ("mean", 0.0, True, "eager"), ("sum", 0.0, True, "eager"), ("mean", 0.1, False, "eager"),
-    ("mean", 0.0, True, "inductor"), ("mean", 0.1, False, "inductor")])
+    ("mean", 0.0, False, "inductor")])
 def test_cross_entropy_gradient_in_one_pass(reduction, smoothing, fires, executor):
     torch.manual_seed(0)
     tm, ref = wrap_pair(_Classifier(reduction, 7, smoothing), label_sparsity="off", backward="graph",
@@ -36,6 +36,8 @@ def test_cross_entropy_gradient_in_one_pass(reduction, smoothing, fires, executo
     train_parity(tm, ref, batches, lambda out, _: out)
     why = tm.capture_info().optimizations["cross_entropy_grad"]
     assert why.startswith("on:" if fires else "off:"), why
+    if executor == "inductor":   # it fuses these gradients itself (executors.py): the pass stays out of its way
+        assert why == "off: inductor fuses the log_softmax and nll_loss gradients itself", why
 
 
 def test_few_classes_left_alone():
@@ -49,7 +51,8 @@ def test_few_classes_left_alone():
 def test_dense_gpt2_step():
     """The dense GPT-2 LM step (nothing for the sparsity passes): both backward rewrites fire."""
     torch.manual_seed(0)
-    tm, ref = wrap_pair(models.gpt2_lm(hidden=32, layers=2, heads=2, vocab=1000, positions=64), backward="graph")
+    tm, ref = wrap_pair(models.gpt2_lm(hidden=32, layers=2, heads=2, vocab=1000, positions=64), backward="graph",
+                        executor="eager")
     g = torch.Generator().manual_seed(2)
     batches = [models.synthetic_batch("clm", b, s, 1000, generator=g) for b, s in [(4, 16), (3, 11)]]
     train_parity(tm, ref, batches, lambda out, _: out.loss, state_atol=3e-4)

@@ -44,7 +44,7 @@ def split(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], executor: Exe
           keep_joint: bool = False) -> Split:
     """``keep_joint``: keep a copy of the joint graph (a memory budget re-partitions it); the
     executor then compiles nothing ahead, since the graphs may still change."""
-    from ..passes import BACKWARD_PASSES, FORWARD_GRAPH_PASSES  # the passes import the runtime: resolve at call time
+    from ..passes import FORWARD_GRAPH_PASSES, run_backward_passes  # the passes import the runtime: resolve at call time
 
     result = Split()
 
@@ -53,8 +53,7 @@ def split(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], executor: Exe
             result.joint = torch.fx.GraphModule(joint, copy.deepcopy(joint.graph))
             result.partition_kwargs = dict(kwargs)
         fw, bw = executor.partition(joint, joint_inputs, **kwargs)
-        for backward_pass in BACKWARD_PASSES:
-            result.backward_reports.append(backward_pass(bw))
+        result.backward_reports.extend(run_backward_passes(bw, executor))
         result.backward_graph = bw
         # Each graph compiled with its own placeholders' values: the whole backward, its
         # absent-gradient specialisations (same inputs) and its B/W parts (weight_split.py).

@@ -160,7 +160,7 @@ def capture_step(gm: torch.fx.GraphModule, dense: Optional[torch.fx.GraphModule]
         step.not_replayable = str(e)
     replayable = step.spec is not None and not step.not_replayable
     if parts.joint is not None and replayable and not step.inference:
-        state = BudgetState(step, parts.joint, parts.partition_kwargs, example_inputs, optimizer)
+        state = BudgetState(step, parts.joint, parts.partition_kwargs, example_inputs, optimizer, executor)
         if executor.keeps_budget_state:
             step.budget_state = state
         if budget is not None:

@@ -656,8 +656,9 @@ class BudgetState:
     """
 
     def __init__(self, step: Any, joint: torch.fx.GraphModule, partition_kwargs: Dict[str, Any],
-                 example_inputs: Sequence[Any], optimizer: Any = None) -> None:
+                 example_inputs: Sequence[Any], optimizer: Any = None, executor: Any = None) -> None:
         self.joint = joint
+        self.executor = executor   # whose backward passes run on each plan's graphs
         self.num = int(partition_kwargs["num_fwd_outputs"])
         self.static = partition_kwargs.get("static_lifetime_input_indices")
         from ..profile.graph_step import graph_inputs
@@ -682,7 +683,7 @@ class BudgetState:
 
     def graphs(self, k: int) -> Tuple[torch.fx.GraphModule, torch.fx.GraphModule, List[Any]]:
         """(forward, backward, backward-pass reports) of plan ``k`` (0: the baseline)."""
-        from ..passes import BACKWARD_PASSES, FORWARD_GRAPH_PASSES
+        from ..passes import FORWARD_GRAPH_PASSES, run_backward_passes
         if k == 0:
             return self.baseline_graphs[0], self.baseline_graphs[1], self.baseline_reports
         if k not in self._graphs:
@@ -690,7 +691,7 @@ class BudgetState:
             # the passes that ran on the baseline's graphs run on the plan's (capture/aot.py)
             for forward_pass in FORWARD_GRAPH_PASSES:
                 forward_pass(fw)
-            reports = [backward_pass(bw) for backward_pass in BACKWARD_PASSES]
+            reports = run_backward_passes(bw, self.executor)
             self._graphs[k] = (fw, bw, reports)
         return self._graphs[k]
 

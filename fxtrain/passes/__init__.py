@@ -16,6 +16,7 @@ import torch.fx
 
 from ..options import Options
 from .base import Pass, PassReport
+from . import cross_entropy_grad as _ce_grad, embedding_grad as _emb_grad
 from .cross_entropy_grad import cross_entropy_grad
 from .embedding_grad import tied_embedding_grad
 from .label_sparsity import label_sparsity
@@ -54,6 +55,21 @@ def ordered(passes: Sequence[Pass]) -> List[Pass]:
 PASSES: List[Pass] = ordered([label_sparsity, upstream_slicing, padding_elimination])
 BACKWARD_PASSES: List[Callable[[torch.fx.GraphModule], PassReport]] = [cross_entropy_grad, tied_embedding_grad]
 FORWARD_GRAPH_PASSES: List[Callable[[torch.fx.GraphModule], PassReport]] = [scatter_in_place]
+# The aten ops each backward pass rewrites: a code generator must leave them whole for the pass.
+BACKWARD_PASS_OPS: Dict[str, Tuple[object, ...]] = {"cross_entropy_grad": _ce_grad.OPS, "tied_embedding_grad": _emb_grad.OPS}
+
+
+def run_backward_passes(bw: torch.fx.GraphModule, executor: object) -> List[PassReport]:
+    """The backward passes on ``bw``, less those ``executor`` skips (reported as off, with its reason)."""
+    skips: Dict[str, str] = getattr(executor, "skips_backward_passes", {})
+    return [PassReport(p.__name__, False, skips[p.__name__]) if p.__name__ in skips else p(bw)
+            for p in BACKWARD_PASSES]
+
+
+def backward_pass_ops(executor: object) -> List[object]:
+    """The ops to keep whole for the backward passes ``executor`` runs."""
+    skips: Dict[str, str] = getattr(executor, "skips_backward_passes", {})
+    return [op for name, ops in BACKWARD_PASS_OPS.items() if name not in skips for op in ops]
 
 
 def run_passes(gm: torch.fx.GraphModule, example_inputs: Sequence[object], options: Options,
@@ -71,4 +87,4 @@ def run_passes(gm: torch.fx.GraphModule, example_inputs: Sequence[object], optio
     return reports
 
 
-__all__ = ["BACKWARD_PASSES", "FORWARD_GRAPH_PASSES", "PASSES", "Pass", "PassReport", "Plans", "RUNS_AFTER", "ordered", "run_passes"]
+__all__ = ["BACKWARD_PASSES", "BACKWARD_PASS_OPS", "backward_pass_ops", "run_backward_passes", "FORWARD_GRAPH_PASSES", "PASSES", "Pass", "PassReport", "Plans", "RUNS_AFTER", "ordered", "run_passes"]

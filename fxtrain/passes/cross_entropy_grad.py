@@ -18,6 +18,7 @@ from .base import PassReport, bytes_of
 
 NAME = "cross_entropy_grad"
 aten = torch.ops.aten
+OPS = (aten.nll_loss_backward.default, aten._log_softmax_backward_data.default)
 # Below this many classes the one-hot fill is noise next to the rest of the step, and a rewrite that
 # only reorders roundings is not worth making (a zero-true gradient, e.g. a bias before BatchNorm,
 # would then differ from eager's rounding noise, which AdamW scales up to full steps).

@@ -20,6 +20,7 @@ from .base import PassReport, bytes_of
 
 NAME = "tied_embedding_grad"
 aten = torch.ops.aten
+OPS = (aten.embedding_dense_backward.default,)
 _VIEWS = {aten.t.default, aten.view.default, aten.permute.default, aten.transpose.int}
 
 

@@ -45,6 +45,9 @@ class Executor:
     # Keep what planning a memory budget needs on each capture (capture/budget.py: BudgetState), so
     # that it can be planned again at other sizes (the profiler's largest batch with recomputation).
     keeps_budget_state = False
+    # Backward passes this executor does not want (name -> why, shown in capture_info()): their ops
+    # are then decomposed like any other, so the code generator sees and fuses them.
+    skips_backward_passes: Dict[str, str] = {}
 
     def partition(self, joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
         return tp.default_partition(joint, joint_inputs, **kwargs)
@@ -74,6 +77,12 @@ class EagerExecutor(Executor):
 class InductorExecutor(Executor):
     name = "inductor"
     compiles_ahead = True
+    # cross_entropy_grad removes the eager executor's one-hot fill and extra passes over the logits;
+    # inductor fuses the decomposed log_softmax and nll_loss gradients into one kernel already, and
+    # keeping the two ops whole for the pass costs more than it saves: the partitioner cannot
+    # recompute log_softmax into an unfusible op, so the forward writes a [rows, vocab] log_softmax
+    # to save it (GPT-2, vocab 50257: ~4% of a dense step) instead of reusing the logits.
+    skips_backward_passes = {"cross_entropy_grad": "inductor fuses the log_softmax and nll_loss gradients itself"}
 
     def partition(self, joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
         # Recomputing cheap ops in the backward pays here: inductor fuses them into kernels it runs anyway.
@@ -81,7 +90,8 @@ class InductorExecutor(Executor):
 
     def decompositions(self) -> Optional[Dict[Any, Callable[..., Any]]]:
         # Inductor's own table, less the ops fxtrain's backward passes rewrite (they must see them).
-        return tp.inductor_decompositions(keep=tp.BACKWARD_PASS_OPS)
+        from ..passes import backward_pass_ops  # the passes import the runtime: resolve at call time
+        return tp.inductor_decompositions(keep=backward_pass_ops(self))
 
     def compile(self, graph: torch.fx.GraphModule, kind: str, example_inputs: Sequence[Any]) -> Compiled:
         # Inductor rewrites the graph it is given in place (views become reshapes, aliases go), and
