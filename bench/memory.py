@@ -17,6 +17,8 @@ import os
 import subprocess
 import sys
 
+from peak_rss import CHILD_ENV, added_at_peak
+
 CONTENDERS = ("eager", "fxtrain", "fxtrain-graph", "fxtrain-inductor")
 
 
@@ -35,14 +37,6 @@ def _model(name: str):
     return m, lambda f: f(pixel_values=x, labels=y).loss
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as s:
-        for line in s:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
 def _child(model: str, contender: str) -> None:
     import torch
     import fxtrain
@@ -57,11 +51,7 @@ def _child(model: str, contender: str) -> None:
         loss_of(f).backward(); m.zero_grad(set_to_none=True)
     import gc
     gc.collect()
-    with open("/proc/self/clear_refs", "w") as c:
-        c.write("5")
-    before = _status("VmRSS")
-    loss_of(f).backward()
-    peak = _status("VmHWM") - before
+    peak = added_at_peak(lambda: loss_of(f).backward())
     runtime = getattr(f.capture_info().records[0], "runtime", "") if contender != "eager" else ""
     print(json.dumps({"peak": peak, "runtime": runtime}))
 
@@ -78,7 +68,7 @@ def main() -> None:
     for model in a.models.split(","):
         row = {}
         for c in a.contenders.split(","):
-            env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+            env = CHILD_ENV
             out = subprocess.run([sys.executable, __file__, "--child", model, c], capture_output=True, text=True,
                                  env=env)
             line = [l for l in out.stdout.splitlines() if l.startswith("{")]

@@ -36,6 +36,8 @@ import sys
 import time
 from typing import Any, Dict, List
 
+from peak_rss import CHILD_ENV, added_at_peak
+
 
 def _model(a: argparse.Namespace):
     import torch
@@ -44,14 +46,6 @@ def _model(a: argparse.Namespace):
     m = models.gpt2_lm(hidden=a.hidden, layers=a.layers, heads=a.heads, vocab=a.vocab, positions=max(1024, a.seq))
     b = models.synthetic_batch("clm", a.batch, a.seq, a.vocab, padding=0.0, generator=torch.Generator().manual_seed(0))
     return m, b
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as s:
-        for line in s:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def _child(a: argparse.Namespace, contender: str) -> Dict[str, Any]:
@@ -106,11 +100,7 @@ def _child(a: argparse.Namespace, contender: str) -> Dict[str, Any]:
     live.track(list(m.parameters()) + list(m.buffers()) + [b] + [list(s.values()) for s in opt.state.values()])
     result["start_bytes"] = live.current
     gc.collect()
-    with open("/proc/self/clear_refs", "w") as c:
-        c.write("5")
-    before = _status("VmRSS")
-    step()
-    result["rss_step"] = _status("VmHWM") - before
+    result["rss_step"] = added_at_peak(step)
     result["rss_peak"] = result["rss_step"] + result["start_bytes"]
     if kind != "compile":
         counter = LiveBytes()
@@ -182,7 +172,7 @@ def _timing_child(a: argparse.Namespace, contenders: List[str]) -> Dict[str, Any
 
 
 def _run(a: argparse.Namespace, contender: str) -> Dict[str, Any]:
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+    env = CHILD_ENV
     argv = [sys.executable, __file__, "--child", contender] + [f"--{k}={getattr(a, k)}" for k in
                                                               ("hidden", "layers", "heads", "vocab", "batch", "seq",
                                                                "steps", "threads")]
