@@ -58,6 +58,46 @@ class BenchConfig:
             raise ValueError(f"unknown device {self.device!r}: {e}") from None
 
 
+@dataclass(frozen=True)
+class Workload:
+    """A named benchmark setting: the numbers docs/benchmarks.md quotes, reproducible by name."""
+    description: str
+    settings: Dict[str, Any]
+
+    def config(self, **overrides: Any) -> BenchConfig:
+        return BenchConfig(**{**self.settings, **overrides})
+
+
+WORKLOADS: Dict[str, Workload] = {
+    "demo": Workload("the demo's BERT-MLM (DESIGN §7): 16 x 128, 54% padding, 7% labels", dict(model="bert-mlm")),
+    "distilbert-mlm": Workload("DistilBERT-MLM dim 320, 3 layers: 12 x 160, 50% padding, 15% labels",
+                               dict(model="distilbert-320", batch=12, seq=160, padding=0.5, label_density=0.15)),
+    "bert-base-mlm": Workload("BERT-base dimensions: 8 x 128, 50% padding, 15% labels",
+                              dict(model="bert-base", batch=8, seq=128, padding=0.5, label_density=0.15)),
+    "roberta-mlm": Workload("RoBERTa-MLM hidden 256, 4 layers: 16 x 128, 54% padding, 7% labels",
+                            dict(model="roberta-mlm")),
+    "gpt2-sft": Workload("GPT-2 causal LM, 16 x 128, right padding 30%, loss on the last quarter of each sequence",
+                         dict(model="gpt2", batch=16, seq=128, padding=0.3, labels_at_end=0.25)),
+    "gpt2-dense": Workload("dense GPT-2 LM step: 8 x 128, no padding, every label",
+                           dict(model="gpt2", batch=8, seq=128, padding=0.0)),
+}
+
+
+def workload_table() -> str:
+    return format_table(["workload", "what"], [[name, w.description] for name, w in WORKLOADS.items()])
+
+
+def flop_ideal_ratio(config: BenchConfig) -> float:
+    """Eager's FLOPs over fxtrain's for one step on the benchmark's first batch (costed by the
+    profiler, on the batch's real values): the speedup a step would reach if time followed FLOPs."""
+    from .profile import profile
+    model = models.build(config.model, seed=config.seed)
+    batch = _batches(config, 1)[0]
+    dense = profile(model, optimizations=False, reuse=False, **batch).flops
+    sparse = profile(model, optimizations=True, reuse=False, **batch).flops
+    return dense / sparse
+
+
 @dataclass
 class ModeResult:
     mode: str
@@ -80,6 +120,7 @@ class BenchResult:
     results: Dict[str, ModeResult]
     densities: Dict[str, float]
     optimizations: Dict[str, Dict[str, str]] = field(default_factory=dict)  # fxtrain mode -> pass -> why
+    flop_ideal: Optional[float] = None   # flop_ideal_ratio(config), when asked for
 
     def ratio(self, mode: str, baseline: str) -> Optional[float]:
         if mode not in self.results or baseline not in self.results:
@@ -105,6 +146,8 @@ class BenchResult:
                  f"labelled {self.densities['labelled']:.1%}; {c.steps} timed steps after {c.warmup} warm-up, "
                  f"modes interleaved, on {c.device}")
         lines = [title, format_table(headers, rows)]
+        if self.flop_ideal is not None:
+            lines.append(f"FLOP-ideal fxtrain vs eager (eager's step FLOPs / fxtrain's, first batch): {self.flop_ideal:.2f}x")
         for mode, passes in self.optimizations.items():
             lines.append(f"Optimizations ({mode}):")
             lines.extend(f"  {name:<20} {why}" for name, why in passes.items())
@@ -115,6 +158,7 @@ class BenchResult:
             "config": dataclasses.asdict(self.config) | {"modes": list(self.config.modes)},
             "densities": self.densities,
             "optimizations": self.optimizations,
+            "flop_ideal": self.flop_ideal,
             "torch": torch.__version__,
             "modes": {name: {"first_step_s": r.first_step_s, "median_ms": r.median_ms, "min_ms": r.min_ms,
                              "step_s": r.step_s, "losses": r.losses, "vs_eager": self.ratio(name, "eager"),
@@ -155,16 +199,21 @@ def _step(fn: Callable[..., Any], opt: torch.optim.Optimizer, batch: Dict[str, t
     return float(loss.detach())  # on an accelerator this waits for the step: the timing covers its work
 
 
+def _batches(config: BenchConfig, n: int) -> List[Dict[str, torch.Tensor]]:
+    preset = models.PRESETS[config.model]
+    g = torch.Generator().manual_seed(config.seed)
+    return [models.synthetic_batch(preset.kind, config.batch, config.seq, preset.vocab, padding=config.padding,
+                                   label_density=config.label_density, pad_id=preset.pad_id,
+                                   padding_side=config.padding_side, labels_at_end=config.labels_at_end,
+                                   generator=g) for _ in range(n)]
+
+
 def run_benchmark(config: BenchConfig, progress: bool = True) -> BenchResult:
     device = torch.device(config.device)
     base = models.build(config.model, seed=config.seed).to(device)
     preset = models.PRESETS[config.model]
-    g = torch.Generator().manual_seed(config.seed)
     n_batches = 1 + config.warmup + config.steps
-    batches = [models.synthetic_batch(preset.kind, config.batch, config.seq, preset.vocab, padding=config.padding,
-                                      label_density=config.label_density, pad_id=preset.pad_id,
-                                      padding_side=config.padding_side, labels_at_end=config.labels_at_end,
-                                      generator=g) for _ in range(n_batches)]
+    batches = _batches(config, n_batches)
     mask = torch.stack([b["attention_mask"] for b in batches])
     labels = torch.stack([b["labels"] for b in batches]) if preset.kind != "cls" else None
     densities = {"padding": 1 - mask.float().mean().item(),

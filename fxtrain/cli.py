@@ -13,13 +13,19 @@ Command = Tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Na
 
 
 def _bench_args(p: argparse.ArgumentParser, steps: int) -> None:
+    from .bench import WORKLOADS
     from .models import PRESETS
-    p.add_argument("--model", default="bert-mlm", choices=sorted(PRESETS))
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--padding", type=float, default=0.54, help="fraction of positions that are padding")
-    p.add_argument("--label-density", type=float, default=0.07, help="fraction of positions with a label (MLM)")
-    p.add_argument("--padding-side", choices=("right", "left"), default="right")
+    # Settings default to None: a named workload fills them, an explicit flag overrides it.
+    p.add_argument("--workload", choices=sorted(WORKLOADS),
+                   help="a named setting of docs/benchmarks.md (see --list-workloads); other flags override it")
+    p.add_argument("--list-workloads", action="store_true", help="print the named workloads and exit")
+    p.add_argument("--model", default=None, choices=sorted(PRESETS), help="default bert-mlm")
+    p.add_argument("--batch", type=int, default=None, help="default 16")
+    p.add_argument("--seq", type=int, default=None, help="default 128")
+    p.add_argument("--padding", type=float, default=None, help="fraction of positions that are padding (default 0.54)")
+    p.add_argument("--label-density", type=float, default=None,
+                   help="fraction of positions with a label (MLM; default 0.07)")
+    p.add_argument("--padding-side", choices=("right", "left"), default=None)
     p.add_argument("--labels-at-end", type=float, default=None,
                    help="causal LM: only the last FRACTION of each sequence carries labels")
     p.add_argument("--steps", type=int, default=steps, help="timed steps per mode")
@@ -28,21 +34,32 @@ def _bench_args(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--device", default="cpu",
                    help="torch device every mode trains on (cuda, cuda:1, ...); default cpu. The test suite "
                         "takes its device from FXTRAIN_TEST_DEVICE instead")
+    p.add_argument("--flop-ideal", action="store_true",
+                   help="also cost eager's and fxtrain's step FLOPs with the profiler and print their ratio")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--no-progress", action="store_true")
 
 
+_SETTINGS = ("model", "batch", "seq", "padding", "label_density", "padding_side", "labels_at_end")
+
+
 def _config(args: argparse.Namespace, modes: List[str]):
-    from .bench import BenchConfig
-    return BenchConfig(model=args.model, batch=args.batch, seq=args.seq, padding=args.padding,
-                       label_density=args.label_density, padding_side=args.padding_side,
-                       labels_at_end=args.labels_at_end, steps=args.steps, warmup=args.warmup,
-                       modes=tuple(modes), seed=args.seed, device=args.device)
+    from .bench import WORKLOADS, BenchConfig
+    settings = dict(WORKLOADS[args.workload].settings) if args.workload else {}
+    settings.update({k: getattr(args, k) for k in _SETTINGS if getattr(args, k) is not None})
+    return BenchConfig(**settings, steps=args.steps, warmup=args.warmup, modes=tuple(modes), seed=args.seed,
+                       device=args.device)
 
 
 def _run_and_print(args: argparse.Namespace, modes: List[str]) -> int:
-    from .bench import run_benchmark, write_json
-    result = run_benchmark(_config(args, modes), progress=not args.no_progress)
+    from .bench import flop_ideal_ratio, run_benchmark, workload_table, write_json
+    if args.list_workloads:
+        print(workload_table())
+        return 0
+    config = _config(args, modes)
+    result = run_benchmark(config, progress=not args.no_progress)
+    if args.flop_ideal:
+        result.flop_ideal = flop_ideal_ratio(config)
     print(result.table())
     if args.json:
         write_json(result, args.json)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from fxtrain import cli
+from fxtrain import bench, cli
 from fxtrain.options import Options
 from utils import DEVICE
 
@@ -15,9 +15,16 @@ TINY = ["--model", "bert-tiny", "--batch", "4", "--seq", "16", "--steps", "2", "
 
 
 def test_bench_json_has_every_mode_with_parity(tmp_path, capsys):
+    """A named workload's settings, overridden by explicit flags (model and sizes here), and the
+    FLOP-ideal ratio, costed by the profiler on the first batch."""
     out = tmp_path / "bench.json"
-    assert cli.main(["bench", *TINY, "--modes", "eager,fxtrain,fxtrain:eager", "--json", str(out)]) == 0
+    assert cli.main(["bench", "--workload", "distilbert-mlm", *TINY, "--modes", "eager,fxtrain,fxtrain:eager",
+                     "--flop-ideal", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
+    assert (data["config"]["model"], data["config"]["batch"], data["config"]["padding"],
+            data["config"]["label_density"]) == ("bert-tiny", 4, 0.5, 0.15)
+    # Half the tokens are padding and 15% carry labels: fxtrain's step costs well under eager's.
+    assert 1.3 < data["flop_ideal"] < 20, data["flop_ideal"]
     assert set(data["modes"]) == {"eager", "fxtrain", "fxtrain:eager"}
     for name, m in data["modes"].items():
         assert len(m["step_s"]) == 2 and all(t > 0 for t in m["step_s"]) and m["first_step_s"] > 0
@@ -25,7 +32,10 @@ def test_bench_json_has_every_mode_with_parity(tmp_path, capsys):
         assert m["max_loss_diff_vs_eager"] < 1e-4, name
     assert 0.4 < data["densities"]["padding"] < 0.7
     printed = capsys.readouterr().out
-    assert "vs eager" in printed and "fxtrain:eager" in printed
+    assert "vs eager" in printed and "fxtrain:eager" in printed and "FLOP-ideal" in printed
+    assert cli.main(["bench", "--list-workloads"]) == 0
+    listed = capsys.readouterr().out
+    assert all(name in listed for name in bench.WORKLOADS)
 
 
 def test_demo_prints_side_by_side_table(capsys):
