@@ -44,7 +44,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument("--padding", type=float, default=0.0)
     ap.add_argument("--label-density", type=float, default=0.15)
-    ap.add_argument("--balance", choices=("flops", "sparse_flops", "params"), default="flops",
+    ap.add_argument("--balance", choices=("flops", "sparse_flops", "time", "params"), default="flops",
                     help="what the automatic plan balances (sparse_flops: FLOPs after label sparsity)")
     ap.add_argument("--split-at", metavar="MODULE", help="2 stages cut before this module instead of "
                     "balancing FLOPs (e.g. bert.encoder.layer.3)")

@@ -20,6 +20,19 @@ import torch
 aten = torch.ops.aten
 Formula = Callable[..., int]
 
+#: FLOPs one core does in the time it moves one byte through memory. The FLOP count above says
+#: nothing about ops whose cost is memory traffic (a dense embedding gradient, the accumulation of
+#: a large weight's gradient every microbatch), so a cost that has to predict time adds the bytes
+#: an op moves at this rate. Measured on the 2-core AMD EPYC machine of DESIGN section 7 under a
+#: training step: linear layers of a small BERT run at 50-70 GFLOP/s on one thread, while zeroing
+#: and accumulating a fresh 31 MB gradient moves 5-7 GB/s (first-touch allocations), about 10.
+FLOPS_PER_BYTE = 7.0
+
+
+def flop_equivalent(flops: float, moved_bytes: float, flops_per_byte: float = FLOPS_PER_BYTE) -> float:
+    """Arithmetic plus memory traffic in one unit (FLOPs), so stages can be compared by time."""
+    return float(flops) + flops_per_byte * float(moved_bytes)
+
 
 def _shape(t: Any) -> Sequence[int]:
     return tuple(int(s) for s in t.shape)
