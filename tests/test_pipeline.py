@@ -543,6 +543,32 @@ def test_sparse_flops_count_the_lm_head_on_labelled_rows():
     assert "balanced on sparse_flops" in pipe.describe()
 
 
+def test_time_cost_prices_the_embedding_gradient_and_views():
+    """FLOPs price an embedding at zero, but its backward writes a table-sized gradient and
+    accumulates it every microbatch: balance="time" adds the bytes each node moves."""
+    from fxtrain.pipeline.costs import node_sparse_flops, node_time, traffic_of
+    from fxtrain.profile.flops import FLOPS_PER_BYTE
+    model = toy_model()
+    pipe = fxtrain.split(model, example_kwargs=toy_batch(), num_stages=2, balance="time")
+    gm = pipe.plan.captured.gm
+    nodes = list(gm.graph.nodes)
+    flops, time_cost = node_sparse_flops(gm), node_time(gm)
+    embedding = nodes.index(next(n for n in nodes if n.target is F.embedding))
+    table = model.embed.weight.numel() * 4
+    ids, rows = 8 * 5 * 8, 8 * 5 * 16 * 4       # int64 ids, float32 looked-up rows
+    # forward: ids and rows read, rows written; backward: the rows' gradient read, a dense table
+    # written and accumulated into .grad (read both, write one)
+    assert traffic_of(nodes[embedding]) == (ids + 3 * rows, 4 * table)
+    assert flops[embedding] == 0 and time_cost[embedding] == FLOPS_PER_BYTE * (ids + 3 * rows + 4 * table)
+    tanh = next(n for n in nodes if n.target is torch.tanh)
+    assert traffic_of(tanh) == (3 * 2 * rows, 0)   # in and out, forward and twice that backward
+    views = [n for n in nodes if n.op == "call_method" and n.target == "flatten"]
+    assert views and all(traffic_of(n) == (0, 0) for n in views)
+    assert all(t >= f for t, f in zip(time_cost, flops))
+    assert sum(s.cost for s in pipe.plan.stages) == pytest.approx(sum(time_cost))
+    assert "balanced on time" in pipe.describe()
+
+
 class Marked(nn.Module):
     def __init__(self):
         super().__init__()

@@ -2,7 +2,9 @@
 
 A cost function maps a captured dynamo graph to one number per node (in ``gm.graph.nodes`` order);
 the partitioner only sums them. ``node_flops`` counts training FLOPs (forward plus backward) of the
-heavy ops from the fake-tensor shapes dynamo recorded on each node; ``node_params`` counts parameter
+heavy ops from the fake-tensor shapes dynamo recorded on each node; ``node_time`` adds the bytes
+each node moves (``traffic_of``) at the profiler's FLOPs-per-byte rate (``profile.flops``), since
+FLOPs alone price an embedding's dense gradient at zero; ``node_params`` counts parameter
 elements where a parameter is first used. The profiler (DESIGN §5) can replace ``node_flops``
 with its own per-node numbers by passing any ``CostFn``.
 
