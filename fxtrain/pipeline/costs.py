@@ -295,7 +295,10 @@ def traffic_of(node: torch.fx.Node) -> Tuple[int, int]:
     written = sum(o.numel() * o.element_size() for o in outs)
     grad = any(o.requires_grad for o in outs)
     if node.op == "call_function" and node.target in _EMBEDDINGS:
-        weight, indices = _example(_arg(node, 1, "weight")), _example(_arg(node, 0, "input"))
+        if node.target is torch.embedding:      # aten order: (weight, indices)
+            weight, indices = _example(_arg(node, 0, "weight")), _example(_arg(node, 1, "indices"))
+        else:
+            weight, indices = _example(_arg(node, 1, "weight")), _example(_arg(node, 0, "input"))
         if weight is None or indices is None:
             return 0, 0
         activations = indices.numel() * indices.element_size() + 2 * written
