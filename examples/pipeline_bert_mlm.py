@@ -27,8 +27,16 @@ import torch.distributed as dist
 
 import fxtrain
 from fxtrain import models
+from fxtrain.pipeline.costs import COST_FUNCTIONS
 from fxtrain.pipeline.schedules import SCHEDULE_INFO
 from fxtrain.pipeline.timeline import action_times, idle_breakdown, measured, plot, simulate
+
+
+def stage_costs(plan, cost_fn) -> list:
+    """A plan's stages priced by ``cost_fn``, per microbatch (the runner's plan is captured at microbatch shape)."""
+    gm = plan.captured.gm
+    per_node = dict(zip(gm.graph.nodes, cost_fn(gm)))
+    return [sum(per_node[n] for n in st.nodes + st.replicated) for st in plan.stages]
 
 
 def main() -> None:
@@ -44,8 +52,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument("--padding", type=float, default=0.0)
     ap.add_argument("--label-density", type=float, default=0.15)
-    ap.add_argument("--balance", choices=("flops", "sparse_flops", "params"), default="flops",
-                    help="what the automatic plan balances (sparse_flops: FLOPs after label sparsity)")
+    ap.add_argument("--balance", choices=("flops", "sparse_flops", "time", "params"), default="flops",
+                    help="what the automatic plan balances (sparse_flops: FLOPs after label sparsity; "
+                         "time: those FLOPs plus the bytes each op moves)")
     ap.add_argument("--split-at", metavar="MODULE", help="2 stages cut before this module instead of "
                     "balancing FLOPs (e.g. bert.encoder.layer.3)")
     ap.add_argument("--plot", metavar="PNG", help="draw the last step's measured timeline here")
@@ -114,6 +123,14 @@ def main() -> None:
               f"all-reduce, median {statistics.median(reduces) * 1e3:.0f} ms) {parts['after']:.1%}", flush=True)
         print("per stage F/B/W (ms): " + ", ".join(f"{f * 1e3:.0f}/{b * 1e3:.0f}/{w * 1e3:.0f}"
                                                    for f, b, w in zip(fwd, bwd, wgt)), flush=True)
+        # How well each cost predicts the measured stage times: measured ms per unit of cost, per
+        # stage (equal numbers across stages = a cost the balancer can trust).
+        measured_ms = [(f + b) * 1e3 for f, b in zip(fwd, bwd)]
+        for name in ("sparse_flops", "time"):
+            per_stage = stage_costs(runner.plan, COST_FUNCTIONS[name])
+            print(f"measured ms per G{'FLOP' if name != 'time' else 'FLOP-equivalent'} of {name}, per stage: "
+                  + ", ".join(f"{t / (c / 1e9):.1f}" if c else "-" for t, c in zip(measured_ms, per_stage)),
+                  flush=True)
         if args.schedule == "zb1p":
             comm = parts["transfer"] + parts["after"]
             print(f"zb1p check: waiting on peers {parts['schedule']:.1%} "

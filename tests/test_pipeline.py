@@ -28,6 +28,7 @@ from torch import nn
 import fxtrain
 from fxtrain.pipeline import min_max_partition, node_flops
 from fxtrain.pipeline.partition import stage_costs
+from utils import ToyLM, lm_loss, logits_model, toy_batch, toy_model
 
 M = 4            # microbatches
 BATCH = 8
@@ -39,71 +40,6 @@ pytestmark = pytest.mark.cpu_only("gloo process groups of CPU processes (the pip
 
 
 # ------------------------------------------------------------------------------------- test models
-class RoundSTE(torch.autograd.Function):
-    """Straight-through rounding: the true derivative of round() is 0; the user's backward says 1."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return torch.round(x * 4) / 4
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-
-
-class NumpyGate(torch.autograd.Function):
-    """Leaves torch in forward (numpy) and has a hand-written backward no tracer could derive."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_backward(x, w)
-        y = np.tanh(x.detach().cpu().numpy()) * w.detach().cpu().numpy()
-        return torch.from_numpy(y).to(x.dtype)
-
-    @staticmethod
-    def infer_shape(x, w):  # its forward cannot run on fake tensors: shapes for the graph
-        return torch.empty_like(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, w = ctx.saved_tensors
-        t = torch.tanh(x)
-        return grad * (1 - t * t) * w, (grad * t).sum(0).sum(0)
-
-
-class ToyLM(nn.Module):
-    """Embedding tied to the LM head, custom Functions in early and late layers, keyword inputs."""
-
-    def __init__(self, vocab: int = 40, dim: int = 16, layers: int = 6) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
-        self.gate = nn.Parameter(torch.linspace(0.5, 1.5, dim))
-        self.head_bias = nn.Parameter(torch.zeros(vocab))
-
-    def forward(self, input_ids, labels=None, *, temperature=1.0):
-        h = self.embed(input_ids)
-        for i, layer in enumerate(self.layers):
-            h = torch.tanh(layer(h)) + h
-            if i == 0:
-                h = RoundSTE.apply(h)
-            if i == len(self.layers) - 2:
-                h = NumpyGate.apply(h, self.gate)
-        logits = F.linear(h, self.embed.weight, self.head_bias) / temperature
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
-
-
-def toy_model() -> nn.Module:
-    torch.manual_seed(0)
-    return ToyLM()
-
-
-def toy_batch(batch: int = BATCH) -> Dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return {"input_ids": torch.randint(0, 40, (batch, 5), generator=g),
-            "labels": torch.randint(0, 40, (batch, 5), generator=g)}
-
-
 def bert_model() -> nn.Module:
     from fxtrain import models
     return models.build("bert-tiny")
@@ -124,27 +60,6 @@ def gpt2_batch(batch: int = BATCH) -> Dict[str, torch.Tensor]:
     from fxtrain import models
     b = models.preset_batch("gpt2-tiny", batch, 16, padding=0.0)
     return {"input_ids": b["input_ids"], "labels": b["labels"]}
-
-
-class ToyLogits(ToyLM):
-    """The same model returning logits: the loss comes from build(loss_fn=...) and step(target=...)."""
-
-    def forward(self, input_ids, *, temperature=1.0):
-        h = self.embed(input_ids)
-        for i, layer in enumerate(self.layers):
-            h = torch.tanh(layer(h)) + h
-            if i == 0:
-                h = RoundSTE.apply(h)
-        return F.linear(h, self.embed.weight, self.head_bias) / temperature
-
-
-def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
-
-
-def logits_model() -> nn.Module:
-    torch.manual_seed(0)
-    return ToyLogits()
 
 
 MODELS: Dict[str, Tuple[Callable[[], nn.Module], Callable[..., Dict[str, torch.Tensor]]]] = {
@@ -626,6 +541,32 @@ def test_sparse_flops_count_the_lm_head_on_labelled_rows():
     # With the head cheaper, the last stage takes more of the encoder than under dense FLOPs.
     assert pipe.plan.cuts[0] < pipe.replan(num_stages=2).plan.cuts[0]
     assert "balanced on sparse_flops" in pipe.describe()
+
+
+def test_time_cost_prices_the_embedding_gradient_and_views():
+    """FLOPs price an embedding at zero, but its backward writes a table-sized gradient and
+    accumulates it every microbatch: balance="time" adds the bytes each node moves."""
+    from fxtrain.pipeline.costs import node_sparse_flops, node_time, traffic_of
+    from fxtrain.profile.flops import FLOPS_PER_BYTE
+    model = toy_model()
+    pipe = fxtrain.split(model, example_kwargs=toy_batch(), num_stages=2, balance="time")
+    gm = pipe.plan.captured.gm
+    nodes = list(gm.graph.nodes)
+    flops, time_cost = node_sparse_flops(gm), node_time(gm)
+    embedding = nodes.index(next(n for n in nodes if n.target is F.embedding))
+    table = model.embed.weight.numel() * 4
+    ids, rows = 8 * 5 * 8, 8 * 5 * 16 * 4       # int64 ids, float32 looked-up rows
+    # forward: ids and rows read, rows written; backward: the rows' gradient read, a dense table
+    # written and accumulated into .grad (read both, write one)
+    assert traffic_of(nodes[embedding]) == (ids + 3 * rows, 4 * table)
+    assert flops[embedding] == 0 and time_cost[embedding] == FLOPS_PER_BYTE * (ids + 3 * rows + 4 * table)
+    tanh = next(n for n in nodes if n.target is torch.tanh)
+    assert traffic_of(tanh) == (3 * 2 * rows, 0)   # in and out, forward and twice that backward
+    views = [n for n in nodes if n.op == "call_method" and n.target == "flatten"]
+    assert views and all(traffic_of(n) == (0, 0) for n in views)
+    assert all(t >= f for t, f in zip(time_cost, flops))
+    assert sum(s.cost for s in pipe.plan.stages) == pytest.approx(sum(time_cost))
+    assert "balanced on time" in pipe.describe()
 
 
 class Marked(nn.Module):

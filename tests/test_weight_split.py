@@ -10,69 +10,33 @@ from __future__ import annotations
 
 import operator
 
-import numpy as np
 import pytest
 import torch
 import torch.fx
 import torch.nn.functional as F
-from torch import nn
 
 import fxtrain
 from fxtrain.runtime.absent_grads import AbsentGradBackward
 from fxtrain.runtime.weight_split import NotSplittable, defer_weight_gradients, split_backward
+from utils import CALLS, NumpyGate, RoundSTE, ToyLM
 
 pytestmark = pytest.mark.cpu_only("numpy custom Function; the split is device-independent graph surgery")
 
-CALLS = {"ste": 0, "gate": 0}
 
+class Stage(ToyLM):
+    """The toy LM cut as a middle-and-last stage: an activation input that takes a gradient, the
+    two custom Functions, the tied head, and the second layer read twice."""
 
-class CountedSTE(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return torch.round(x * 4) / 4
-
-    @staticmethod
-    def backward(ctx, grad):
-        CALLS["ste"] += 1
-        return grad
-
-
-class NumpyGate(torch.autograd.Function):
-    """Input and weight gradient from one user backward, computed outside torch's view."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_backward(x, w)
-        return torch.from_numpy(np.tanh(x.detach().numpy()) * w.detach().numpy()).to(x.dtype)
-
-    @staticmethod
-    def infer_shape(x, w):
-        return torch.empty_like(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        CALLS["gate"] += 1
-        x, w = ctx.saved_tensors
-        t = torch.tanh(x)
-        return grad * (1 - t * t) * w, (grad * t).sum(0).sum(0)
-
-
-class Stage(nn.Module):
     def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(40, 16)
-        self.l1 = nn.Linear(16, 16)
-        self.l2 = nn.Linear(16, 16)
-        self.gate = nn.Parameter(torch.linspace(0.5, 1.5, 16))
-        self.head_bias = nn.Parameter(torch.zeros(40))
+        super().__init__(layers=2)
 
     def forward(self, h, ids, labels):
+        l1, l2 = self.layers
         h = h + self.embed(ids)
-        h = CountedSTE.apply(torch.tanh(self.l1(h))) + h
+        h = RoundSTE.apply(torch.tanh(l1(h))) + h
         h = NumpyGate.apply(h, self.gate)
-        h = torch.tanh(self.l2(h)) + self.l2(h * 0.5)       # l2 read twice
-        logits = F.linear(h, self.embed.weight, self.head_bias)   # tied to the embedding
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        h = torch.tanh(l2(h)) + l2(h * 0.5)       # l2 read twice
+        return F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
 
 
 def _batch(seed):
@@ -105,8 +69,8 @@ def test_b_then_w_is_the_whole_backward_bitwise():
     # gradient, as for any custom Function (here the graph's) returning None for an input: a
     # tensor hook gets None, a post-accumulate-grad hook finds .grad unchanged.
     seen = []
-    model.l1.weight.register_hook(lambda g: seen.append("hook" if g is not None else "None") or None)
-    model.l1.weight.register_post_accumulate_grad_hook(lambda p: seen.append("post"))
+    model.layers[0].weight.register_hook(lambda g: seen.append("hook" if g is not None else "None") or None)
+    model.layers[0].weight.register_post_accumulate_grad_hook(lambda p: seen.append("post"))
     CALLS.update(ste=0, gate=0)
     pending, split_inputs = [], []
     for h, ids, labels in batches:

@@ -7,8 +7,11 @@ import copy
 import os
 from typing import Any, Callable, Dict, Iterable, Iterator, Tuple
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 import torch.utils._pytree as pytree
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxtrain
@@ -185,3 +188,103 @@ def _custom_op_function(func: Any) -> Any:
 def count_syncs() -> Iterator[SyncCounter]:
     with SyncCounter() as counter:
         yield counter
+
+
+# ---------------------------------------------------------------- the toy LM of the pipeline tests
+# Custom autograd Functions and an embedding tied to the LM head: the patterns a pipeline and the
+# zero-bubble B/W split get wrong when they trace through a Function or count a tied parameter
+# once per use. tests/test_pipeline.py trains it in stages; tests/test_weight_split.py cuts its
+# backward. Every user backward counts its calls, so a test can check it ran once per microbatch.
+CALLS = {"ste": 0, "gate": 0}
+
+
+class RoundSTE(torch.autograd.Function):
+    """Straight-through rounding: the true derivative of round() is 0; the user's backward says 1."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx, grad):
+        CALLS["ste"] += 1
+        return grad
+
+
+class NumpyGate(torch.autograd.Function):
+    """Leaves torch in forward (numpy) and has a hand-written backward no tracer could derive; it
+    returns the input's and the weight's gradient from one call."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        y = np.tanh(x.detach().cpu().numpy()) * w.detach().cpu().numpy()
+        return torch.from_numpy(y).to(x.dtype)
+
+    @staticmethod
+    def infer_shape(x, w):  # its forward cannot run on fake tensors: shapes for the graph
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        CALLS["gate"] += 1
+        x, w = ctx.saved_tensors
+        t = torch.tanh(x)
+        return grad * (1 - t * t) * w, (grad * t).sum(0).sum(0)
+
+
+class ToyLM(nn.Module):
+    """Embedding tied to the LM head, custom Functions in early and late layers, keyword inputs."""
+
+    def __init__(self, vocab: int = 40, dim: int = 16, layers: int = 6) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
+        self.gate = nn.Parameter(torch.linspace(0.5, 1.5, dim))
+        self.head_bias = nn.Parameter(torch.zeros(vocab))
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.embed.weight, self.head_bias)      # tied to the embedding
+
+    def forward(self, input_ids, labels=None, *, temperature=1.0):
+        h = self.embed(input_ids)
+        for i, layer in enumerate(self.layers):
+            h = torch.tanh(layer(h)) + h
+            if i == 0:
+                h = RoundSTE.apply(h)
+            if i == len(self.layers) - 2:
+                h = NumpyGate.apply(h, self.gate)
+        logits = self.head(h) / temperature
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+class ToyLogits(ToyLM):
+    """The same model returning logits: the loss comes from build(loss_fn=...) and step(target=...)."""
+
+    def forward(self, input_ids, *, temperature=1.0):
+        h = self.embed(input_ids)
+        for i, layer in enumerate(self.layers):
+            h = torch.tanh(layer(h)) + h
+            if i == 0:
+                h = RoundSTE.apply(h)
+        return self.head(h) / temperature
+
+
+def toy_model() -> nn.Module:
+    torch.manual_seed(0)
+    return ToyLM()
+
+
+def toy_batch(batch: int = 8) -> Dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return {"input_ids": torch.randint(0, 40, (batch, 5), generator=g),
+            "labels": torch.randint(0, 40, (batch, 5), generator=g)}
+
+
+def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def logits_model() -> nn.Module:
+    torch.manual_seed(0)
+    return ToyLogits()

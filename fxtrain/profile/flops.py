@@ -20,6 +20,21 @@ import torch
 aten = torch.ops.aten
 Formula = Callable[..., int]
 
+#: FLOPs one core does in the time it moves one byte through memory. The FLOP count above says
+#: nothing about ops whose cost is memory traffic (a dense embedding gradient, the accumulation of
+#: a large weight's gradient every microbatch), so a cost that has to predict time adds the bytes
+#: an op moves at this rate. On the 2-core AMD EPYC machine of DESIGN section 7 (one thread): a
+#: 256x1024x256 matmul against a streaming add of 32 MB gives 5.5, the linear layers of a small
+#: BERT against a fresh dense 31 MB embedding gradient (first-touch pages) up to 18; 7 is what the
+#: measured stage times of BERT-MLM's 4-stage pipeline fit (docs/pipeline.md). Only ratios of
+#: costs matter to the splitter.
+FLOPS_PER_BYTE = 7.0
+
+
+def flop_equivalent(flops: float, moved_bytes: float, flops_per_byte: float = FLOPS_PER_BYTE) -> float:
+    """Arithmetic plus memory traffic in one unit (FLOPs), so stages can be compared by time."""
+    return float(flops) + flops_per_byte * float(moved_bytes)
+
 
 def _shape(t: Any) -> Sequence[int]:
     return tuple(int(s) for s in t.shape)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -244,23 +244,8 @@ class ProfileReport:
         def smallest(batch: int) -> int:
             return state.cost(state.steps(), sizes(batch)).peak_bytes
 
-        base = self.batch or capture_batch
-        points = [(base, smallest(base)), (2 * base, smallest(2 * base))]
-        best, slope, intercept = 0, 0.0, 0.0
-        for _ in range(runs):
-            (xa, ya), (xb, yb) = points[-2], points[-1]
-            slope = (yb - ya) / (xb - xa) if xb != xa else slope
-            if slope <= 0:
-                raise RuntimeError("peak memory does not grow with the batch; no batch limit to find")
-            intercept = ya - slope * xa
-            guess = int(math.floor((budget_bytes - intercept) / slope))
-            if guess < 1 or any(guess == x for x, _ in points):
-                break
-            points.append((guess, smallest(guess)))
-            if points[-1][1] <= budget_bytes and intercept + slope * (guess + 1) > budget_bytes:
-                break
-        fitting = [x for x, y in points if y <= budget_bytes]
-        best = max(fitting) if fitting else 0
+        points, intercept, slope = _secant_search(smallest, budget_bytes, self.batch or capture_batch, runs)
+        best = max((x for x, y in points if y <= budget_bytes), default=0)
         plan = None
         while best >= 1:
             plan, _ = state.plan(int(budget_bytes), sizes(best))
@@ -297,29 +282,40 @@ class ProfileReport:
         """
         if self.batch is None:
             raise RuntimeError("no batch axis found among the inputs")
-        points = [(self.batch, self.peak_memory_bytes)]
-        b1 = 2 * self.batch
-        points.append((b1, self.at_batch(b1).peak_memory_bytes))
-        best, best_peak = (self.batch, self.peak_memory_bytes) if self.peak_memory_bytes <= budget_bytes else (0, None)
-        slope = intercept = 0.0
-        for _ in range(runs):
-            (xa, ya), (xb, yb) = points[-2], points[-1]
-            slope = (yb - ya) / (xb - xa) if xb != xa else slope
-            if slope <= 0:
-                raise RuntimeError("peak memory does not grow with the batch; no batch limit to find")
-            intercept = ya - slope * xa
-            guess = int(math.floor((budget_bytes - intercept) / slope))
-            if guess < 1 or any(guess == x for x, _ in points[1:]):
-                break
-            peak = self.at_batch(guess).peak_memory_bytes
-            points.append((guess, peak))
-            if peak <= budget_bytes and guess > best:
-                best, best_peak = guess, peak
-            if peak <= budget_bytes and intercept + slope * (guess + 1) > budget_bytes:
-                break
+        known = {self.batch: self.peak_memory_bytes}
+        points, intercept, slope = _secant_search(
+            lambda b: known[b] if b in known else self.at_batch(b).peak_memory_bytes, budget_bytes, self.batch, runs)
+        best, best_peak = max(((x, y) for x, y in points if y <= budget_bytes), default=(0, None))
         self.fit = BatchFit(points=points, intercept=intercept, slope=slope, budget_bytes=int(budget_bytes),
                             batch=best, checked_peak_bytes=best_peak)
         return best
+
+
+def _secant_search(peak_at: Callable[[int], int], budget_bytes: float, base: int,
+                   runs: int) -> Tuple[List[Tuple[int, int]], float, float]:
+    """Probe batch sizes until the largest one whose peak fits ``budget_bytes`` is pinned down.
+
+    Each probe is a fake step (about a second), so the search must take few: peak memory is close
+    to linear in the batch, so a line through the base batch and twice it predicts the answer, and
+    the line is redrawn through the two newest probes until a probe fits and the next batch would
+    not (attention and rounded data-dependent sizes bend the line a little). Returns the probes
+    ``(batch, peak)`` in order and the last line's intercept and slope.
+    """
+    points = [(base, peak_at(base)), (2 * base, peak_at(2 * base))]
+    slope = intercept = 0.0
+    for _ in range(runs):
+        (xa, ya), (xb, yb) = points[-2], points[-1]
+        slope = (yb - ya) / (xb - xa) if xb != xa else slope
+        if slope <= 0:
+            raise RuntimeError("peak memory does not grow with the batch; no batch limit to find")
+        intercept = ya - slope * xa
+        guess = int(math.floor((budget_bytes - intercept) / slope))
+        if guess < 1 or any(guess == x for x, _ in points):
+            break
+        points.append((guess, peak_at(guess)))
+        if points[-1][1] <= budget_bytes and intercept + slope * (guess + 1) > budget_bytes:
+            break
+    return points, intercept, slope
 
 
 def _own_params(model: torch.nn.Module) -> Dict[str, int]:
