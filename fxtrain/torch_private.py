@@ -86,12 +86,37 @@ def min_cut_partition(joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], 
     return partition(joint, joint_inputs, **kwargs)
 
 
-def inductor_partition(joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
+def inductor_partition(joint: torch.fx.GraphModule, joint_inputs: Sequence[Any],
+                       before_cut: Optional[Callable[[torch.fx.GraphModule], None]] = None, **kwargs: Any) -> Any:
     """The partition torch.compile makes for inductor (``compile_fx.partition_fn``): inductor's
     joint-graph passes (no-op and pointless-view removal, pattern rewrites) then the min-cut
-    partitioner, so fxtrain's inductor executor compiles the graphs torch.compile would."""
+    partitioner, so fxtrain's inductor executor compiles the graphs torch.compile would.
+    ``before_cut`` sees the joint graph as the cut does, after those passes (which rewrite it)."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.compile_fx import partition_fn
-    return partition_fn(joint, joint_inputs, **kwargs)
+
+    def cut(gm: torch.fx.GraphModule, inputs: Sequence[Any], **kw: Any) -> Any:
+        if before_cut is not None:
+            # The min-cut partitioner first drops dead code and merges duplicate ops (CSE), and
+            # names its saved values in that graph: do the same here so ``before_cut`` sees it
+            # (both are idempotent, so the partitioner's own run changes nothing more).
+            from torch._functorch import config as functorch_config
+            from torch._functorch.compile_utils import fx_graph_cse
+            gm.graph.eliminate_dead_code()
+            if functorch_config.cse:
+                gm.graph = fx_graph_cse(gm.graph)
+            gm.recompile()
+            before_cut(gm)
+        return min_cut_rematerialization_partition(gm, inputs, **kw)
+    # Inductor's joint-graph passes read the fake mode from its virtualized context (random ops
+    # become its seed ops there), which torch.compile sets around the whole AOTAutograd call.
+    from torch._guards import detect_fake_mode
+    from torch._inductor.virtualized import V
+    fake_mode = detect_fake_mode(joint_inputs)
+    if fake_mode is None:
+        return partition_fn(joint, joint_inputs, partitioner_fn_override=cut, **kwargs)
+    with V.set_fake_mode(fake_mode):
+        return partition_fn(joint, joint_inputs, partitioner_fn_override=cut, **kwargs)
 
 
 def partition_saving(joint: torch.fx.GraphModule, saved: Sequence[torch.fx.Node],

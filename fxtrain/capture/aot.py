@@ -49,10 +49,12 @@ def split(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], executor: Exe
     result = Split()
 
     def partition(joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
-        if keep_joint:   # before the partitioner, which may rewrite the joint graph in place
-            result.joint = torch.fx.GraphModule(joint, copy.deepcopy(joint.graph))
+        def keep(cut: torch.fx.GraphModule) -> None:
+            # The graph the cut sees (inductor rewrites the joint graph first), copied before the
+            # cut, which may rewrite it in place: the forward's saved nodes are nodes of this copy.
+            result.joint = torch.fx.GraphModule(cut, copy.deepcopy(cut.graph))
             result.partition_kwargs = dict(kwargs)
-        fw, bw = executor.partition(joint, joint_inputs, **kwargs)
+        fw, bw = executor.partition(joint, joint_inputs, before_cut=keep if keep_joint else None, **kwargs)
         result.backward_reports.extend(run_backward_passes(bw, executor))
         result.backward_graph = bw
         # Each graph compiled with its own placeholders' values: the whole backward, its

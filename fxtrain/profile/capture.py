@@ -111,10 +111,12 @@ class MarkedExecutor(EagerExecutor):
         below the smallest achievable peak does (the profiler itself captures under "raise")."""
         self.base = base if base is not None else EagerExecutor()
         self.name = f"{self.base.name} (profiler)"
+        self.skips_backward_passes = self.base.skips_backward_passes   # the base's graphs, pass for pass
         self.budget_fallback = budget_fallback
 
-    def partition(self, joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
-        return self.base.partition(joint, joint_inputs, **kwargs)
+    def partition(self, joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], before_cut: Any = None,
+                  **kwargs: Any) -> Any:
+        return self.base.partition(joint, joint_inputs, before_cut=before_cut, **kwargs)
 
     def decompositions(self) -> Any:
         return self.base.decompositions()

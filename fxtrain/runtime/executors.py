@@ -49,7 +49,12 @@ class Executor:
     # are then decomposed like any other, so the code generator sees and fuses them.
     skips_backward_passes: Dict[str, str] = {}
 
-    def partition(self, joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
+    def partition(self, joint: torch.fx.GraphModule, joint_inputs: Sequence[Any],
+                  before_cut: Optional[Callable[[torch.fx.GraphModule], None]] = None, **kwargs: Any) -> Any:
+        """Split ``joint`` into forward and backward. ``before_cut`` sees the joint graph exactly
+        as the cut does (a memory budget re-cuts that graph: capture/budget.py)."""
+        if before_cut is not None:
+            before_cut(joint)
         return tp.default_partition(joint, joint_inputs, **kwargs)
 
     def decompositions(self) -> Optional[Dict[Any, Callable[..., Any]]]:
@@ -84,9 +89,10 @@ class InductorExecutor(Executor):
     # to save it (GPT-2, vocab 50257: ~4% of a dense step) instead of reusing the logits.
     skips_backward_passes = {"cross_entropy_grad": "inductor fuses the log_softmax and nll_loss gradients itself"}
 
-    def partition(self, joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
+    def partition(self, joint: torch.fx.GraphModule, joint_inputs: Sequence[Any],
+                  before_cut: Optional[Callable[[torch.fx.GraphModule], None]] = None, **kwargs: Any) -> Any:
         # Recomputing cheap ops in the backward pays here: inductor fuses them into kernels it runs anyway.
-        return tp.inductor_partition(joint, joint_inputs, **kwargs)
+        return tp.inductor_partition(joint, joint_inputs, before_cut=before_cut, **kwargs)
 
     def decompositions(self) -> Optional[Dict[Any, Callable[..., Any]]]:
         # Inductor's own table, less the ops fxtrain's backward passes rewrite (they must see them).
