@@ -65,10 +65,14 @@ def _heads_first(x: Tensor, offset: int, count: int, length: int) -> Tensor:
     return block.view(count, length, *x.shape[1:]).transpose(1, 2)
 
 
-def _put(dst: Tensor, src: Tensor, offset: int, count: int, length: int) -> None:
-    """Write ``[count, heads, length, ...]`` ``src`` back into packed rows of ``dst``."""
-    block = dst.narrow(0, offset, count * length)
-    block.view(count, length, *dst.shape[1:]).copy_(src.transpose(1, 2))
+def _packed(pieces: List[Tensor], like: Tensor, width: Optional[int] = None) -> Tensor:
+    """``[count, heads, length, ...]`` pieces (one per run, in order) as packed ``[tokens, heads, ...]``
+    rows. The CPU kernels already lay their results out token-major, so a piece's transpose is a
+    view and the whole is one ``cat`` (none at all for a single run, a dense batch)."""
+    rows = [p.transpose(1, 2).reshape(-1, *p.shape[1:2], *p.shape[3:]) for p in pieces]
+    if not rows:
+        return like.new_empty((0, *like.shape[1:2], *([width] if width is not None else like.shape[2:])))
+    return rows[0] if len(rows) == 1 else torch.cat(rows)
 
 
 def _lse_dtype(q: Tensor) -> torch.dtype:
@@ -81,19 +85,19 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, scale: fl
                      causal: bool) -> Tuple[Tensor, Tensor]:
     """``(out, lse)``: ``out`` like ``q`` (``[tokens, heads, dim]``); ``lse`` ``[tokens, heads]``
     (accumulation type) where a kernel returned it, else empty (the backward then recomputes)."""
-    out = torch.empty_like(q)
     kernels = attention_with_lse(q.device.type)
-    lse = q.new_empty((q.shape[0], q.shape[1]), dtype=_lse_dtype(q)) if kernels else q.new_empty((0,))
-    if q.shape[0] == 0:
-        return out, lse
+    outs: List[Tensor] = []
+    lses: List[Tensor] = []
     for offset, count, length in _runs(lengths, q.shape[0]):
         qs, ks, vs = (_heads_first(x, offset, count, length) for x in (q, k, v))
         if kernels:
             o, l_ = kernels[0](qs, ks, vs, causal, scale)
-            _put(lse, l_, offset, count, length)
+            lses.append(l_.unsqueeze(-1))
         else:
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=scale)
-        _put(out, o, offset, count, length)
+        outs.append(o)
+    out = _packed(outs, q)
+    lse = _packed(lses, q, 1).squeeze(-1).to(_lse_dtype(q)) if kernels else q.new_empty((0,))
     return out, lse
 
 
@@ -109,20 +113,21 @@ def _varlen_attention_fake(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, sca
 def varlen_attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                               lengths: Tensor, scale: float, causal: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients of ``varlen_attention``'s ``out`` for q, k and v, sequence by sequence."""
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     kernels = attention_with_lse(q.device.type) if lse.numel() or q.shape[0] == 0 else None
+    grads: List[List[Tensor]] = [[], [], []]
     for offset, count, length in _runs(lengths, q.shape[0]):
         qs, ks, vs, gs = (_heads_first(x, offset, count, length) for x in (q, k, v, grad))
         if kernels:
             os_ = _heads_first(out, offset, count, length)
-            ls = lse.narrow(0, offset, count * length).view(count, length, -1).transpose(1, 2).contiguous()
-            gq, gk, gv = kernels[1](gs, qs, ks, vs, os_, ls, causal, scale)
+            # [count, heads, length] over token-major memory: the layout the forward kernel made
+            ls = lse.narrow(0, offset, count * length).view(count, length, -1).transpose(1, 2)
+            parts = kernels[1](gs, qs, ks, vs, os_, ls, causal, scale)
         else:
-            gq, gk, gv = _math_backward(gs, qs, ks, vs, scale, causal)
-        for dst, src in ((dq, gq), (dk, gk), (dv, gv)):
-            _put(dst, src, offset, count, length)
-    # Rows of zero-length sequences do not exist; every row belongs to a run, so all are written.
-    return dq, dk, dv
+            parts = _math_backward(gs, qs, ks, vs, scale, causal)
+        for acc, part in zip(grads, parts):
+            acc.append(part)
+    # Every row belongs to a run (zero-length sequences have none), so the pieces cover the rows.
+    return tuple(_packed(g, x) for g, x in zip(grads, (q, k, v)))  # type: ignore[return-value]
 
 
 def _math_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float,
