@@ -4,9 +4,11 @@ A batch padded to its longest sequence is half padding in DESIGN §7, and eager 
 projection, FFN, LayerNorm and residual add on the padding too. Right after the embeddings this pass
 picks the real tokens (``attention_mask != 0``) as rows ``[tokens, hidden]`` and runs every op that
 computes a row from the same row alone (``rows.row_inputs``) on them: Q/K/V and output projections
-included. Only attention needs the ``[batch, seq]`` layout: its inputs are scattered back into zeros
-at the padding positions, and its output is gathered again (``row_ops``: row copies whose backward
-is a row copy too). Rows that a later op selects (the labelled positions of label sparsity, a
+included. Attention runs on them too, sequence by sequence (``varlen.py``: each sequence's real
+tokens are one contiguous block of rows). Only an attention that cannot (attention dropout, a mask
+that is more than padding, q/k/v that are not a plain head split of the rows) still needs the
+``[batch, seq]`` layout: its inputs are scattered back into zeros at the padding positions, and its
+output is gathered again (``row_ops``: row copies whose backward is a row copy too). Rows that a later op selects (the labelled positions of label sparsity, a
 classifier's ``h[:, 0]``) are taken from the real tokens' rows directly, not re-padded first.
 
 Why that is exact for the real tokens: a padding position reaches a real token only as an attention
