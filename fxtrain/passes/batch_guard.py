@@ -33,8 +33,9 @@ _INPLACE_OPERATORS = {getattr(operator, n) for n in ("iadd", "iand", "iconcat", 
 
 class GuardBuilder:
     """Builds the guard graph: same inputs as the captured graph; out, one int64 vector (a 0/1 per
-    condition, a row count per selection, then per ``row_counts`` slot its length and its numbers). One builder per capture: ``store`` keeps it in the
-    capture's ``Plans``, where a later pass finds it (``GuardBuilder.of``) and adds to the same guard."""
+    condition, a row count per selection, then per ``row_counts`` slot its length and its numbers).
+    One builder per capture: ``store`` keeps it in the capture's ``Plans``, where a later pass finds
+    it (``GuardBuilder.of``) and adds to the same guard."""
 
     def __init__(self, gm: torch.fx.GraphModule) -> None:
         self.gm = gm
@@ -193,7 +194,8 @@ def _pure(node: Node) -> bool:
         return True
     if node.op not in ("call_function", "call_method"):
         return False
-    if node.op == "call_function" and (node.target in _INPLACE_OPERATORS or node.target in (HOST_COUNT, HOST_ROW_LENGTHS)):
+    if node.op == "call_function" and (node.target in _INPLACE_OPERATORS
+                                       or node.target in (HOST_COUNT, HOST_ROW_LENGTHS)):
         return False  # HOST_COUNT, HOST_ROW_LENGTHS: the guard itself leaves its numbers; it must not consume them
     if node.op == "call_function" and getattr(node.target, "__module__", None) == "_operator":
         return True  # operator.and_, operator.or_: named like in-place methods, but pure (the i* ones are above)

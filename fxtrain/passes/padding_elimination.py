@@ -8,8 +8,9 @@ included. Attention runs on them too, sequence by sequence (``varlen.py``: each 
 tokens are one contiguous block of rows). Only an attention that cannot (attention dropout, a mask
 that is more than padding, q/k/v that are not a plain head split of the rows) still needs the
 ``[batch, seq]`` layout: its inputs are scattered back into zeros at the padding positions, and its
-output is gathered again (``row_ops``: row copies whose backward is a row copy too). Rows that a later op selects (the labelled positions of label sparsity, a
-classifier's ``h[:, 0]``) are taken from the real tokens' rows directly, not re-padded first.
+output is gathered again (``row_ops``: row copies whose backward is a row copy too). Rows that a
+later op selects (the labelled positions of label sparsity, a classifier's ``h[:, 0]``) are taken
+from the real tokens' rows directly, not re-padded first.
 
 Why that is exact for the real tokens: a padding position reaches a real token only as an attention
 key or value, and the attention mask gives those keys weight 0 (checked on the capturing batch by
