@@ -94,6 +94,9 @@ class Preset:
 
 PRESETS: Dict[str, Preset] = {
     "bert-mlm": Preset(bert_mlm, "mlm", 30522, 0, "BERT-MLM of DESIGN §7: hidden 256, 4 layers, vocab 30522"),
+    "bert-mlm-1024": Preset(lambda: bert_mlm(max_positions=1024), "mlm", 30522, 0,
+                            "long-row BERT-MLM of DESIGN §7: the bert-mlm model with 1024 positions "
+                            "(benched at 4 x 1024, 60% padding, 15% labels)"),
     "bert-base": Preset(lambda: bert_mlm(hidden=768, layers=12, heads=12), "mlm", 30522, 0,
                         "BERT-base dimensions: hidden 768, 12 layers, 12 heads"),
     "bert-tiny": Preset(lambda: bert_mlm(hidden=64, layers=2, heads=2, vocab=1000), "mlm", 1000, 0,

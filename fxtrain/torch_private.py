@@ -385,6 +385,34 @@ NN_SDPA = torch._C._nn.scaled_dot_product_attention
 ASSERT_ASYNC = torch._assert_async
 
 
+# ------------------------------------------------------------------- attention kernels with lse
+def _cpu_flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                       scale: float) -> Any:
+    return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+
+
+def _cpu_flash_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                        lse: torch.Tensor, causal: bool, scale: float) -> Any:
+    return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, causal,
+                                                                     scale=scale)
+
+
+_ATTENTION_WITH_LSE = {"cpu": (_cpu_flash_forward, _cpu_flash_backward)}
+
+
+def attention_with_lse(device_type: str) -> Optional[Any]:
+    """``(forward, backward)`` attention kernels of torch for ``device_type`` that expose the
+    softmax's log-sum-exp, or None (callers then use ``F.scaled_dot_product_attention``).
+
+    ``forward(q, k, v, causal, scale) -> (out, lse)`` on ``[batch, heads, len, dim]``, lse
+    ``[batch, heads, len]`` float32; ``backward(grad, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)``.
+    The CPU flash kernel pair (``aten._scaled_dot_product_flash_attention_for_cpu`` and its
+    ``_backward``: the kernels ``F.scaled_dot_product_attention`` and its autograd use on the CPU),
+    no dropout. The CUDA kernels return the log-sum-exp too, but with RNG state and padding of their
+    own: not wired up until a GPU run can check them."""
+    return _ATTENTION_WITH_LSE.get(device_type)
+
+
 # ------------------------------------------------------------------ fake tensors and dispatch
 # Re-exported as they are (modules ``import torch`` loads): FakeTensor, FakeTensorMode,
 # unset_fake_temporarily, DynamicOutputShapeException (torch._subclasses.fake_tensor);

@@ -55,6 +55,7 @@ def test_alone_on_mlm_matches_eager(name, side):
                  compare_outputs=_same_logits, state_atol=STATE_ATOL)
     _fired(tm)
     assert "matmul" in _why(tm) and tm.capture_info().graphs == 1
+    assert "attention on real tokens, sequence by sequence: 2 of 2" in _why(tm), _why(tm)
 
 
 def test_alone_on_causal_lm_matches_eager():
@@ -72,6 +73,7 @@ def test_alone_on_causal_lm_matches_eager():
     train_parity(tm, ref, _batches(kind, pad, 2), lambda out, _: out.loss, compare_outputs=compare,
                  state_atol=STATE_ATOL)
     _fired(tm)
+    assert "attention on real tokens, sequence by sequence: 2 of 2" in _why(tm), _why(tm)  # causal
 
 
 def test_left_padded_causal_loss_reads_a_padding_position_so_the_pass_stays_off():
@@ -93,6 +95,8 @@ def test_together_with_label_sparsity(name, extra):
     train_parity(tm, ref, batches, lambda out, _: out.loss, compare_outputs=_same_logits, state_atol=STATE_ATOL)
     _fired(tm)
     _fired(tm, "label_sparsity")
+    # The last layer's attention output is read at the labelled rows only: taken from the packed ones.
+    assert "attention on real tokens, sequence by sequence: 2 of 2" in _why(tm), _why(tm)
 
 
 def test_unread_outputs_cost_nothing():

@@ -2,7 +2,8 @@
 
 Counted with ``utils.SyncCounter`` around the forward and backward of a step after warm-up steps:
 a dense model syncs never, a sparse HF BERT-MLM step (padding elimination and label sparsity both
-on) once (the batch guard reads its conditions and the row counts in one transfer), a PythonOp step
+on) once (the batch guard reads its conditions, the row counts and the sequence lengths of the
+per-sequence attention in one transfer), a PythonOp step
 never; in both runtime modes (``Options.backward``: the torch-level graph under PyTorch's autograd,
 the aten graphs replayed). The counter is first shown to see what it must: a read inside a compiled
 graph, one in the model's Python, and the ops of the backward.
@@ -112,6 +113,8 @@ def _bert_batches():
 def _check_sparse_step(tm, ref, batches, counter, loss):
     optimizations = tm.capture_info().optimizations
     assert optimizations["padding_elimination"].startswith("on:"), optimizations["padding_elimination"]
+    # attention per sequence: its lengths come with the guard's one read (issue 15)
+    assert "sequence by sequence: 2 of 2" in optimizations["padding_elimination"], optimizations["padding_elimination"]
     assert optimizations["label_sparsity"].startswith("on:"), optimizations["label_sparsity"]
     assert tm.capture_info().dense_batches == {}  # every batch ran the sparse graph
     assert counter.total == 1, counter.syncs  # the batch guard's one read (conditions and row counts)

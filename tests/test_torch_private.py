@@ -314,3 +314,19 @@ def test_set_custom_op_kernels_is_reachable() -> None:
     """``set_custom_op_kernels`` ran when fxtrain.pythonop.op was imported; its attributes are there."""
     import fxtrain.pythonop.op as op
     assert hasattr(op.python_op, "_lib") and hasattr(op.python_op, "_name")
+
+
+def test_attention_with_lse_kernels_match_sdpa() -> None:
+    """The CPU kernel pair behind varlen attention: forward as F.scaled_dot_product_attention, and
+    the backward from its log-sum-exp as autograd's (issue 15)."""
+    kernels = tp.attention_with_lse("cpu")
+    assert kernels is not None and tp.attention_with_lse("no-such-device") is None
+    q, k, v = (torch.randn(1, 2, 5, 4, requires_grad=True) for _ in range(3))
+    out, lse = kernels[0](q.detach(), k.detach(), v.detach(), True, 0.5)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5)
+    torch.testing.assert_close(out, ref)
+    assert lse.shape == (1, 2, 5)
+    grad = torch.randn_like(ref)
+    for a, b in zip(kernels[1](grad, q.detach(), k.detach(), v.detach(), out, lse, True, 0.5),
+                    torch.autograd.grad(ref, (q, k, v), grad)):
+        torch.testing.assert_close(a, b)

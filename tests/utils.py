@@ -87,9 +87,12 @@ _aten = torch.ops.aten
 # Ops that read a device tensor's value (or a size that depends on values) back to the host.
 _READS = {_aten._local_scalar_dense, _aten.item, _aten.nonzero, _aten.is_nonzero, _aten.equal}
 # Tensor arguments fxtrain's ops take on the CPU whatever the device: the PythonOp handle is made on
-# the CPU (pythonop/op.py ``_new_handle``), so reading it is a host read on a GPU too. On a CPU run,
+# the CPU (pythonop/op.py ``_new_handle``), and so are the sequence lengths of varlen attention
+# (runtime/host_counts.py ``row_lengths``), so reading it is a host read on a GPU too. On a CPU run,
 # where every tensor stands for a device tensor, the counter is told which these are.
-_HOST_ARGUMENTS = {"fxtrain::python_op_backward": ("handle",)}
+_HOST_ARGUMENTS = {"fxtrain::python_op_backward": ("handle",),
+                   # each sequence's length, made on the host from the batch guard's one read
+                   "fxtrain::varlen_attention": ("lengths",), "fxtrain::varlen_attention_backward": ("lengths",)}
 
 
 class SyncCounter(TorchDispatchMode):

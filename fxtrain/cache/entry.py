@@ -72,7 +72,7 @@ def build(record: Any, recipe: Recipe, out: Any, about: Dict[str, Any]) -> Entry
     if step is None or step.forward_graph is None or step.spec is None:
         raise NotReplayable(getattr(step, "not_replayable", "") or "the capture has no aten graphs")
     for gm in (step.forward_graph,):
-        if any(n.op == "call_function" and str(n.target).startswith("fxtrain.") for n in gm.graph.nodes):
+        if any(n.op == "call_function" and str(n.target).startswith("fxtrain.python_op") for n in gm.graph.nodes):
             raise NotReplayable("the graph holds custom autograd Functions (PythonOps), which are not cached yet")
     spec = step.spec
     check_graph_arity(step.forward_graph, None, spec, recipe.sources)

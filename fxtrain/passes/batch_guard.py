@@ -7,7 +7,8 @@ writes each condition into a small graph of its own (a few integer ops over ``[b
 that the runtime evaluates before the step (``runtime/dense_route.py``), and a batch that fails it
 runs through the graph captured before the passes: eager's numbers, never an exception.
 
-The same graph counts the rows each selection of the passes keeps (``counted_index``): conditions
+The same graph counts the rows each selection of the passes keeps (``counted_index``), and the real
+tokens of each sequence where attention runs sequence by sequence (``row_lengths``): conditions
 and counts reach the host in one transfer, the step's only device-to-host synchronisation, and the
 selections in the step are sized by those counts (``runtime/host_counts.py``) instead of syncing
 once per ``nonzero``.
@@ -15,13 +16,13 @@ once per ``nonzero``.
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx
 
 from ..runtime.direct import direct
-from ..runtime.host_counts import HOST_COUNT, new_slot, provide
+from ..runtime.host_counts import HOST_COUNT, HOST_ROW_LENGTHS, new_slot, provide
 from .plans import Plans
 
 Node = torch.fx.Node
@@ -32,8 +33,9 @@ _INPLACE_OPERATORS = {getattr(operator, n) for n in ("iadd", "iand", "iconcat", 
 
 class GuardBuilder:
     """Builds the guard graph: same inputs as the captured graph; out, one int64 vector (a 0/1 per
-    condition, then a row count per selection). One builder per capture: ``store`` keeps it in the
-    capture's ``Plans``, where a later pass finds it (``GuardBuilder.of``) and adds to the same guard."""
+    condition, a row count per selection, then per ``row_counts`` slot its length and its numbers).
+    One builder per capture: ``store`` keeps it in the capture's ``Plans``, where a later pass finds
+    it (``GuardBuilder.of``) and adds to the same guard."""
 
     def __init__(self, gm: torch.fx.GraphModule) -> None:
         self.gm = gm
@@ -45,6 +47,8 @@ class GuardBuilder:
                 self.env[node].meta = dict(node.meta)
         self.conditions: List[Tuple[Node, str]] = []
         self.counts: List[Tuple[Node, int]] = []       # (0-d int64 node of the guard graph, slot)
+        self.vectors: List[Tuple[Node, int]] = []      # (1-d int64 node of the guard graph, slot)
+        self.row_slots: Dict[Node, int] = {}           # row_counts' bool node -> its slot (one per mask)
         self.selections: Dict[Node, Node] = {}         # counted_index's index node -> its bool mask
         self._tail: List[Node] = []                    # what store() added (redone by a later store)
 
@@ -93,33 +97,51 @@ class GuardBuilder:
         self.counts.append((self.graph.call_method("sum", (valid,)), slot))
         return slot
 
+    def row_counts(self, valid: Node) -> int:
+        """Count ``valid`` (a 2-d bool node of the guard graph) along dim 1 for every batch: the slot
+        its per-row numbers are left under before the step. One slot per ``valid``: every attention
+        of a model reads the same lengths."""
+        if valid not in self.row_slots:
+            slot = new_slot()
+            self.vectors.append((self.graph.call_method("sum", (valid, 1)), slot))
+            self.row_slots[valid] = slot
+        return self.row_slots[valid]
+
     def store(self, plans: Plans) -> None:
         """Hand the guard to the runtime through the capture's plans (nothing if it checks and counts
         nothing), and keep this builder there: a later pass of the capture may add to it and store
         again, replacing ``plans.guard`` with one that checks and counts more."""
-        if not self.conditions and not self.counts:
+        if not self.conditions and not self.counts and not self.vectors:
             return
         for node in reversed(self._tail):
             self.graph.erase_node(node)
         nodes = len(self.graph.nodes)
         # One int64 vector, conditions (0/1) then counts: read to the host in one transfer.
         values = [self.graph.call_method("long", (c,)) for c, _ in self.conditions] + [n for n, _ in self.counts]
-        stacked = self.graph.call_function(torch.stack, (values,))
+        pieces = [self.graph.call_function(torch.stack, (values,))] if values else []
+        for vector, _ in self.vectors:  # its length first: the batch size is the batch's own
+            size = self.graph.call_method("size", (vector, 0))
+            pieces += [self.graph.call_method("new_full", (vector, (1,), size)), vector]
+        stacked = pieces[0] if len(pieces) == 1 else self.graph.call_function(torch.cat, (pieces,))
         self.graph.output(stacked)
         self._tail = list(self.graph.nodes)[nodes:]
         check = torch.fx.GraphModule(self.gm, self.graph)
-        plans.guard = BatchGuard(check, [r for _, r in self.conditions], [slot for _, slot in self.counts])
+        plans.guard = BatchGuard(check, [r for _, r in self.conditions], [slot for _, slot in self.counts],
+                                 [slot for _, slot in self.vectors])
         plans.guard_builder = self
 
 
 class BatchGuard:
     """The conditions of one capture, and the row counts its selections need.
 
-    ``check(*graph_inputs)`` is an int64 vector: one 0/1 per reason, then one count per slot.
+    ``check(*graph_inputs)`` is an int64 vector: one 0/1 per reason, one count per slot, then for
+    each of ``vector_slots`` its length ``n`` and ``n`` per-row counts.
     """
 
-    def __init__(self, check: torch.fx.GraphModule, reasons: List[str], slots: List[int]) -> None:
+    def __init__(self, check: torch.fx.GraphModule, reasons: List[str], slots: List[int],
+                 vector_slots: Sequence[int] = ()) -> None:
         self.check, self.reasons, self.slots = check, reasons, slots
+        self.vector_slots = list(vector_slots)
 
     def failed(self, args: Tuple[Any, ...]) -> List[str]:
         """The reasons this batch breaks (empty: the rewritten graph serves it), after leaving the
@@ -131,6 +153,11 @@ class BatchGuard:
         if not failed:  # the rewritten graph runs (the dense one has no selection to size)
             for slot, rows in zip(self.slots, values[n:]):
                 provide(slot, rows)
+            at = n + len(self.slots)
+            for slot in getattr(self, "vector_slots", ()):  # absent from guards pickled before them
+                size = values[at]
+                provide(slot, values[at + 1:at + 1 + size])
+                at += 1 + size
         return failed
 
 
@@ -150,12 +177,27 @@ def counted_index(gm: torch.fx.GraphModule, plans: Plans, valid: Node) -> Node:
     return index
 
 
+def row_lengths(gm: torch.fx.GraphModule, plans: Plans, valid: Node) -> Node:
+    """A node of ``gm`` (at its insertion point) holding ``valid.sum(1)`` on the host, ``valid`` a
+    2-d bool node: each sequence's real tokens, read ahead by the batch guard with its other numbers
+    (no synchronisation of its own). Where the guard cannot compute ``valid``, the op counts on the
+    device itself (one synchronisation)."""
+    builder = GuardBuilder.of(gm, plans)
+    g_valid = builder.node(valid)
+    slot = builder.row_counts(g_valid) if g_valid is not None else new_slot()
+    builder.store(plans)
+    return gm.graph.call_function(HOST_ROW_LENGTHS, (valid, slot))
+
+
 def _pure(node: Node) -> bool:
     if node.op == "placeholder":
         return True
     if node.op not in ("call_function", "call_method"):
         return False
-    if node.op == "call_function" and (node.target in _INPLACE_OPERATORS or node.target is HOST_COUNT):
-        return False  # HOST_COUNT: the guard itself leaves its numbers; it must not consume them
+    if node.op == "call_function" and (node.target in _INPLACE_OPERATORS
+                                       or node.target in (HOST_COUNT, HOST_ROW_LENGTHS)):
+        return False  # HOST_COUNT, HOST_ROW_LENGTHS: the guard itself leaves its numbers; it must not consume them
+    if node.op == "call_function" and getattr(node.target, "__module__", None) == "_operator":
+        return True  # operator.and_, operator.or_: named like in-place methods, but pure (the i* ones are above)
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
     return not (name.endswith("_") and not name.endswith("__"))

@@ -4,10 +4,13 @@ A batch padded to its longest sequence is half padding in DESIGN §7, and eager 
 projection, FFN, LayerNorm and residual add on the padding too. Right after the embeddings this pass
 picks the real tokens (``attention_mask != 0``) as rows ``[tokens, hidden]`` and runs every op that
 computes a row from the same row alone (``rows.row_inputs``) on them: Q/K/V and output projections
-included. Only attention needs the ``[batch, seq]`` layout: its inputs are scattered back into zeros
-at the padding positions, and its output is gathered again (``row_ops``: row copies whose backward
-is a row copy too). Rows that a later op selects (the labelled positions of label sparsity, a
-classifier's ``h[:, 0]``) are taken from the real tokens' rows directly, not re-padded first.
+included. Attention runs on them too, sequence by sequence (``varlen.py``: each sequence's real
+tokens are one contiguous block of rows). Only an attention that cannot (attention dropout, a mask
+that is more than padding, q/k/v that are not a plain head split of the rows) still needs the
+``[batch, seq]`` layout: its inputs are scattered back into zeros at the padding positions, and its
+output is gathered again (``row_ops``: row copies whose backward is a row copy too). Rows that a
+later op selects (the labelled positions of label sparsity, a classifier's ``h[:, 0]``) are taken
+from the real tokens' rows directly, not re-padded first.
 
 Why that is exact for the real tokens: a padding position reaches a real token only as an attention
 key or value, and the attention mask gives those keys weight 0 (checked on the capturing batch by
@@ -21,7 +24,7 @@ the graph asserts it on every later batch, raising a clear error instead of a wr
 from __future__ import annotations
 
 import operator
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.fx
@@ -36,6 +39,7 @@ from .defer import defer_dense, feeds_resumed_code
 from .label_sparsity import cross_entropy_args, unsupported_cross_entropy
 from .density import add_probe, density_reason, source_example
 from .row_ops import put_rows, row_selection, take_rows
+from .varlen import attention_on_real_tokens, mask_kind, sdpa_arguments
 from .rows import Node, _same, _same_shape, same_shape_guarded, copy_on_rows, heavy, is_regroup, op_name, row_inputs, value
 
 NAME = "padding_elimination"
@@ -304,10 +308,13 @@ def padding_elimination(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
         return PassReport(NAME, False, reason)
     if tokens is None:
         return PassReport(NAME, False, "the token mask of the capturing batch is not readable")
+    kinds: Dict[Node, Optional[bool]] = {}   # attention -> causal (None: neither kind, stays padded)
     for sdpa in sdpas:
-        attn_mask = sdpa.kwargs.get("attn_mask", sdpa.args[3] if len(sdpa.args) > 3 else None)
-        if not _masks_padding_keys(_evaluate(gm, attn_mask), tokens):
+        attn_mask = sdpa_arguments(sdpa)["attn_mask"]
+        evaluated = _evaluate(gm, attn_mask)
+        if not _masks_padding_keys(evaluated, tokens):
             return PassReport(NAME, False, f"the mask of {sdpa.name} lets real tokens attend to padding")
+        kinds[sdpa] = mask_kind(evaluated, tokens)
     lead_shape = value(mask_node).shape
     plan, why = _plan(gm, lead_shape)
     if plan is None:
@@ -325,8 +332,14 @@ def padding_elimination(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     deferred = defer_dense(gm, plans, padded)
     _erase_unused(gm, padded)
     plan.consumers = [c for c in plan.consumers if c[1].op != "output" and c[1] in gm.graph.nodes]
-    _rewrite(gm, plan, mask_node, pad_id, plans)
+    index, packed_row = _rewrite(gm, plan, mask_node, pad_id, plans)
+    kinds = {n: k for n, k in kinds.items() if n in gm.graph.nodes}
+    varlen, kept = attention_on_real_tokens(gm, plans, kinds, index, packed_row, set(plan.row_cuts), mask_node,
+                                            pad_id or 0, tokens, _evaluate)
     note = f"; {deferred} returned tensor(s) that hold padding positions are computed on first use" if deferred else ""
+    if kinds:
+        note += f"; attention on real tokens, sequence by sequence: {varlen} of {len(kinds)}"
+        note += f" (re-padded: {kept[0]})" if kept else ""
     return PassReport(NAME, True, f"{reason}: {matmuls} matmul(s) on real tokens only{note}")
 
 
@@ -408,7 +421,10 @@ def _check_capturing_batch(gm: torch.fx.GraphModule, plan: _Plan, tokens: torch.
     return ""
 
 
-def _rewrite(gm: torch.fx.GraphModule, plan: _Plan, mask_node: Node, pad_id: Optional[int], plans: Plans) -> None:
+def _rewrite(gm: torch.fx.GraphModule, plan: _Plan, mask_node: Node, pad_id: Optional[int],
+             plans: Plans) -> Tuple[Node, Callable[[], Node]]:
+    """Rewrite the plan's region onto packed real tokens; returns the node of their flat positions,
+    and a function giving the node of each flat position's packed row (made on first call)."""
     graph = gm.graph
     first = next(n for n in graph.nodes if n.op != "placeholder")
     with graph.inserting_before(first):
@@ -496,6 +512,7 @@ def _rewrite(gm: torch.fx.GraphModule, plan: _Plan, mask_node: Node, pad_id: Opt
         if node in plan.region and not node.users:
             graph.erase_node(node)
     guard.store(plans)
+    return index, packed_row
 
 
 def _broadcast_rows(graph: torch.fx.Graph, node: Node, lead: int, index: Node, lead_sizes: List[Any]) -> Node:

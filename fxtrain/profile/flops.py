@@ -140,8 +140,9 @@ _UNCOSTED_ATEN = {
     "_fft_r2c", "_fft_c2r", "_fft_c2c", "linalg_solve_ex", "_linalg_svd", "linalg_qr", "_linalg_eigh",
     "cholesky", "linalg_cholesky_ex", "triangular_solve", "linalg_lu_factor_ex",
 }
-# Namespaces whose ops are plain tensor bookkeeping or elementwise work (0 FLOPs by the convention).
-_ZERO_NAMESPACES = {"aten", "prims", "prim", "profiler"}
+# Namespaces whose ops are plain tensor bookkeeping or elementwise work (0 FLOPs by the convention);
+# fxtrain_host: row counts read ahead of the step (runtime/host_counts.py).
+_ZERO_NAMESPACES = {"aten", "prims", "prim", "profiler", "fxtrain_host"}
 
 
 def op_flops(func: Any, args: Sequence[Any], kwargs: Dict[str, Any], out: Any) -> Optional[int]:

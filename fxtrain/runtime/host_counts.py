@@ -8,6 +8,9 @@ needs together with its conditions, and reads them to the host in one transfer b
 each selection in the graph is ``nonzero_static(valid, size=count(valid, slot))``, where ``count``
 returns the number the guard left under ``slot``: a host read, no synchronisation.
 
+The same guard read also leaves per-row numbers (``row_lengths``, a host tensor of each sequence's
+real tokens) where an op must know where each sequence starts in the packed rows.
+
 ``count`` is exact either way: with no number left for it (a path that did not run the guard) it
 counts on the device itself, which costs the synchronisation ``nonzero`` would have. A number is
 used once (popped), so a stale one from an earlier batch can never size a selection.
@@ -16,14 +19,14 @@ from __future__ import annotations
 
 import secrets
 import threading
-from typing import Dict
+from typing import Dict, List, Union
 
 import torch
 
 _local = threading.local()
 
 
-def _table() -> Dict[int, int]:
+def _table() -> Dict[int, Union[int, List[int]]]:
     table = getattr(_local, "counts", None)
     if table is None:
         table = _local.counts = {}
@@ -36,9 +39,10 @@ def new_slot() -> int:
     return secrets.randbits(62)
 
 
-def provide(slot: int, value: int) -> None:
-    """The number of rows the next ``count(..., slot)`` on this thread returns."""
-    _table()[slot] = int(value)
+def provide(slot: int, value: Union[int, List[int]]) -> None:
+    """The number of rows the next ``count(..., slot)`` on this thread returns, or (a list) the
+    per-row numbers the next ``row_lengths(..., slot)`` returns."""
+    _table()[slot] = [int(v) for v in value] if isinstance(value, list) else int(value)
 
 
 @torch.library.custom_op("fxtrain_host::count", mutates_args=())
@@ -56,3 +60,23 @@ def _count_fake(valid: torch.Tensor, slot: int) -> torch.SymInt:
 
 
 HOST_COUNT = torch.ops.fxtrain_host.count.default
+
+
+@torch.library.custom_op("fxtrain_host::row_lengths", mutates_args=())
+def row_lengths(valid: torch.Tensor, slot: int) -> torch.Tensor:
+    """``valid.sum(1)`` for a 2-d bool ``valid``, as an int64 tensor on the host: the length of each
+    sequence, for ops that slice the packed real tokens sequence by sequence
+    (``runtime/varlen_attention.py``). Read ahead by the batch guard, else counted here (one
+    synchronisation, the same numbers)."""
+    value = _table().pop(slot, None)
+    if not isinstance(value, list) or len(value) != valid.shape[0]:
+        return valid.sum(1).to("cpu")
+    return torch.tensor(value, dtype=torch.int64)
+
+
+@row_lengths.register_fake
+def _row_lengths_fake(valid: torch.Tensor, slot: int) -> torch.Tensor:
+    return torch.empty((valid.shape[0],), dtype=torch.int64, device="cpu")
+
+
+HOST_ROW_LENGTHS = torch.ops.fxtrain_host.row_lengths.default

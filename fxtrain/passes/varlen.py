@@ -1,0 +1,333 @@
+"""Attention on real tokens only: padding elimination's last padded op, run sequence by sequence.
+
+After ``padding_elimination._rewrite`` every attention reads q, k and v re-padded into zeros
+(``row_ops.put_rows`` followed by the model's own view/split/transpose) and its output is gathered
+back to the real tokens. Here that round trip is replaced, attention by attention, by
+``fxtrain::varlen_attention`` on the packed rows themselves (``runtime/varlen_attention.py``), so
+attention costs ``sum(length**2)`` instead of ``batch * seq**2`` and the re-padding disappears.
+
+What makes it exact, and what is checked before relying on it:
+
+- the model's mask, restricted to real queries, allows exactly the real keys of the same sequence
+  (bidirectional) or those at or before the query (causal): checked on the capturing batch to pick
+  the kind, and written into the batch guard, so a later batch whose mask is anything else (a
+  document mask, a sliding window) runs the dense graph instead;
+- the layout ops between the packed rows and attention only split the features into heads
+  (``[tokens, features]`` -> ``[batch, heads, seq, dim]`` with each head a contiguous block of
+  features) and the output ops only merge them back: checked by running those ops on a probe whose
+  values name their own position;
+- no attention dropout (``dropout_p`` 0: eager's dropout mask over the padded layout has no
+  per-sequence equivalent), no grouped-query broadcast, a constant scale.
+
+An attention that fails any of these keeps the re-padded path, which is exact, and the reason is
+logged and reported.
+"""
+from __future__ import annotations
+
+import logging
+import operator
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from ..runtime.varlen_attention import VARLEN_ATTENTION
+from .batch_guard import GuardBuilder, row_lengths
+from .plans import Plans
+from .row_ops import row_selection
+
+logger = logging.getLogger("fxtrain")
+Node = torch.fx.Node
+_LAYOUT = {"view", "reshape", "transpose", "permute", "contiguous", "split", "chunk", "unflatten", "flatten"}
+_SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
+
+
+def sdpa_arguments(node: Node) -> Dict[str, Any]:
+    """The SDPA call's arguments by name (defaults filled in)."""
+    bound: Dict[str, Any] = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None,
+                             "enable_gqa": False}
+    bound.update(zip(_SDPA_PARAMS, node.args))
+    bound.update(node.kwargs)
+    return bound
+
+
+def mask_kind(attn_mask: Any, tokens: torch.Tensor) -> Optional[bool]:
+    """For the capturing batch: False when every real query may see exactly the real keys of its
+    sequence, True when exactly those at or before it (causal), None otherwise."""
+    if not isinstance(attn_mask, torch.Tensor) or attn_mask.dim() != 4:
+        return None
+    b, s = tokens.shape
+    try:
+        m = attn_mask.expand(b, attn_mask.shape[1], s, s)
+    except RuntimeError:
+        return None
+    allowed = m if m.dtype == torch.bool else m == 0
+    real_q = tokens[:, None, :, None]
+    real_k = tokens[:, None, None, :]
+    pos = torch.arange(s, device=tokens.device)
+    for causal in (True, False):   # a batch of one-token sequences fits both: causal is the stricter
+        expected = real_k & (pos[None, :] <= pos[:, None]) if causal else real_k
+        if not bool(((allowed != expected) & real_q).any()):
+            return causal
+    return None
+
+
+class _Match:
+    def __init__(self) -> None:
+        self.inputs: List[Tuple[Node, int]] = []   # (packed rows, first feature) for q, k, v
+        self.heads = 0
+        self.dim = 0
+        self.gather: Optional[Node] = None
+        self.gather_index: Optional[Node] = None   # the real tokens' flat positions, or some of them
+        self.dead: List[Node] = []                 # what the rewrite leaves unused (erased if so)
+
+
+def _layout(node: Node) -> bool:
+    if node.op == "call_method":
+        return node.target in _LAYOUT
+    if node.op == "call_function" and node.target is operator.getitem:
+        src = node.args[0]
+        return isinstance(src, Node) and src.op == "call_method" and src.target in ("split", "chunk")
+    if node.op == "call_function" and node.target is torch.cat:   # a key/value cache that starts empty
+        return True
+    return False
+
+
+def _cat_source(node: Node) -> Optional[Node]:
+    """The one non-empty operand of ``torch.cat`` (a cache's empty tensor and this step's keys)."""
+    parts = node.args[0]
+    nonempty = []
+    for p in parts:
+        v = p.meta.get("example_value", p.meta.get("val")) if isinstance(p, Node) else None
+        if isinstance(v, torch.Tensor) and v.numel() == 0 and v.dim() == 1:
+            continue
+        nonempty.append(p)
+    return nonempty[0] if len(nonempty) == 1 and isinstance(nonempty[0], Node) else None
+
+
+def _put_rows_above(x: Node, index: Node) -> Tuple[Optional[Node], List[Node]]:
+    """The ``index_copy_`` of ``row_ops.put_rows`` that ``x`` is a layout of, and the path to it."""
+    path: List[Node] = []
+    node = x
+    while True:
+        if node.op == "call_method" and node.target == "index_copy_" and len(node.args) == 4 \
+                and node.args[1] == 0 and node.args[2] is index and isinstance(node.args[0], Node) \
+                and node.args[0].op == "call_method" and node.args[0].target == "new_zeros":
+            return node, path
+        if not _layout(node):
+            return None, path
+        path.append(node)
+        src = _cat_source(node) if node.op == "call_function" and node.target is torch.cat else node.args[0]
+        if not isinstance(src, Node):
+            return None, path
+        node = src
+
+
+class _Evaluator:
+    """Runs parts of the rewritten graph on the capturing batch's values, with one node's value
+    replaced by a probe."""
+
+    def __init__(self, gm: torch.fx.GraphModule, evaluate: Any) -> None:
+        self.gm, self.evaluate = gm, evaluate
+        self.known: Dict[Node, Any] = {}
+
+    def outside(self, node: Node) -> Any:
+        if node not in self.known:
+            self.known[node] = self.evaluate(self.gm, node)
+        return self.known[node]
+
+    def run(self, start: Node, probe: torch.Tensor, end: Node) -> Optional[Any]:
+        env: Dict[Node, Any] = {start: probe}
+        ancestors = _ancestors(end)
+        for node in self.gm.graph.nodes:
+            if node is start or node not in ancestors or not any(a in env for a in node.all_input_nodes):
+                continue
+            def arg(a: Node) -> Any:
+                return env[a] if a in env else self.outside(a)
+            try:
+                args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), arg)
+                if node.op == "call_function":
+                    env[node] = node.target(*args, **kwargs)
+                elif node.op == "call_method":
+                    env[node] = getattr(args[0], node.target)(*args[1:], **kwargs)
+                else:
+                    return None
+            except Exception:
+                return None
+        return env.get(end)
+
+
+def _ancestors(node: Node) -> Set[Node]:
+    seen: Set[Node] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _match(gm: torch.fx.GraphModule, sdpa: Node, index: Node, tokens: torch.Tensor,
+           ev: _Evaluator, real_rows: Set[Node]) -> Tuple[Optional[_Match], str]:
+    args = sdpa_arguments(sdpa)
+    if not isinstance(args["dropout_p"], (int, float)) or args["dropout_p"] != 0:
+        return None, "attention dropout is on (its mask over the padded layout has no per-sequence form)"
+    if args["is_causal"] is not False or args["enable_gqa"] is not False:
+        return None, "is_causal or enable_gqa set next to a mask"
+    if args["scale"] is not None and not isinstance(args["scale"], (int, float)):
+        return None, "the scale is not a constant"
+    b, s = tokens.shape
+    match = _Match()
+    for name in ("query", "key", "value"):
+        x = args[name]
+        put, path = _put_rows_above(x, index) if isinstance(x, Node) else (None, [])
+        if put is None:
+            return None, f"its {name} is not a head split of the packed real tokens"
+        zeros = put.args[0]
+        features = zeros.args[1][1:] if isinstance(zeros.args[1], (tuple, list)) else ()
+        if len(features) != 1 or not isinstance(features[0], int):
+            return None, f"its {name} rows are not vectors"
+        f = features[0]
+        probe = torch.arange(b * s * f, dtype=torch.float64).view(b * s, f)
+        out = ev.run(put, probe, x)
+        if not isinstance(out, torch.Tensor) or out.dim() != 4 or out.shape[0] != b or out.shape[2] != s:
+            return None, f"its {name} is not [batch, heads, seq, dim] of the re-padded rows"
+        per_token = out.transpose(1, 2).long()                     # [b, s, heads, dim]
+        position, feature = per_token // f, per_token % f
+        where = torch.arange(b * s).view(b, s, 1, 1)
+        first = int(feature[0, 0, 0, 0])
+        heads, dim = out.shape[1], out.shape[3]
+        block = first + torch.arange(heads * dim).view(heads, dim)
+        if not bool((position == where).all()) or not bool((feature == block).all()):
+            return None, f"its {name} does not split each token's features into heads"
+        if match.heads and (heads, dim) != (match.heads, match.dim):
+            return None, "q, k and v differ in heads or head size"
+        match.heads, match.dim = heads, dim
+        match.inputs.append((put.args[3], first))
+        match.dead += path + [put, zeros]
+    node, path = sdpa, []
+    while True:
+        users = list(node.users)
+        if len(users) != 1:
+            return None, "its output is read outside the gather of real tokens"
+        (user,) = users
+        sel = row_selection(user)
+        if sel is not None and sel[0] is node and (sel[1] is index or user in real_rows):
+            match.gather, match.gather_index = user, sel[1]
+            break
+        if not _layout(user) or user.args[0] is not node:
+            return None, "its output is read outside the gather of real tokens"
+        path.append(user)
+        node = user
+    probe = torch.arange(b * match.heads * s * match.dim, dtype=torch.float64).view(b, match.heads, s, match.dim)
+    out = ev.run(sdpa, probe, node)
+    want = probe.transpose(1, 2).reshape(b * s, match.heads * match.dim)
+    if not isinstance(out, torch.Tensor) or out.shape != want.shape or not torch.equal(out, want):
+        return None, "its output is not merged back head after head"
+    match.dead += [match.gather] + path[::-1] + [sdpa]
+    return match, ""
+
+
+def _erase_dead(graph: torch.fx.Graph, nodes: List[Node]) -> None:
+    """Erase ``nodes`` (the replaced attention, its re-padding) once unused, then whatever pure
+    computation only they read (the padded mask)."""
+    todo = list(nodes)
+    erased: Set[Node] = set()
+    while todo:
+        node = todo.pop(0)
+        if node in erased or node.users or node.op in ("placeholder", "output", "get_attr"):
+            continue
+        if node not in nodes:
+            name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+            if node.op not in ("call_function", "call_method") or str(name).endswith("_"):
+                continue
+        inputs = list(node.all_input_nodes)
+        graph.erase_node(node)
+        erased.add(node)
+        todo.extend(inputs)
+        todo.extend(n for n in nodes if n not in erased)  # one that waited for this node's use to go
+
+
+def _require_mask(builder: GuardBuilder, mask: Node, attn_mask: Node, pad: int, causal: bool,
+                  is_bool: bool) -> bool:
+    """Write into the batch guard: every batch's mask, on real queries, is the kind relied on."""
+    g_attn = builder.node(attn_mask)
+    g_mask = builder.node(mask)
+    if g_attn is None or g_mask is None:
+        return False
+    g = builder.graph
+    real = g.call_function(torch.ne, (g_mask, pad))
+    allowed = g_attn if is_bool else g.call_function(torch.eq, (g_attn, 0))
+    real_q = g.call_function(operator.getitem, (real, (slice(None), None, slice(None), None)))
+    expected = g.call_function(operator.getitem, (real, (slice(None), None, None, slice(None))))
+    if causal:
+        pos = g.call_method("cumsum", (g.call_function(torch.ones_like, (g.call_method("any", (real, 0)),),
+                                                       {"dtype": torch.long}), 0))
+        order = g.call_function(operator.le, (g.call_function(operator.getitem, (pos, (None, slice(None)))),
+                                              g.call_function(operator.getitem, (pos, (slice(None), None)))))
+        expected = g.call_function(operator.and_, (expected, order))
+    bad = g.call_function(operator.and_, (g.call_function(operator.ne, (allowed, expected)), real_q))
+    ok = g.call_function(torch.logical_not, (g.call_method("any", (bad,)),))
+    kind = "causal" if causal else "bidirectional"
+    builder.require(ok, f"the attention mask is not the padding mask ({kind}) the per-sequence attention relies on")
+    return True
+
+
+def attention_on_real_tokens(gm: torch.fx.GraphModule, plans: Plans, kinds: Dict[Node, Optional[bool]],
+                             index: Node, packed_row: Callable[[], Node], real_rows: Set[Node], mask: Node,
+                             pad: int, tokens: torch.Tensor, evaluate: Any) -> Tuple[int, List[str]]:
+    """Replace each re-padded attention of ``kinds`` (SDPA node -> causal, or None when its mask
+    fits neither kind) by ``varlen_attention`` on the packed rows. ``index``: the real tokens' flat
+    positions; ``packed_row()``: each flat position's row among them; ``real_rows``: gathers of
+    padded values whose rows the batch guard checks are real (the labelled rows of label sparsity).
+    Returns how many were replaced and why the others were not."""
+    graph = gm.graph
+    ev = _Evaluator(gm, evaluate)
+    why: List[str] = []
+    lengths: Optional[Node] = None
+    guarded: Dict[Tuple[Node, bool], bool] = {}
+    builder = GuardBuilder.of(gm, plans)
+    done = 0
+    for sdpa, causal in kinds.items():
+        if causal is None:
+            why.append(f"{sdpa.name}: its mask is not padding plus causal order")
+            continue
+        match, reason = _match(gm, sdpa, index, tokens, ev, real_rows)
+        if match is None:
+            why.append(f"{sdpa.name}: {reason}")
+            continue
+        attn_mask = sdpa_arguments(sdpa)["attn_mask"]
+        key = (attn_mask, causal)
+        if key not in guarded:
+            mask_value = ev.outside(attn_mask)
+            guarded[key] = isinstance(mask_value, torch.Tensor) and _require_mask(
+                builder, mask, attn_mask, pad, causal, mask_value.dtype == torch.bool)
+        if not guarded[key]:
+            why.append(f"{sdpa.name}: its mask cannot be checked before each step")
+            continue
+        if lengths is None:
+            first = next(n for n in graph.nodes if n.op != "placeholder")
+            with graph.inserting_before(first):
+                lengths = row_lengths(gm, plans, graph.call_function(torch.ne, (mask, pad)))
+        scale = sdpa_arguments(sdpa)["scale"]
+        scale = float(scale) if scale is not None else match.dim ** -0.5
+        width = match.heads * match.dim
+        with graph.inserting_before(sdpa):
+            packed = [graph.call_method("unflatten", (graph.call_method("narrow", (rows, 1, first, width)),
+                                                      1, (match.heads, match.dim)))
+                      for rows, first in match.inputs]
+            both = graph.call_function(VARLEN_ATTENTION, (*packed, lengths, scale, bool(causal)))
+            out = graph.call_method("flatten", (graph.call_function(operator.getitem, (both, 0)), 1))
+        if match.gather_index is not index:   # some real rows (labelled ones): at their packed rows
+            with graph.inserting_before(match.gather):
+                at = graph.call_function(torch.index_select, (packed_row(), 0, match.gather_index))
+                out = graph.call_function(F.embedding, (at, out))
+        match.gather.replace_all_uses_with(out)
+        _erase_dead(graph, match.dead)
+        done += 1
+    builder.store(plans)
+    for w in why:
+        logger.info("fxtrain padding_elimination: attention stays on the padded layout: %s", w)
+    return done, why

@@ -1,0 +1,181 @@
+"""Attention on real tokens only (issue 15): ``fxtrain::varlen_attention`` against eager.
+
+The op itself against SDPA on the padded layout (both kernels, bidirectional and causal, an empty
+sequence); the pass on HF GPT-2 with left padding, on a model whose mask is more than padding (kept
+on the padded path, exact), and a later batch whose mask changes kind (the batch guard sends it to
+the dense graph); that attention no longer runs over ``[batch, seq]``; attention dropout keeps the
+old path. The MLM families and right-padded GPT-2 are checked in test_padding_elimination.py, whose
+parity tests now also assert that every attention ran sequence by sequence.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fxtrain import models
+from fxtrain import torch_private as tp
+from fxtrain.runtime import varlen_attention as va
+from utils import DEVICE, to_device, train_parity, wrap_pair
+
+
+@pytest.mark.parametrize("kernel", ["with_lse", "generic"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_op_matches_padded_sdpa(kernel, causal, monkeypatch):
+    """Values and gradients equal SDPA over the padded layout with the padding (and causal) mask;
+    "generic" is the path of devices without a log-sum-exp kernel (F.scaled_dot_product_attention
+    forward, recomputed weights backward)."""
+    if kernel == "generic":
+        monkeypatch.setattr(va, "attention_with_lse", lambda device_type: None)
+    elif tp.attention_with_lse(DEVICE.type) is None:
+        pytest.skip(f"no log-sum-exp kernel on {DEVICE.type}: the generic case covers it")
+    g = torch.Generator().manual_seed(0)
+    lengths = [5, 3, 3, 0, 7, 1]   # a run of equal lengths (one batched call) and an empty sequence
+    tokens, heads, dim = sum(lengths), 2, 4
+    q, k, v = (to_device(torch.randn(tokens, heads, dim, generator=g, dtype=torch.float64)).requires_grad_()
+               for _ in range(3))
+    out, lse = va.varlen_attention(q, k, v, torch.tensor(lengths), 0.3, causal)
+    assert lse.numel() == (0 if kernel == "generic" else tokens * heads)
+    ref = va.reference(q, k, v, lengths, 0.3, causal)
+    torch.testing.assert_close(out, ref)
+    grad = torch.randn(out.shape, generator=g, dtype=torch.float64).to(out.device)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
+        torch.testing.assert_close(a, b)
+
+
+def test_op_refuses_lengths_of_another_batch():
+    q = torch.zeros(6, 1, 2)
+    with pytest.raises(RuntimeError, match="add up to 5"):
+        va.varlen_attention(q, q, q, torch.tensor([2, 3]), 1.0, False)
+
+
+def _gpt2():
+    torch.manual_seed(0)
+    return models.gpt2_lm(hidden=32, layers=2, heads=2, vocab=1000, positions=64)
+
+
+def test_gpt2_left_padding_matches_eager():
+    """Causal attention with left padding, default options (label sparsity too): each real token
+    sees the real tokens at or before it in its own row; loss, gradients and weights are eager's."""
+    tm, ref = wrap_pair(_gpt2())
+    g = torch.Generator().manual_seed(3)
+    batches = [models.synthetic_batch("clm", b, s, 1000, padding=0.4, padding_side="left", generator=g,
+                                      labels_at_end=0.5) for b, s in [(4, 16), (3, 11)]]
+    train_parity(tm, ref, batches, lambda out, _: out.loss, state_atol=3e-4)
+    why = tm.capture_info().optimizations["padding_elimination"]
+    assert why.startswith("on:") and "sequence by sequence: 2 of 2" in why, why
+
+
+class _Recorder(TorchDispatchMode):
+    """The q shapes of every attention kernel a step runs, inside fxtrain's custom ops too."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    @classmethod
+    def ignore_compile_internals(cls):
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "scaled_dot_product" in str(func.overloadpacket) and "backward" not in str(func.overloadpacket):
+            self.shapes.append(tuple(args[0].shape))
+        impl = tp.custom_op_impl_of(func)
+        if impl is not None and func.namespace == "fxtrain":
+            with self:
+                return impl(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def test_attention_never_runs_over_padding():
+    """The rewritten graphs hold no SDPA, and every attention kernel of a step runs on one
+    sequence's real tokens (or a run of equal-length ones): ``[n, heads, length, dim]`` with
+    ``length`` a real length, never the padded one; eager runs ``[batch, heads, seq, dim]``."""
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(models.bert_mlm(hidden=32, layers=2, heads=2, vocab=1000))
+    batch = models.synthetic_batch("mlm", 4, 16, 1000, padding=0.4, generator=torch.Generator().manual_seed(5),
+                                   label_density=0.2, device=DEVICE)
+    lengths = batch["attention_mask"].sum(1).tolist()
+    assert max(lengths) < 16
+    tm(**batch).loss.backward()   # capture
+    record = tm.capture_info().records[0]
+    for graph in (record.dynamo_graph, record.forward_graph, record.backward_graph):
+        targets = [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
+        assert not [t for t in targets if "scaled_dot_product" in t], targets
+    assert any("varlen_attention" in str(n.target) for n in record.forward_graph.graph.nodes)
+    with _Recorder() as ours:
+        tm(**batch).loss.backward()
+    with _Recorder() as eager:
+        ref(**batch).loss.backward()
+    assert eager.shapes == [(4, 2, 16, 16)] * 2
+    assert ours.shapes, "no attention kernel ran"
+    assert all(s[2] in lengths and s[2] < 16 for s in ours.shapes), ours.shapes
+    assert sorted(n for s in ours.shapes for n in [s[2]] * s[0]) == sorted(lengths * 2)
+
+
+class _DocAttention(nn.Module):
+    """One attention block whose mask is padding AND same document (``doc`` a float per token, so
+    that the attention mask stays the one integer ``[batch, seq]`` input marking padding)."""
+
+    def __init__(self, vocab=50, hidden=16, heads=2, dropout=0.0):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)  # a key bias has a zero-true gradient: AdamW noise
+        self.out = nn.Linear(hidden, hidden)
+        self.head = nn.Linear(hidden, vocab)
+        self.heads, self.dropout = heads, dropout
+
+    def forward(self, input_ids, attention_mask, doc, labels):
+        b, s = input_ids.shape
+        h = self.emb(input_ids)
+        q, k, v = (t.reshape(b, s, self.heads, -1).transpose(1, 2) for t in self.qkv(h).split(h.shape[-1], dim=2))
+        keep = attention_mask.bool()[:, None, None, :] & (doc[:, None, :, None] == doc[:, None, None, :])
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=self.dropout if self.training else 0.0)
+        h = h + self.out(a.transpose(1, 2).reshape(b, s, -1))
+        logits = self.head(h)
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
+
+
+def _doc_batch(seed, b, s, split=None):
+    batch = models.synthetic_batch("mlm", b, s, 50, padding=0.4, generator=torch.Generator().manual_seed(seed),
+                                   label_density=0.3)
+    doc = torch.zeros(b, s)
+    if split is not None:
+        doc[:, split:] = 1.0   # two documents in every row
+    batch["doc"] = doc
+    return batch
+
+
+def test_mask_beyond_padding_keeps_the_padded_attention():
+    """Capturing batch with two documents per row: the mask is not padding alone, so attention
+    stays on the padded layout (said in the report), and the step is still eager's."""
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(_DocAttention())
+    train_parity(tm, ref, [_doc_batch(1, 4, 12, split=4), _doc_batch(2, 3, 10, split=3)], lambda out, _: out,
+                 state_atol=3e-4)
+    why = tm.capture_info().optimizations["padding_elimination"]
+    assert why.startswith("on:") and "0 of 1" in why and "not padding plus causal order" in why, why
+
+
+def test_a_later_mask_of_another_kind_takes_the_dense_route():
+    """Captured on one-document rows (sequence-by-sequence attention), then a batch with two
+    documents per row: the batch guard sees the mask change and runs the dense graph: eager's answer."""
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(_DocAttention())
+    train_parity(tm, ref, [_doc_batch(1, 4, 12), _doc_batch(2, 3, 10, split=3), _doc_batch(3, 4, 9)],
+                 lambda out, _: out, state_atol=3e-4)
+    info = tm.capture_info()
+    assert "1 of 1" in info.optimizations["padding_elimination"], info.optimizations["padding_elimination"]
+    assert list(info.dense_batches.values()) == [1], info.dense_batches
+    assert "attention mask" in next(iter(info.dense_batches))
+
+
+def test_attention_dropout_keeps_the_padded_attention():
+    """Eager's dropout mask is drawn over the padded ``[batch, heads, seq, seq]`` scores; per
+    sequence there is no equal draw, so the attention keeps the padded path (and says why)."""
+    torch.manual_seed(0)
+    tm, _ = wrap_pair(_DocAttention(dropout=0.1))
+    tm(**to_device(_doc_batch(1, 4, 12)))
+    why = tm.capture_info().optimizations["padding_elimination"]
+    assert "0 of 1" in why and "dropout" in why, why
