@@ -40,7 +40,7 @@ from .label_sparsity import cross_entropy_args, unsupported_cross_entropy
 from .density import add_probe, density_reason, source_example
 from .row_ops import put_rows, row_selection, take_rows
 from .varlen import attention_on_real_tokens, mask_kind, sdpa_arguments
-from .rows import Node, _same, _same_shape, same_shape_guarded, copy_on_rows, heavy, is_regroup, op_name, row_inputs, value
+from .rows import Node, _same, ancestors, run_node, _same_shape, same_shape_guarded, copy_on_rows, heavy, is_regroup, op_name, row_inputs, value
 
 NAME = "padding_elimination"
 _SDPA = {NN_SDPA, F.scaled_dot_product_attention}
@@ -50,21 +50,9 @@ _ASSERT = "fxtrain padding_elimination: a label or a kept row sits on a padding 
           "(attention_mask == 0), which this rewrite does not compute; use Options(padding_elimination='off')"
 
 
-def _ancestors(node: Node) -> Set[Node]:
-    seen: Set[Node] = set()
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        stack.extend(n.all_input_nodes)
-    return seen
-
-
 def _evaluate(gm: torch.fx.GraphModule, target: Node) -> Optional[Any]:
     """``target``'s value on the capturing batch, computing only its ancestors (None if unknown)."""
-    needed = _ancestors(target)
+    needed = ancestors(target)
     env: Dict[Node, Any] = {}
     for node in gm.graph.nodes:
         if node not in needed:
@@ -81,14 +69,8 @@ def _evaluate(gm: torch.fx.GraphModule, target: Node) -> Optional[Any]:
                 return None
             env[node] = real
             continue
-        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
         try:
-            if node.op == "call_function":
-                env[node] = node.target(*args, **kwargs)
-            elif node.op == "call_method":
-                env[node] = getattr(args[0], node.target)(*args[1:], **kwargs)
-            else:
-                return None
+            env[node] = run_node(node, env)
         except Exception:
             return None
     return env.get(target)
@@ -116,7 +98,7 @@ def _token_mask(gm: torch.fx.GraphModule, sdpas: List[Node], embeddings: List[No
         masks = [n.kwargs.get("attn_mask", n.args[3] if len(n.args) > 3 else None) for n in sdpas]
         if any(m is None for m in masks):
             return None, None, "attention without a mask reads the padding tokens"
-        common = set.intersection(*(_ancestors(m) for m in masks))
+        common = set.intersection(*(ancestors(m) for m in masks))
         candidates = [n for n in common if n.op == "placeholder" and isinstance(value(n), torch.Tensor)
                       and value(n).dim() == 2 and not value(n).is_floating_point()
                       and any(same_shape_guarded(value(n).shape, s) for s in id_shapes)]

@@ -44,6 +44,29 @@ _REDUCE_METHODS = {"mean", "sum"}
 _VIEW_METHODS = {"view", "reshape"}
 
 
+def ancestors(node: Node) -> Set[Node]:
+    """``node`` and every node it is computed from."""
+    seen: Set[Node] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+def run_node(node: Node, env: Dict[Node, Any]) -> Any:
+    """``node``'s op on the values of its inputs in ``env`` (a call_function or call_method node);
+    raises ``LookupError`` for other nodes, and whatever the op raises."""
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
+    if node.op == "call_function":
+        return node.target(*args, **kwargs)
+    if node.op == "call_method":
+        return getattr(args[0], node.target)(*args[1:], **kwargs)
+    raise LookupError(f"cannot run a {node.op} node")
+
+
 def value(node: Any) -> Any:
     """The fake value dynamo recorded for a node (or the constant itself)."""
     if isinstance(node, Node):

@@ -36,6 +36,7 @@ from ..runtime.varlen_attention import VARLEN_ATTENTION
 from .batch_guard import GuardBuilder, row_lengths
 from .plans import Plans
 from .row_ops import row_selection
+from .rows import ancestors, run_node
 
 logger = logging.getLogger("fxtrain")
 Node = torch.fx.Node
@@ -139,34 +140,18 @@ class _Evaluator:
 
     def run(self, start: Node, probe: torch.Tensor, end: Node) -> Optional[Any]:
         env: Dict[Node, Any] = {start: probe}
-        ancestors = _ancestors(end)
+        needed = ancestors(end)
         for node in self.gm.graph.nodes:
-            if node is start or node not in ancestors or not any(a in env for a in node.all_input_nodes):
+            if node is start or node not in needed or not any(a in env for a in node.all_input_nodes):
                 continue
-            def arg(a: Node) -> Any:
-                return env[a] if a in env else self.outside(a)
             try:
-                args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), arg)
-                if node.op == "call_function":
-                    env[node] = node.target(*args, **kwargs)
-                elif node.op == "call_method":
-                    env[node] = getattr(args[0], node.target)(*args[1:], **kwargs)
-                else:
-                    return None
+                for a in node.all_input_nodes:
+                    if a not in env:
+                        env[a] = self.outside(a)
+                env[node] = run_node(node, env)
             except Exception:
                 return None
         return env.get(end)
-
-
-def _ancestors(node: Node) -> Set[Node]:
-    seen: Set[Node] = set()
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return seen
 
 
 def _match(gm: torch.fx.GraphModule, sdpa: Node, index: Node, tokens: torch.Tensor,

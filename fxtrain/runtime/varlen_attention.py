@@ -65,14 +65,31 @@ def _heads_first(x: Tensor, offset: int, count: int, length: int) -> Tensor:
     return block.view(count, length, *x.shape[1:]).transpose(1, 2)
 
 
-def _packed(pieces: List[Tensor], like: Tensor, width: Optional[int] = None) -> Tensor:
-    """``[count, heads, length, ...]`` pieces (one per run, in order) as packed ``[tokens, heads, ...]``
-    rows. The CPU kernels already lay their results out token-major, so a piece's transpose is a
-    view and the whole is one ``cat`` (none at all for a single run, a dense batch)."""
-    rows = [p.transpose(1, 2).reshape(-1, *p.shape[1:2], *p.shape[3:]) for p in pieces]
-    if not rows:
-        return like.new_empty((0, *like.shape[1:2], *([width] if width is not None else like.shape[2:])))
-    return rows[0] if len(rows) == 1 else torch.cat(rows)
+class _Packer:
+    """Writes ``[count, heads, length, ...]`` pieces (one per run) into packed ``[tokens, heads, ...]``
+    rows as they come: only the current piece is alive beside the result, the transient the
+    profiler cannot see (it costs the op by its outputs). A single run covering every row (a dense
+    batch) is returned as the kernel made it: the CPU kernels lay results out token-major, so its
+    transpose is a view and nothing is copied."""
+
+    def __init__(self, like: Tensor, runs: List[Tuple[int, int, int]], width: Optional[int] = None,
+                 dtype: Optional[torch.dtype] = None) -> None:
+        self.shape = (like.shape[0], *like.shape[1:2], *([width] if width is not None else like.shape[2:]))
+        self.whole = len(runs) == 1 and runs[0][1] * runs[0][2] == like.shape[0]
+        self.dtype = dtype or like.dtype
+        self.out = None if self.whole else like.new_empty(self.shape, dtype=self.dtype)
+
+    def put(self, offset: int, piece: Tensor) -> None:
+        rows = piece.transpose(1, 2)                          # [count, length, heads, ...]
+        if self.whole:
+            self.out = rows.reshape(self.shape).to(self.dtype)
+        else:
+            count, length = rows.shape[:2]
+            self.out.narrow(0, offset, count * length).view(count, length, *self.shape[1:]).copy_(rows)
+
+    def result(self) -> Tensor:
+        assert self.out is not None, "a single whole run was never put"
+        return self.out
 
 
 def _lse_dtype(q: Tensor) -> torch.dtype:
@@ -86,19 +103,19 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, scale: fl
     """``(out, lse)``: ``out`` like ``q`` (``[tokens, heads, dim]``); ``lse`` ``[tokens, heads]``
     (accumulation type) where a kernel returned it, else empty (the backward then recomputes)."""
     kernels = attention_with_lse(q.device.type)
-    outs: List[Tensor] = []
-    lses: List[Tensor] = []
-    for offset, count, length in _runs(lengths, q.shape[0]):
+    runs = list(_runs(lengths, q.shape[0]))
+    out = _Packer(q, runs)
+    lse = _Packer(q, runs, width=1, dtype=_lse_dtype(q)) if kernels else None
+    for offset, count, length in runs:
         qs, ks, vs = (_heads_first(x, offset, count, length) for x in (q, k, v))
         if kernels:
             o, l_ = kernels[0](qs, ks, vs, causal, scale)
-            lses.append(l_.unsqueeze(-1))
+            lse.put(offset, l_.unsqueeze(-1))
         else:
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=scale)
-        outs.append(o)
-    out = _packed(outs, q)
-    lse = _packed(lses, q, 1).squeeze(-1).to(_lse_dtype(q)) if kernels else q.new_empty((0,))
-    return out, lse
+        out.put(offset, o)
+        del o
+    return out.result(), (lse.result().squeeze(-1) if lse is not None else q.new_empty((0,)))
 
 
 @varlen_attention.register_fake
@@ -114,8 +131,9 @@ def varlen_attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out
                               lengths: Tensor, scale: float, causal: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients of ``varlen_attention``'s ``out`` for q, k and v, sequence by sequence."""
     kernels = attention_with_lse(q.device.type) if lse.numel() or q.shape[0] == 0 else None
-    grads: List[List[Tensor]] = [[], [], []]
-    for offset, count, length in _runs(lengths, q.shape[0]):
+    runs = list(_runs(lengths, q.shape[0]))
+    grads = [_Packer(x, runs) for x in (q, k, v)]
+    for offset, count, length in runs:
         qs, ks, vs, gs = (_heads_first(x, offset, count, length) for x in (q, k, v, grad))
         if kernels:
             os_ = _heads_first(out, offset, count, length)
@@ -125,9 +143,10 @@ def varlen_attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out
         else:
             parts = _math_backward(gs, qs, ks, vs, scale, causal)
         for acc, part in zip(grads, parts):
-            acc.append(part)
+            acc.put(offset, part)
+        del parts
     # Every row belongs to a run (zero-length sequences have none), so the pieces cover the rows.
-    return tuple(_packed(g, x) for g, x in zip(grads, (q, k, v)))  # type: ignore[return-value]
+    return tuple(g.result() for g in grads)  # type: ignore[return-value]
 
 
 def _math_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float,
