@@ -182,3 +182,39 @@ def test_attention_dropout_keeps_the_padded_attention():
     tm(**to_device(_doc_batch(1, 4, 12)))
     why = tm.capture_info().optimizations["padding_elimination"]
     assert "0 of 1" in why and "dropout" in why, why
+
+
+class _PerSequence(nn.Module):
+    """One attention per sequence of packed rows: through ``varlen_attention``, or as a loop of SDPA
+    calls (the oracle the profiler already costs op by op)."""
+
+    def __init__(self, heads=2, dim=4):
+        super().__init__()
+        self.heads, self.dim = heads, dim
+        self.w = nn.Parameter(torch.randn(heads * dim, heads * dim))
+
+    def forward(self, x, lengths, varlen: bool):
+        q = (x @ self.w).view(x.shape[0], self.heads, self.dim)
+        if varlen:
+            return va.varlen_attention(q, q, q, lengths, 0.5, True)[0].sum()
+        outs, start = [], 0
+        for n in lengths.tolist():
+            block = q[start:start + n].transpose(0, 1)[None]
+            outs.append(F.scaled_dot_product_attention(block, block, block, is_causal=True, scale=0.5).sum())
+            start += n
+        return sum(outs)
+
+
+def test_profiler_costs_attention_from_the_batch_lengths():
+    """The profiler counts ``varlen_attention`` from the batch's real lengths (``sum(length**2)``):
+    forward and backward FLOPs equal those of the same attention written as one SDPA per sequence,
+    and nothing is left unknown (before, the op was uncosted and FLOP-ideal ratios overstated)."""
+    from fxtrain import profile
+    torch.manual_seed(0)
+    model = _PerSequence()
+    x, lengths = torch.randn(21, 8), torch.tensor([9, 5, 5, 2])
+    reports = [profile(model, x, lengths, varlen, optimizations=False, reuse=False) for varlen in (True, False)]
+    assert not reports[0].unknown_ops, reports[0].unknown_ops
+    matmul = 2 * 21 * 8 * 8
+    assert reports[0].flops_forward > matmul
+    assert (reports[0].flops_forward, reports[0].flops_backward) == (reports[1].flops_forward, reports[1].flops_backward)

@@ -9,6 +9,12 @@ contraction we have no formula for, and any op outside aten (custom ops, PythonO
 Formulas are our own so that the CPU attention kernels, which torch 2.13's counter scores 0, are
 counted: ``_scaled_dot_product_flash_attention_for_cpu`` and its backward (whose kernel recomputes
 the scores, so the backward is five bmm-sized products, as for the other flash kernels).
+
+Some ops' cost depends on values, not shapes: ``fxtrain::varlen_attention`` runs one attention per
+sequence of the packed rows, so its FLOPs are ``sum(length**2)``-shaped, and the lengths are data (a
+host tensor the batch guard reads). Their formulas take the profiler's values of such arguments
+(``value_of``: the shadows of the batch's real tensors); without a value the op is unknown, never
+guessed.
 """
 from __future__ import annotations
 
@@ -102,6 +108,29 @@ def _sdpa_backward(_grad_out, q, k, v, *_, **__) -> int:
     return attention_backward_flops(_shape(q), _shape(k), _shape(v))
 
 
+def _lengths(lengths: Any, value_of: Optional[Callable[[Any], Any]]) -> Optional[Sequence[int]]:
+    value = value_of(lengths) if value_of is not None else None
+    return None if value is None else [int(n) for n in value]
+
+
+def varlen_attention_flops(lengths: Sequence[int], heads: int, dim: int, backward: bool = False) -> int:
+    """Attention per sequence of the packed rows, counted like SDPA (a causal block costs its whole
+    ``length**2``, torch's convention for ``is_causal`` too): forward two products of
+    ``length**2 * dim`` per head, backward five (the scores recomputed)."""
+    products = 5 if backward else 2
+    return 2 * products * heads * dim * sum(n * n for n in lengths)
+
+
+def _varlen(q, _k, _v, lengths, *_, value_of=None, **__) -> Optional[int]:
+    known = _lengths(lengths, value_of)
+    return None if known is None else varlen_attention_flops(known, q.shape[1], q.shape[2])
+
+
+def _varlen_backward(_grad, q, _k, _v, _out, _lse, lengths, *_, value_of=None, **__) -> Optional[int]:
+    known = _lengths(lengths, value_of)
+    return None if known is None else varlen_attention_flops(known, q.shape[1], q.shape[2], backward=True)
+
+
 def _convolution(x, w, _bias, _stride, _padding, _dilation, transposed, *_, out=None, **__) -> int:
     return conv_flops(_shape(x), _shape(w), _shape(out[0] if isinstance(out, (tuple, list)) else out), bool(transposed))
 
@@ -130,6 +159,13 @@ FORMULAS: Dict[Any, Formula] = {
     aten._scaled_dot_product_cudnn_attention_backward: _sdpa_backward,
 }
 
+# Ops whose formula needs argument values (``value_of``), keyed by qualified name: they are defined
+# elsewhere (runtime/), and the profiler must not import the runtime to cost a graph.
+VALUE_FORMULAS: Dict[str, Callable[..., Optional[int]]] = {
+    "fxtrain::varlen_attention": _varlen,
+    "fxtrain::varlen_attention_backward": _varlen_backward,
+}
+
 # aten ops that do contractions but have no formula here: reported unknown, never counted as 0.
 _UNCOSTED_ATEN = {
     "_scaled_mm", "_int_mm", "_weight_int4pack_mm", "_weight_int8pack_mm", "mkldnn_rnn_layer",
@@ -145,12 +181,23 @@ _UNCOSTED_ATEN = {
 _ZERO_NAMESPACES = {"aten", "prims", "prim", "profiler", "fxtrain_host"}
 
 
-def op_flops(func: Any, args: Sequence[Any], kwargs: Dict[str, Any], out: Any) -> Optional[int]:
-    """FLOPs of one dispatched op, or None when they cannot be known."""
+def depends_on_values(func: Any) -> bool:
+    """Whether ``func``'s FLOPs need argument values, not only shapes."""
+    return getattr(getattr(func, "overloadpacket", None), "_qualified_op_name", "") in VALUE_FORMULAS
+
+
+def op_flops(func: Any, args: Sequence[Any], kwargs: Dict[str, Any], out: Any,
+             value_of: Optional[Callable[[Any], Any]] = None) -> Optional[int]:
+    """FLOPs of one dispatched op, or None when they cannot be known. ``value_of(tensor)``: the
+    tensor's value as a (nested) list where the caller has one, else None, for ops whose cost
+    depends on data."""
     packet = getattr(func, "overloadpacket", None)
     formula = FORMULAS.get(packet)
     if formula is not None:
         return int(formula(*args, out=out, **kwargs))
+    by_value = VALUE_FORMULAS.get(getattr(packet, "_qualified_op_name", ""))
+    if by_value is not None:
+        return by_value(*args, value_of=value_of, out=out, **kwargs)
     namespace = getattr(func, "namespace", None)
     if namespace in _ZERO_NAMESPACES:
         name = getattr(packet, "__name__", "")

@@ -32,7 +32,7 @@ from ..torch_private import (DynamicOutputShapeException, FakeTensor, FakeTensor
 from .shadows import Shadows
 
 from .capture import current_node
-from .flops import op_flops
+from .flops import depends_on_values, op_flops
 
 logger = logging.getLogger("fxtrain")
 
@@ -261,6 +261,15 @@ class CostTracker(TorchDispatchMode):
             return self.shadows.get(x)
         return x  # a real tensor is its own value
 
+    def _value_list(self, x: Any) -> Optional[list]:
+        """A tensor argument's value as a Python list, where the step has one (a FLOP formula that
+        depends on data reads it; the fake mode must not see the read)."""
+        value = self._shadow_of(x) if isinstance(x, torch.Tensor) else None
+        if value is None:
+            return None
+        with disable_current_modes():
+            return value.tolist()
+
     def _compute_shadows(self, func: Any, args: Any, kwargs: Any, out: Any) -> bool:
         """Run the op on the values too, if all its tensors have one; False when not done."""
         tensors = _tensors((args, kwargs))
@@ -419,12 +428,13 @@ class CostTracker(TorchDispatchMode):
         cost.allocated_bytes += allocated
         if flops == -1:
             try:
-                flops = op_flops(func, args, kwargs, out)
+                flops = op_flops(func, args, kwargs, out, value_of=self._value_list)
             except Exception as e:  # a formula that does not fit this call: say so rather than guess
                 logger.debug("no FLOP count for %s: %s", func, e)
                 flops = None
         if flops is None:
-            self._unknown(str(func), module, "no FLOP formula")
+            self._unknown(str(func), module, "its cost depends on values this step does not have"
+                          if depends_on_values(func) else "no FLOP formula")
             return
         if self.phase == "forward":
             cost.flops_forward += flops
