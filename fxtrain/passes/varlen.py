@@ -36,12 +36,83 @@ from ..runtime.varlen_attention import VARLEN_ATTENTION
 from .batch_guard import GuardBuilder, row_lengths
 from .plans import Plans
 from .row_ops import row_selection
-from .rows import ancestors, run_node
+from .rows import _same, ancestors, run_node, value
 
 logger = logging.getLogger("fxtrain")
 Node = torch.fx.Node
 _LAYOUT = {"view", "reshape", "transpose", "permute", "contiguous", "split", "chunk", "unflatten", "flatten"}
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
+
+
+# Ops that act on each (batch, position) of q or k alone, as rotary position embeddings do between the
+# head split and attention: elementwise arithmetic (operands from outside the padded tensors, such
+# as cos/sin of the positions, may broadcast), casts, and slices or concatenations of the last dim.
+_CHAIN_FUNCTIONS = {operator.mul, operator.add, operator.sub, operator.truediv, operator.neg,
+                    torch.mul, torch.add, torch.sub, torch.div, torch.neg}
+_CHAIN_METHODS = {"mul", "add", "sub", "div", "neg", "to", "float", "half", "bfloat16", "double", "type_as"}
+_DIVIDES = {operator.truediv, torch.div, "div"}
+
+
+def _last_dim_slice(index: Any, ndim: int) -> bool:
+    """``x[..., a:b]`` or ``x[:, :, :, a:b]``: a slice of the last dim only."""
+    if not isinstance(index, tuple) or not index or not isinstance(index[-1], slice):
+        return False
+    last = index[-1]
+    if not all(v is None or isinstance(v, int) for v in (last.start, last.stop, last.step)):
+        return False
+    lead = index[:-1]
+    if lead == (Ellipsis,):
+        return True
+    return len(index) == ndim and all(i == slice(None) for i in lead)
+
+
+def per_position_op(node: Node, inside: Callable[[Any], bool]) -> bool:
+    """``node`` computes each (batch, position) of its output from the same one of its ``inside``
+    operands (tensors laid out ``[..., features]``) and from operands that ``inside`` rejects
+    (computed without the padded tensors: cos/sin of the positions), which may broadcast.
+
+    A strict list, with shapes checked: an inside operand has the output's rank and leading dims (it
+    is never broadcast along a position), and only the last dim is sliced or concatenated."""
+    out = value(node)
+    if not isinstance(out, torch.Tensor) or out.dim() < 2:
+        return False
+    operands = [a for a in list(node.args) + list(node.kwargs.values())]
+    if node.op == "call_function" and node.target is torch.cat:
+        parts = node.args[0] if node.args else node.kwargs.get("tensors")
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        if not isinstance(parts, (list, tuple)) or not isinstance(dim, int) or dim % out.dim() != out.dim() - 1:
+            return False
+        operands = list(parts)
+    elif node.op == "call_function" and node.target is operator.getitem:
+        src = value(node.args[0])
+        if not inside(node.args[0]) or not isinstance(src, torch.Tensor) \
+                or not _last_dim_slice(node.args[1], src.dim()):
+            return False
+        operands = [node.args[0]]
+    elif node.op == "call_method" and node.target in _CHAIN_METHODS:
+        if node.target == "to" and any(isinstance(a, torch.Tensor) or isinstance(value(a), torch.Tensor)
+                                       for a in node.args[1:]):
+            return False
+    elif not (node.op == "call_function" and node.target in _CHAIN_FUNCTIONS):
+        return False
+    target = node.target
+    ins = [a for a in operands if isinstance(a, Node) and inside(a)]
+    if not ins:
+        return False
+    if target in _DIVIDES and len(node.args) > 1 and isinstance(node.args[1], Node) and inside(node.args[1]):
+        return False   # a padding position's zeros would divide into inf/NaN values
+    for a in operands:
+        v = value(a)
+        if isinstance(a, Node) and inside(a):
+            if not isinstance(v, torch.Tensor) or v.dim() != out.dim() or len(v.shape) < 2 \
+                    or not all(_same(x, y) for x, y in zip(v.shape[:-1], out.shape[:-1])):
+                return False
+        elif isinstance(v, torch.Tensor):
+            if v.dim() > out.dim():
+                return False
+        elif not isinstance(v, (int, float, bool, torch.dtype, torch.device, type(None), str)):
+            return False
+    return True
 
 
 def sdpa_arguments(node: Node) -> Dict[str, Any]:
