@@ -69,6 +69,41 @@ def test_gpt2_left_padding_matches_eager():
     assert why.startswith("on:") and "sequence by sequence: 2 of 2" in why, why
 
 
+def _llama_batches(side, seed=3, positions=False):
+    g = torch.Generator().manual_seed(seed)
+    batches = [models.synthetic_batch("clm", b, s, 1000, padding=0.4, padding_side=side, generator=g,
+                                      labels_at_end=0.5) for b, s in [(4, 16), (3, 11)]]
+    if positions:   # positions counted over the real tokens only (what a caller may pass)
+        for batch in batches:
+            batch["position_ids"] = (batch["attention_mask"].cumsum(1) - 1).clamp(min=0)
+    return batches
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_llama_rotary_attention_on_real_tokens(side):
+    """Llama: rotary embeddings sit between the head split and attention. They run on the packed real
+    tokens, each with the cos/sin of its own position in its padded row (HF counts positions from
+    the row start, padding included, when no position_ids are given): eager's loss, gradients and
+    weights, and every attention runs sequence by sequence."""
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(models.llama_lm(hidden=32, layers=2, heads=2, vocab=1000))
+    train_parity(tm, ref, _llama_batches(side), lambda out, _: out.loss, state_atol=3e-4)
+    why = tm.capture_info().optimizations["padding_elimination"]
+    assert why.startswith("on:") and "sequence by sequence: 2 of 2" in why, why
+
+
+def test_llama_given_positions_and_grouped_query_attention():
+    """Left padding with position_ids given per row (cos/sin ``[batch, seq, dim]``: gathered per
+    token) and grouped-query attention (4 heads share 2 key/value heads through repeat_kv): exact.
+    Keys repeated across heads are not a head split of the packed rows, so attention stays on
+    the padded layout and the report says why."""
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(models.llama_lm(hidden=32, layers=2, heads=4, vocab=1000, kv_heads=2))
+    train_parity(tm, ref, _llama_batches("left", seed=4, positions=True), lambda out, _: out.loss, state_atol=3e-4)
+    why = tm.capture_info().optimizations["padding_elimination"]
+    assert why.startswith("on:") and "0 of 2" in why and "its key" in why, why
+
+
 class _Recorder(TorchDispatchMode):
     """The q shapes of every attention kernel a step runs, inside fxtrain's custom ops too."""
 
