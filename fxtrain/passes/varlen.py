@@ -147,7 +147,8 @@ def mask_kind(attn_mask: Any, tokens: torch.Tensor) -> Optional[bool]:
 
 class _Match:
     def __init__(self) -> None:
-        self.inputs: List[Tuple[Node, int, Optional[_Chain]]] = []   # (packed rows, first feature, chain): q, k, v
+        # q, k, v: (packed rows, first feature, per-position chain, heads, repeats of each head)
+        self.inputs: List[Tuple[Node, int, Optional[_Chain], int, int]] = []
         self.heads = 0
         self.dim = 0
         self.gather: Optional[Node] = None
@@ -335,6 +336,32 @@ def _chain_exact(chain: _Chain, ev: "_Evaluator", tokens: torch.Tensor, heads: i
     return torch.equal(got.squeeze(2), want.transpose(1, 2).reshape(b * s, heads, dim)[idx])
 
 
+def _repeated_heads(x: Node) -> Tuple[int, List[Node]]:
+    """``(rep, nodes)`` when ``x`` is grouped-query attention's repeat of key/value heads
+    (``y[:, :, None].expand(b, kv, rep, s, d).reshape(b, kv * rep, s, d)``, HF's repeat_kv):
+    ``nodes`` from ``x`` up to the indexing of ``y``. ``(1, [])`` otherwise."""
+    if x.op != "call_method" or x.target not in ("reshape", "view") or not isinstance(x.args[0], Node):
+        return 1, []
+    e = x.args[0]
+    if e.op != "call_method" or e.target != "expand" or not isinstance(e.args[0], Node):
+        return 1, []
+    g = e.args[0]
+    if g.op != "call_function" or g.target is not operator.getitem or not isinstance(g.args[0], Node) \
+            or not isinstance(g.args[1], tuple) or g.args[1][:3] != (slice(None), slice(None), None) \
+            or any(i != slice(None) for i in g.args[1][3:]):
+        return 1, []
+    vx, ve, vy = value(x), value(e), value(g.args[0])
+    if not all(isinstance(v, torch.Tensor) for v in (vx, ve, vy)) or vy.dim() != 4 or ve.dim() != 5 \
+            or vx.dim() != 4 or not isinstance(ve.shape[2], int) or not isinstance(vy.shape[1], int):
+        return 1, []
+    rep = ve.shape[2]
+    b, kv, s, d = vy.shape
+    if not all(_same(p, q) for p, q in zip(ve.shape, (b, kv, rep, s, d))) \
+            or not all(_same(p, q) for p, q in zip(vx.shape, (b, kv * rep, s, d))):
+        return 1, []
+    return rep, [x, e, g]
+
+
 class _Evaluator:
     """Runs parts of the rewritten graph on the capturing batch's values, with one node's value
     replaced by a probe."""
@@ -379,6 +406,9 @@ def _match(gm: torch.fx.GraphModule, sdpa: Node, index: Node, tokens: torch.Tens
         x = args[name]
         if not isinstance(x, Node):
             return None, f"its {name} is not a head split of the packed real tokens"
+        rep, repeat = (1, []) if name == "query" else _repeated_heads(x)
+        if repeat:
+            x = repeat[-1].args[0]
         put, path = _put_rows_above(x, index)
         chain = None
         if put is None:
@@ -406,13 +436,13 @@ def _match(gm: torch.fx.GraphModule, sdpa: Node, index: Node, tokens: torch.Tens
         block = first + torch.arange(heads * dim).view(heads, dim)
         if not bool((position == where).all()) or not bool((feature == block).all()):
             return None, f"its {name} does not split each token's features into heads"
-        if match.heads and (heads, dim) != (match.heads, match.dim):
+        if match.heads and (heads * rep, dim) != (match.heads, match.dim):
             return None, "q, k and v differ in heads or head size"
-        match.heads, match.dim = heads, dim
+        match.heads, match.dim = heads * rep, dim
         if chain is not None and not _chain_exact(chain, ev, tokens, heads, dim):
             return None, f"its {name}'s per-position ops differ when run on the packed real tokens"
-        match.inputs.append((put.args[3], first, chain))
-        match.dead += path + [put, zeros]
+        match.inputs.append((put.args[3], first, chain, heads, rep))
+        match.dead += repeat + path + [put, zeros]
         if chain is not None:
             match.dead += chain.post + chain.nodes[::-1]
     node, path = sdpa, []
@@ -553,14 +583,16 @@ def attention_on_real_tokens(gm: torch.fx.GraphModule, plans: Plans, kinds: Dict
                 lengths = row_lengths(gm, plans, graph.call_function(torch.ne, (mask, pad)))
         scale = sdpa_arguments(sdpa)["scale"]
         scale = float(scale) if scale is not None else match.dim ** -0.5
-        width = match.heads * match.dim
         with graph.inserting_before(sdpa):
-            packed = [graph.call_method("unflatten", (graph.call_method("narrow", (rows, 1, first, width)),
-                                                      1, (match.heads, match.dim)))
-                      for rows, first, _ in match.inputs]
-            for i, (_, _, chain) in enumerate(match.inputs):
+            packed = []
+            for rows, first, chain, heads, rep in match.inputs:
+                x = graph.call_method("unflatten", (graph.call_method("narrow", (rows, 1, first, heads * match.dim)),
+                                                    1, (heads, match.dim)))
                 if chain is not None:
-                    packed[i] = _chain_on_rows(graph, chain, packed[i], side_rows)
+                    x = _chain_on_rows(graph, chain, x, side_rows)
+                if rep > 1:   # grouped-query attention: each key/value head serves rep query heads
+                    x = graph.call_function(torch.repeat_interleave, (x, rep), {"dim": 1})
+                packed.append(x)
             both = graph.call_function(VARLEN_ATTENTION, (*packed, lengths, scale, bool(causal)))
             out = graph.call_method("flatten", (graph.call_function(operator.getitem, (both, 0)), 1))
         if match.gather_index is not index:   # some real rows (labelled ones): at their packed rows
