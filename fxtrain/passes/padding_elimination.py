@@ -5,8 +5,9 @@ projection, FFN, LayerNorm and residual add on the padding too. Right after the 
 picks the real tokens (``attention_mask != 0``) as rows ``[tokens, hidden]`` and runs every op that
 computes a row from the same row alone (``rows.row_inputs``) on them: Q/K/V and output projections
 included. Attention runs on them too, sequence by sequence (``varlen.py``: each sequence's real
-tokens are one contiguous block of rows). Only an attention that cannot (attention dropout, a mask
-that is more than padding, q/k/v that are not a plain head split of the rows) still needs the
+tokens are one contiguous block of rows; rotary embeddings between the head split and attention
+run on the packed rows too). Only an attention that cannot (attention dropout, a mask that is more
+than padding, q/k/v that are not a head split of the rows) still needs the
 ``[batch, seq]`` layout: its inputs are scattered back into zeros at the padding positions, and its
 output is gathered again (``row_ops``: row copies whose backward is a row copy too). Rows that a
 later op selects (the labelled positions of label sparsity, a classifier's ``h[:, 0]``) are taken
@@ -14,7 +15,10 @@ from the real tokens' rows directly, not re-padded first.
 
 Why that is exact for the real tokens: a padding position reaches a real token only as an attention
 key or value, and the attention mask gives those keys weight 0 (checked on the capturing batch by
-evaluating the model's own mask). The model's returned tensors that hold padding positions
+evaluating the model's own mask). Between the re-padded rows and attention only layout ops and ops
+that act on each position alone (``varlen.per_position_op``: rotary embeddings, whose cos/sin come
+from outside the padded tensors) are accepted, and the layout must keep each row's features in the
+last dim (checked with a probe), so no position reads another through them. The model's returned tensors that hold padding positions
 (logits, hidden states, a key/value cache) are not computed in the step: they become deferred
 tensors (passes/defer.py) that re-run the original dense ops on first read, so what the caller
 sees is eager's everywhere, and a loop that reads only the loss pays nothing for them. A loss that reads a padding position (a label on a padding token) or a head that reads

@@ -16,8 +16,17 @@ What makes it exact, and what is checked before relying on it:
   (``[tokens, features]`` -> ``[batch, heads, seq, dim]`` with each head a contiguous block of
   features) and the output ops only merge them back: checked by running those ops on a probe whose
   values name their own position;
+- between that head split and attention, q and k may pass through ops that act on each position
+  alone (rotary position embeddings: ``q * cos + rotate_half(q) * sin``; ``per_position_op`` lists
+  what qualifies, with shape checks). They are re-run on the packed rows, laid out as
+  ``[tokens, heads, 1, dim]``, with each operand computed outside the padded tensors (cos/sin, from
+  the positions) gathered at each real token's own ``(row, position)``; on the capturing batch the
+  result is checked bit-equal to the dense ops' at the real tokens. Positions are whatever eager
+  used (HF counts them from the row start, padding included, unless position_ids are given);
+- grouped-query attention's repeat of key/value heads (HF's ``repeat_kv``) is repeated on the
+  packed rows (``repeat_interleave``), as eager copies it on the padded ones;
 - no attention dropout (``dropout_p`` 0: eager's dropout mask over the padded layout has no
-  per-sequence equivalent), no grouped-query broadcast, a constant scale.
+  per-sequence equivalent), no ``enable_gqa`` flag, a constant scale.
 
 An attention that fails any of these keeps the re-padded path, which is exact, and the reason is
 logged and reported.
