@@ -80,6 +80,9 @@ WORKLOADS: Dict[str, Workload] = {
                          dict(model="gpt2", batch=16, seq=128, padding=0.3, labels_at_end=0.25)),
     "bert-mlm-long": Workload("long-row BERT-MLM hidden 256, 4 layers: 4 x 1024, 60% padding, 15% labels",
                               dict(model="bert-mlm-1024", batch=4, seq=1024, padding=0.6, label_density=0.15)),
+    "llama-sft": Workload("Llama-style causal LM (rotary, SwiGLU; hidden 256, 4 layers, vocab 32000): 16 x 128, "
+                          "right padding 50%, loss on the last half of each sequence (the answer)",
+                          dict(model="llama-small", batch=16, seq=128, padding=0.5, labels_at_end=0.5)),
     "gpt2-dense": Workload("dense GPT-2 LM step: 8 x 128, no padding, every label",
                            dict(model="gpt2", batch=8, seq=128, padding=0.0)),
 }

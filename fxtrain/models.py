@@ -73,10 +73,12 @@ def t5(d_model: int = 64, layers: int = 2, heads: int = 2, vocab: int = 1000) ->
     return T5ForConditionalGeneration(_no_dropout(cfg))
 
 
-def llama_lm(hidden: int = 256, layers: int = 4, heads: int = 4, vocab: int = 32000) -> nn.Module:
+def llama_lm(hidden: int = 256, layers: int = 4, heads: int = 4, vocab: int = 32000,
+             kv_heads: Optional[int] = None) -> nn.Module:
+    """``kv_heads`` below ``heads``: grouped-query attention (each key/value head serves several)."""
     from transformers import LlamaConfig, LlamaForCausalLM
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(2.75 * hidden),
-                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads or heads,
                       max_position_embeddings=2048, pad_token_id=0)
     return LlamaForCausalLM(_no_dropout(cfg))
 

@@ -23,7 +23,9 @@ def _fired(tm):
 
 def _check_logits(out, ref_out):
     assert isinstance(out.logits, DeferredTensor)
-    torch.testing.assert_close(out.logits, ref_out.logits, atol=1e-5, rtol=1e-4)
+    # After the first AdamW step the logits come from parameters that differ by that step's rounding
+    # noise (STATE_ATOL): the first batch's logits are bit-equal, later ones within a few 1e-5.
+    torch.testing.assert_close(out.logits, ref_out.logits, atol=5e-5, rtol=1e-4)
 
 
 def _batches(kind, pad_id, seed, **kw):

@@ -69,6 +69,81 @@ def test_gpt2_left_padding_matches_eager():
     assert why.startswith("on:") and "sequence by sequence: 2 of 2" in why, why
 
 
+def _llama_batches(side, seed=3, positions=False):
+    g = torch.Generator().manual_seed(seed)
+    batches = [models.synthetic_batch("clm", b, s, 1000, padding=0.4, padding_side=side, generator=g,
+                                      labels_at_end=0.5) for b, s in [(4, 16), (3, 11)]]
+    if positions:   # positions counted over the real tokens only (what a caller may pass)
+        for batch in batches:
+            batch["position_ids"] = (batch["attention_mask"].cumsum(1) - 1).clamp(min=0)
+    return batches
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_llama_rotary_attention_on_real_tokens(side):
+    """Llama: rotary embeddings sit between the head split and attention. They run on the packed real
+    tokens, each with the cos/sin of its own position in its padded row (HF counts positions from
+    the row start, padding included, when no position_ids are given): eager's loss, gradients and
+    weights, and every attention runs sequence by sequence."""
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(models.llama_lm(hidden=32, layers=2, heads=2, vocab=1000))
+    train_parity(tm, ref, _llama_batches(side), lambda out, _: out.loss, state_atol=3e-4)
+    why = tm.capture_info().optimizations["padding_elimination"]
+    assert why.startswith("on:") and "sequence by sequence: 2 of 2" in why, why
+
+
+def test_llama_given_positions_and_grouped_query_attention():
+    """Left padding with position_ids given per row (cos/sin ``[batch, seq, dim]``: gathered per
+    token) and grouped-query attention (4 heads share 2 key/value heads through repeat_kv, repeated
+    on the packed rows too): eager's numbers, attention sequence by sequence."""
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(models.llama_lm(hidden=32, layers=2, heads=4, vocab=1000, kv_heads=2))
+    train_parity(tm, ref, _llama_batches("left", seed=4, positions=True), lambda out, _: out.loss, state_atol=3e-4)
+    why = tm.capture_info().optimizations["padding_elimination"]
+    assert why.startswith("on:") and "sequence by sequence: 2 of 2" in why, why
+
+
+class _PositionMix(nn.Module):
+    """One causal attention block whose q goes through a per-position-looking op before attention:
+    "table" multiplies by a ``[seq, dim]`` position table (per position, but not laid out
+    ``[batch, ., seq, .]``), "roll" adds q shifted by one position (mixes positions)."""
+
+    def __init__(self, kind, vocab=50, hidden=16, heads=2, seq=16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
+        self.head = nn.Linear(hidden, vocab)
+        self.register_buffer("table", torch.linspace(0.5, 1.5, seq * hidden // heads).view(seq, -1))
+        self.kind, self.heads = kind, heads
+
+    def forward(self, input_ids, attention_mask, labels):
+        b, s = input_ids.shape
+        h = self.emb(input_ids)
+        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in self.qkv(h).split(h.shape[-1], dim=2))
+        q = q * self.table[:s] if self.kind == "table" else q + torch.roll(q, 1, dims=2)
+        keep = attention_mask.bool()[:, None, None, :] & torch.ones(s, s, dtype=torch.bool).tril()
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        logits = self.head(h + a.transpose(1, 2).reshape(b, s, -1))
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
+
+
+@pytest.mark.parametrize("kind", ["table", "roll"])
+def test_ops_before_attention_that_are_not_rotary_stay_exact(kind):
+    """A position table that is not ``[batch, ., seq, .]`` keeps attention on the padded layout (the
+    report says why); an op that mixes positions is refused outright (padding positions would reach
+    real ones): eager's numbers either way."""
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(_PositionMix(kind))
+    g = torch.Generator().manual_seed(6)
+    batch = models.synthetic_batch("clm", 4, 16, 50, padding=0.4, generator=g)
+    train_parity(tm, ref, [batch], lambda out, _: out, state_atol=3e-4)
+    why = tm.capture_info().optimizations["padding_elimination"]
+    if kind == "table":
+        assert why.startswith("on:") and "0 of 1" in why and "not [batch, ., seq, .]" in why, why
+    else:
+        assert why.startswith("off:") and "padding rows reach" in why, why
+
+
 class _Recorder(TorchDispatchMode):
     """The q shapes of every attention kernel a step runs, inside fxtrain's custom ops too."""
 

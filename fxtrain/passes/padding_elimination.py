@@ -5,8 +5,9 @@ projection, FFN, LayerNorm and residual add on the padding too. Right after the 
 picks the real tokens (``attention_mask != 0``) as rows ``[tokens, hidden]`` and runs every op that
 computes a row from the same row alone (``rows.row_inputs``) on them: Q/K/V and output projections
 included. Attention runs on them too, sequence by sequence (``varlen.py``: each sequence's real
-tokens are one contiguous block of rows). Only an attention that cannot (attention dropout, a mask
-that is more than padding, q/k/v that are not a plain head split of the rows) still needs the
+tokens are one contiguous block of rows; rotary embeddings between the head split and attention
+run on the packed rows too). Only an attention that cannot (attention dropout, a mask that is more
+than padding, q/k/v that are not a head split of the rows) still needs the
 ``[batch, seq]`` layout: its inputs are scattered back into zeros at the padding positions, and its
 output is gathered again (``row_ops``: row copies whose backward is a row copy too). Rows that a
 later op selects (the labelled positions of label sparsity, a classifier's ``h[:, 0]``) are taken
@@ -14,7 +15,10 @@ from the real tokens' rows directly, not re-padded first.
 
 Why that is exact for the real tokens: a padding position reaches a real token only as an attention
 key or value, and the attention mask gives those keys weight 0 (checked on the capturing batch by
-evaluating the model's own mask). The model's returned tensors that hold padding positions
+evaluating the model's own mask). Between the re-padded rows and attention only layout ops and ops
+that act on each position alone (``varlen.per_position_op``: rotary embeddings, whose cos/sin come
+from outside the padded tensors) are accepted, and the layout must keep each row's features in the
+last dim (checked with a probe), so no position reads another through them. The model's returned tensors that hold padding positions
 (logits, hidden states, a key/value cache) are not computed in the step: they become deferred
 tensors (passes/defer.py) that re-run the original dense ops on first read, so what the caller
 sees is eager's everywhere, and a loop that reads only the loss pays nothing for them. A loss that reads a padding position (a label on a padding token) or a head that reads
@@ -39,7 +43,7 @@ from .defer import defer_dense, feeds_resumed_code
 from .label_sparsity import cross_entropy_args, unsupported_cross_entropy
 from .density import add_probe, density_reason, source_example
 from .row_ops import put_rows, row_selection, take_rows
-from .varlen import attention_on_real_tokens, mask_kind, sdpa_arguments
+from .varlen import attention_on_real_tokens, mask_kind, per_position_op, sdpa_arguments
 from .rows import Node, _same, ancestors, run_node, _same_shape, same_shape_guarded, copy_on_rows, heavy, is_regroup, op_name, row_inputs, value
 
 NAME = "padding_elimination"
@@ -119,8 +123,9 @@ def _is_embedding_start(node: Node, lead_shape: Sequence[Any]) -> bool:
     return isinstance(ids, torch.Tensor) and _same_shape(ids.shape, lead_shape)
 
 
-def _layout_to_attention(node: Node, seen: Optional[Set[Node]] = None) -> bool:
-    """``node``'s every use, through layout-only ops, ends as attention's query, key or value."""
+def _layout_to_attention(node: Node, seen: Optional[Set[Node]] = None, chain: Optional["_Chain"] = None) -> bool:
+    """``node``'s every use, through layout-only ops (and, given ``chain``, ops that act on each
+    position alone: rotary embeddings), ends as attention's query, key or value."""
     seen = seen if seen is not None else set()
     for user in node.users:
         if user in seen:
@@ -134,15 +139,77 @@ def _layout_to_attention(node: Node, seen: Optional[Set[Node]] = None) -> bool:
             continue
         layout = (user.op == "call_method" and user.target in _LAYOUT_METHODS) or \
             (user.op == "call_function" and user.target is operator.getitem and isinstance(value(node), (tuple, list))) or \
+            _new_axes(user, node) or \
             (user.op == "call_function" and user.target is torch.cat and all(
                 a is node or (isinstance(value(a), torch.Tensor) and value(a).numel() == 0) for a in user.args[0]))
-        if not layout or not _layout_to_attention(user, seen):
+        if not layout and chain is not None and per_position_op(user, chain.inside):
+            if node not in chain.ops:
+                chain.entries.add(node)
+            chain.ops.add(user)
+            layout = True
+        if not layout or not _layout_to_attention(user, seen, chain):
+            return False
+    return True
+
+
+def _new_axes(user: Node, node: Node) -> bool:
+    """``node[:, :, None]``: an unsqueeze written as indexing (grouped-query attention's repeat_kv)."""
+    if user.op != "call_function" or user.target is not operator.getitem or user.args[0] is not node \
+            or not isinstance(user.args[1], tuple):
+        return False
+    return all(i is None or i is Ellipsis or i == slice(None) for i in user.args[1])
+
+
+class _Chain:
+    """What a walk from the padded rows to attention met besides layout ops: ops that act on each
+    position alone (``varlen.per_position_op``), and the tensors they start from."""
+
+    def __init__(self, padded: Set[Node]) -> None:
+        self.padded = padded          # every node computed from the padded region
+        self.ops: Set[Node] = set()
+        self.entries: Set[Node] = set()
+
+    def inside(self, node: Any) -> bool:
+        return isinstance(node, Node) and node in self.padded
+
+
+def _features_last(gm: torch.fx.GraphModule, start: Node, lead: int, entries: Set[Node]) -> bool:
+    """On the capturing batch's shapes, every ``entry`` (a layout of ``start``'s rows) keeps each
+    row's features in its last dim, so that slicing that dim never mixes positions. Checked by
+    running the layout ops on a probe whose values name their own row."""
+    shape = [int(d.node.hint) if isinstance(d, torch.SymInt) and d.node.hint is not None else d
+             for d in value(start).shape]
+    if not all(isinstance(d, int) for d in shape):
+        return False
+    rows = 1
+    for d in shape[:lead]:
+        rows *= d
+    probe = torch.arange(rows, dtype=torch.float64).view(*shape[:lead], *[1] * (len(shape) - lead))
+    env: Dict[Node, Any] = {start: probe.expand(shape).contiguous()}
+    needed: Set[Node] = set()
+    for e in entries:
+        needed |= ancestors(e)
+    for node in gm.graph.nodes:
+        if node is start or node not in needed or not any(a in env for a in node.all_input_nodes):
+            continue
+        try:
+            for a in node.all_input_nodes:
+                if a not in env:
+                    env[a] = _evaluate(gm, a)
+            env[node] = run_node(node, env)
+        except Exception:
+            return False
+    for e in entries:
+        x = env.get(e)
+        if not isinstance(x, torch.Tensor) or x.dim() < 2 or not bool((x == x[..., :1]).all()):
             return False
     return True
 
 
 class _Plan:
-    def __init__(self) -> None:
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        self.gm = gm
+        self._reached: Optional[Set[Node]] = None
         self.region: Dict[Node, int] = {}
         self.frontier: Dict[Node, int] = {}
         self.broadcast: Set[Node] = set()
@@ -150,9 +217,22 @@ class _Plan:
         self.flat: Any = None                                # batch * seq
         self.row_cuts: List[Node] = []  # row gathers (row_ops) of padded values: real rows asserted
 
+    def reached(self) -> Set[Node]:
+        """Every node computed from the region (made once the region is final)."""
+        if self._reached is None:
+            seen: Set[Node] = set()
+            stack = list(self.region)
+            while stack:
+                node = stack.pop()
+                if node not in seen:
+                    seen.add(node)
+                    stack.extend(node.users)
+            self._reached = seen
+        return self._reached
+
 
 def _plan(gm: torch.fx.GraphModule, lead_shape: Sequence[Any]) -> Tuple[Optional[_Plan], str]:
-    plan = _Plan()
+    plan = _Plan(gm)
     flat = 1
     for s in lead_shape:
         flat = flat * s
@@ -228,7 +308,7 @@ def _grow_upstream(plan: _Plan, lead_shape: Sequence[Any]) -> None:
 def _consumer_kind(node: Node, user: Node, plan: _Plan, output: Node) -> Optional[str]:
     if user is output:
         return "output"
-    if _layout_to_attention_from(node, user):
+    if _layout_to_attention_from(node, user, plan):
         return "attention"
     lead = plan.region[node]
     if lead == 1 and _loss_on_rows(node, user):
@@ -261,11 +341,16 @@ def _loss_on_rows(node: Node, user: Node) -> bool:
     return not bound.arguments["label_smoothing"] and bound.arguments["target"] is not node
 
 
-def _layout_to_attention_from(node: Node, user: Node) -> bool:
+def _layout_to_attention_from(node: Node, user: Node, plan: "_Plan") -> bool:
     if user.op == "call_function" and user.target in _SDPA:
         return node in user.args[:3]
     layout = (user.op == "call_method" and user.target in _LAYOUT_METHODS)
-    return layout and _layout_to_attention(user)
+    if not layout:
+        return False
+    chain = _Chain(plan.reached())
+    if not _layout_to_attention(user, None, chain):
+        return False
+    return not chain.entries or _features_last(plan.gm, node, plan.region[node], chain.entries)
 
 
 def padding_elimination(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: Options,

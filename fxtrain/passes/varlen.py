@@ -16,8 +16,17 @@ What makes it exact, and what is checked before relying on it:
   (``[tokens, features]`` -> ``[batch, heads, seq, dim]`` with each head a contiguous block of
   features) and the output ops only merge them back: checked by running those ops on a probe whose
   values name their own position;
+- between that head split and attention, q and k may pass through ops that act on each position
+  alone (rotary position embeddings: ``q * cos + rotate_half(q) * sin``; ``per_position_op`` lists
+  what qualifies, with shape checks). They are re-run on the packed rows, laid out as
+  ``[tokens, heads, 1, dim]``, with each operand computed outside the padded tensors (cos/sin, from
+  the positions) gathered at each real token's own ``(row, position)``; on the capturing batch the
+  result is checked bit-equal to the dense ops' at the real tokens. Positions are whatever eager
+  used (HF counts them from the row start, padding included, unless position_ids are given);
+- grouped-query attention's repeat of key/value heads (HF's ``repeat_kv``) is repeated on the
+  packed rows (``repeat_interleave``), as eager copies it on the padded ones;
 - no attention dropout (``dropout_p`` 0: eager's dropout mask over the padded layout has no
-  per-sequence equivalent), no grouped-query broadcast, a constant scale.
+  per-sequence equivalent), no ``enable_gqa`` flag, a constant scale.
 
 An attention that fails any of these keeps the re-padded path, which is exact, and the reason is
 logged and reported.
@@ -36,12 +45,83 @@ from ..runtime.varlen_attention import VARLEN_ATTENTION
 from .batch_guard import GuardBuilder, row_lengths
 from .plans import Plans
 from .row_ops import row_selection
-from .rows import ancestors, run_node
+from .rows import _same, ancestors, run_node, value
 
 logger = logging.getLogger("fxtrain")
 Node = torch.fx.Node
 _LAYOUT = {"view", "reshape", "transpose", "permute", "contiguous", "split", "chunk", "unflatten", "flatten"}
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
+
+
+# Ops that act on each (batch, position) of q or k alone, as rotary position embeddings do between the
+# head split and attention: elementwise arithmetic (operands from outside the padded tensors, such
+# as cos/sin of the positions, may broadcast), casts, and slices or concatenations of the last dim.
+_CHAIN_FUNCTIONS = {operator.mul, operator.add, operator.sub, operator.truediv, operator.neg,
+                    torch.mul, torch.add, torch.sub, torch.div, torch.neg}
+_CHAIN_METHODS = {"mul", "add", "sub", "div", "neg", "to", "float", "half", "bfloat16", "double", "type_as"}
+_DIVIDES = {operator.truediv, torch.div, "div"}
+
+
+def _last_dim_slice(index: Any, ndim: int) -> bool:
+    """``x[..., a:b]`` or ``x[:, :, :, a:b]``: a slice of the last dim only."""
+    if not isinstance(index, tuple) or not index or not isinstance(index[-1], slice):
+        return False
+    last = index[-1]
+    if not all(v is None or isinstance(v, int) for v in (last.start, last.stop, last.step)):
+        return False
+    lead = index[:-1]
+    if lead == (Ellipsis,):
+        return True
+    return len(index) == ndim and all(i == slice(None) for i in lead)
+
+
+def per_position_op(node: Node, inside: Callable[[Any], bool]) -> bool:
+    """``node`` computes each (batch, position) of its output from the same one of its ``inside``
+    operands (tensors laid out ``[..., features]``) and from operands that ``inside`` rejects
+    (computed without the padded tensors: cos/sin of the positions), which may broadcast.
+
+    A strict list, with shapes checked: an inside operand has the output's rank and leading dims (it
+    is never broadcast along a position), and only the last dim is sliced or concatenated."""
+    out = value(node)
+    if not isinstance(out, torch.Tensor) or out.dim() < 2:
+        return False
+    operands = [a for a in list(node.args) + list(node.kwargs.values())]
+    if node.op == "call_function" and node.target is torch.cat:
+        parts = node.args[0] if node.args else node.kwargs.get("tensors")
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        if not isinstance(parts, (list, tuple)) or not isinstance(dim, int) or dim % out.dim() != out.dim() - 1:
+            return False
+        operands = list(parts)
+    elif node.op == "call_function" and node.target is operator.getitem:
+        src = value(node.args[0])
+        if not inside(node.args[0]) or not isinstance(src, torch.Tensor) \
+                or not _last_dim_slice(node.args[1], src.dim()):
+            return False
+        operands = [node.args[0]]
+    elif node.op == "call_method" and node.target in _CHAIN_METHODS:
+        if node.target == "to" and any(isinstance(a, torch.Tensor) or isinstance(value(a), torch.Tensor)
+                                       for a in node.args[1:]):
+            return False
+    elif not (node.op == "call_function" and node.target in _CHAIN_FUNCTIONS):
+        return False
+    target = node.target
+    ins = [a for a in operands if isinstance(a, Node) and inside(a)]
+    if not ins:
+        return False
+    if target in _DIVIDES and len(node.args) > 1 and isinstance(node.args[1], Node) and inside(node.args[1]):
+        return False   # a padding position's zeros would divide into inf/NaN values
+    for a in operands:
+        v = value(a)
+        if isinstance(a, Node) and inside(a):
+            if not isinstance(v, torch.Tensor) or v.dim() != out.dim() or len(v.shape) < 2 \
+                    or not all(_same(x, y) for x, y in zip(v.shape[:-1], out.shape[:-1])):
+                return False
+        elif isinstance(v, torch.Tensor):
+            if v.dim() > out.dim():
+                return False
+        elif not isinstance(v, (int, float, bool, torch.dtype, torch.device, type(None), str)):
+            return False
+    return True
 
 
 def sdpa_arguments(node: Node) -> Dict[str, Any]:
@@ -76,7 +156,8 @@ def mask_kind(attn_mask: Any, tokens: torch.Tensor) -> Optional[bool]:
 
 class _Match:
     def __init__(self) -> None:
-        self.inputs: List[Tuple[Node, int]] = []   # (packed rows, first feature) for q, k, v
+        # q, k, v: (packed rows, first feature, per-position chain, heads, repeats of each head)
+        self.inputs: List[Tuple[Node, int, Optional[_Chain], int, int]] = []
         self.heads = 0
         self.dim = 0
         self.gather: Optional[Node] = None
@@ -125,6 +206,171 @@ def _put_rows_above(x: Node, index: Node) -> Tuple[Optional[Node], List[Node]]:
         node = src
 
 
+class _Chain:
+    """Ops between a head split of the re-padded rows (``entry``, ``[batch, heads, seq, dim]``) and
+    attention's input that act on each position alone (``per_position_op``: rotary embeddings).
+    ``sides``: their operands computed without the padded rows (cos/sin of the positions), with how
+    each is laid out over the positions ("tokens": ``[batch, ., seq, .]``, "positions":
+    ``[1, ., seq, .]``, "batch": ``[batch, ., 1, .]``, "keep": broadcast over every position)."""
+
+    def __init__(self, entry: Node, nodes: List[Node], out: Node, post: List[Node], sides: Dict[Node, str]) -> None:
+        self.entry, self.nodes, self.out, self.post, self.sides = entry, nodes, out, post, sides
+
+
+def _below(gm: torch.fx.GraphModule, index: Node) -> Set[Node]:
+    """Every node computed from a re-padding (``put_rows``) of the real tokens' rows at ``index``."""
+    stack = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "index_copy_"
+             and len(n.args) == 4 and n.args[2] is index]
+    seen: Set[Node] = set()
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.users)
+    return seen
+
+
+def _chain_above(gm: torch.fx.GraphModule, x: Node, index: Node) -> Tuple[Optional[_Chain], str]:
+    """The per-position ops (and the head split they start from) that attention's input ``x`` is."""
+    post: List[Node] = []
+    y = x
+    while True:
+        if y.op == "call_function" and y.target is torch.cat and _cat_source(y) is not None:
+            post.append(y)
+            y = _cat_source(y)
+        elif y.op == "call_method" and y.target == "contiguous" and isinstance(y.args[0], Node):
+            post.append(y)
+            y = y.args[0]
+        else:
+            break
+    below = _below(gm, index)
+
+    def inside(a: Any) -> bool:
+        return isinstance(a, Node) and a in below
+
+    ops: Set[Node] = set()
+    entries: Set[Node] = set()
+    stack = [y]
+    while stack:
+        node = stack.pop()
+        if node in ops or node in entries:
+            continue
+        if inside(node) and per_position_op(node, inside):
+            ops.add(node)
+            stack.extend(a for a in node.all_input_nodes if inside(a))
+        else:
+            entries.add(node)
+    if not ops or len(entries) != 1:
+        return None, "is neither a head split of the packed real tokens nor per-position ops on one"
+    (entry,) = entries
+    e = value(entry)
+    if not isinstance(e, torch.Tensor) or e.dim() != 4:
+        return None, "has per-position ops on something other than [batch, heads, seq, dim]"
+    sides: Dict[Node, str] = {}
+    for node in ops:
+        for a in node.all_input_nodes:
+            if inside(a):
+                continue
+            v = value(a)
+            if not isinstance(v, torch.Tensor):
+                return None, f"has a per-position op reading {a.name}, not a tensor"
+            if v.dim() <= 1:
+                sides[a] = "keep"
+                continue
+            if v.dim() != 4:
+                return None, f"has rotary-style operands ({a.name}) that are not [batch, ., seq, .]"
+            per_b, per_s = not _same(v.shape[0], 1), not _same(v.shape[2], 1)
+            if (per_b and not _same(v.shape[0], e.shape[0])) or (per_s and not _same(v.shape[2], e.shape[2])):
+                return None, f"has rotary-style operands ({a.name}) that are not [batch, ., seq, .]"
+            sides[a] = {(True, True): "tokens", (False, True): "positions", (True, False): "batch",
+                        (False, False): "keep"}[(per_b, per_s)]
+    nodes = [n for n in gm.graph.nodes if n in ops]
+    return _Chain(entry, nodes, y, post, sides), ""
+
+
+def _token_positions(call: Callable[..., Any], kind: str, index: Any, seq: Any) -> Any:
+    """Where each packed real token (flat position in ``index``) reads a side input laid out as
+    ``kind`` (see ``_Chain``). ``call(f, *args)`` runs ``f`` or inserts it in a graph, so that the
+    check on the capturing batch runs the very ops the graph gets."""
+    if kind == "tokens":
+        return index
+    if kind == "positions":
+        return call(torch.remainder, index, seq)
+    return call(torch.div, index, seq, rounding_mode="floor")
+
+
+def _side_rows(call: Callable[..., Any], side: Any, kind: str, at: Any) -> Any:
+    """The rows of ``side`` (``[batch|1, h, seq|1, d]``) at ``at`` (``_token_positions``), as
+    ``[tokens, h, 1, d]``: the layout the chain runs in on packed rows."""
+    if kind == "keep":
+        return side
+    per = call(torch.transpose, side, 1, 2)                      # [batch|1, seq|1, h, d]
+    if kind == "tokens":
+        src = call(torch.flatten, per, 0, 1)
+    else:
+        src = call(torch.select, per, 0 if kind == "positions" else 1, 0)
+    return call(torch.unsqueeze, call(torch.index_select, src, 0, at), 2)
+
+
+def _chain_exact(chain: _Chain, ev: "_Evaluator", tokens: torch.Tensor, heads: int, dim: int) -> bool:
+    """On the capturing batch's cos/sin and a random q: the chain run on the packed real tokens
+    (``[tokens, heads, 1, dim]``, each side input's rows gathered) equals the dense chain at the
+    real tokens, bit for bit."""
+    b, s = tokens.shape
+    e = value(chain.entry)
+    g = torch.Generator().manual_seed(0)
+    probe = torch.randn(b, heads, s, dim, generator=g, dtype=torch.float64).to(device=tokens.device, dtype=e.dtype)
+    idx = tokens.flatten().nonzero().flatten()
+    dense: Dict[Node, Any] = {chain.entry: probe}
+    packed: Dict[Node, Any] = {chain.entry: probe.transpose(1, 2).reshape(b * s, heads, dim)[idx].unsqueeze(2)}
+
+    def call(f: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return f(*args, **kwargs)
+
+    try:
+        for side, kind in chain.sides.items():
+            v = ev.outside(side)
+            if not isinstance(v, torch.Tensor):
+                return False
+            dense[side] = v
+            packed[side] = _side_rows(call, v, kind, None if kind == "keep" else _token_positions(call, kind, idx, s))
+        for node in chain.nodes:
+            dense[node] = run_node(node, dense)
+            packed[node] = run_node(node, packed)
+    except Exception:
+        return False
+    want, got = dense[chain.out], packed[chain.out]
+    if not isinstance(want, torch.Tensor) or want.shape != (b, heads, s, dim) or got.shape != (len(idx), heads, 1, dim):
+        return False
+    return torch.equal(got.squeeze(2), want.transpose(1, 2).reshape(b * s, heads, dim)[idx])
+
+
+def _repeated_heads(x: Node) -> Tuple[int, List[Node]]:
+    """``(rep, nodes)`` when ``x`` is grouped-query attention's repeat of key/value heads
+    (``y[:, :, None].expand(b, kv, rep, s, d).reshape(b, kv * rep, s, d)``, HF's repeat_kv):
+    ``nodes`` from ``x`` up to the indexing of ``y``. ``(1, [])`` otherwise."""
+    if x.op != "call_method" or x.target not in ("reshape", "view") or not isinstance(x.args[0], Node):
+        return 1, []
+    e = x.args[0]
+    if e.op != "call_method" or e.target != "expand" or not isinstance(e.args[0], Node):
+        return 1, []
+    g = e.args[0]
+    if g.op != "call_function" or g.target is not operator.getitem or not isinstance(g.args[0], Node) \
+            or not isinstance(g.args[1], tuple) or g.args[1][:3] != (slice(None), slice(None), None) \
+            or any(i != slice(None) for i in g.args[1][3:]):
+        return 1, []
+    vx, ve, vy = value(x), value(e), value(g.args[0])
+    if not all(isinstance(v, torch.Tensor) for v in (vx, ve, vy)) or vy.dim() != 4 or ve.dim() != 5 \
+            or vx.dim() != 4 or not isinstance(ve.shape[2], int) or not isinstance(vy.shape[1], int):
+        return 1, []
+    rep = ve.shape[2]
+    b, kv, s, d = vy.shape
+    if not all(_same(p, q) for p, q in zip(ve.shape, (b, kv, rep, s, d))) \
+            or not all(_same(p, q) for p, q in zip(vx.shape, (b, kv * rep, s, d))):
+        return 1, []
+    return rep, [x, e, g]
+
+
 class _Evaluator:
     """Runs parts of the rewritten graph on the capturing batch's values, with one node's value
     replaced by a probe."""
@@ -167,9 +413,21 @@ def _match(gm: torch.fx.GraphModule, sdpa: Node, index: Node, tokens: torch.Tens
     match = _Match()
     for name in ("query", "key", "value"):
         x = args[name]
-        put, path = _put_rows_above(x, index) if isinstance(x, Node) else (None, [])
-        if put is None:
+        if not isinstance(x, Node):
             return None, f"its {name} is not a head split of the packed real tokens"
+        rep, repeat = (1, []) if name == "query" else _repeated_heads(x)
+        if repeat:
+            x = repeat[-1].args[0]
+        put, path = _put_rows_above(x, index)
+        chain = None
+        if put is None:
+            chain, why = _chain_above(gm, x, index)
+            if chain is None:
+                return None, f"its {name} {why}"
+            put, path = _put_rows_above(chain.entry, index)
+            if put is None:
+                return None, f"its {name} is not per-position ops on a head split of the packed real tokens"
+            x = chain.entry
         zeros = put.args[0]
         features = zeros.args[1][1:] if isinstance(zeros.args[1], (tuple, list)) else ()
         if len(features) != 1 or not isinstance(features[0], int):
@@ -187,11 +445,15 @@ def _match(gm: torch.fx.GraphModule, sdpa: Node, index: Node, tokens: torch.Tens
         block = first + torch.arange(heads * dim).view(heads, dim)
         if not bool((position == where).all()) or not bool((feature == block).all()):
             return None, f"its {name} does not split each token's features into heads"
-        if match.heads and (heads, dim) != (match.heads, match.dim):
+        if match.heads and (heads * rep, dim) != (match.heads, match.dim):
             return None, "q, k and v differ in heads or head size"
-        match.heads, match.dim = heads, dim
-        match.inputs.append((put.args[3], first))
-        match.dead += path + [put, zeros]
+        match.heads, match.dim = heads * rep, dim
+        if chain is not None and not _chain_exact(chain, ev, tokens, heads, dim):
+            return None, f"its {name}'s per-position ops differ when run on the packed real tokens"
+        match.inputs.append((put.args[3], first, chain, heads, rep))
+        match.dead += repeat + path + [put, zeros]
+        if chain is not None:
+            match.dead += chain.post + chain.nodes[::-1]
     node, path = sdpa, []
     while True:
         users = list(node.users)
@@ -213,6 +475,18 @@ def _match(gm: torch.fx.GraphModule, sdpa: Node, index: Node, tokens: torch.Tens
         return None, "its output is not merged back head after head"
     match.dead += [match.gather] + path[::-1] + [sdpa]
     return match, ""
+
+
+def _chain_on_rows(graph: torch.fx.Graph, chain: _Chain, packed: Node, side_rows: Callable[[Node, str], Node]) -> Node:
+    """``chain`` copied onto the packed ``[tokens, heads, dim]`` rows: run as ``[tokens, heads, 1,
+    dim]`` (the dense layout's rank, each token its own position) with each side input's rows."""
+    env: Dict[Node, Any] = {chain.entry: graph.call_function(torch.unsqueeze, (packed, 2))}
+    for side, kind in chain.sides.items():
+        env[side] = side_rows(side, kind)
+    for node in chain.nodes:
+        env[node] = graph.node_copy(node, lambda a: env[a])
+        env[node].meta = {}
+    return graph.call_function(torch.squeeze, (env[chain.out], 2))
 
 
 def _erase_dead(graph: torch.fx.Graph, nodes: List[Node]) -> None:
@@ -275,6 +549,26 @@ def attention_on_real_tokens(gm: torch.fx.GraphModule, plans: Plans, kinds: Dict
     guarded: Dict[Tuple[Node, bool], bool] = {}
     builder = GuardBuilder.of(gm, plans)
     done = 0
+    gathered: Dict[Node, Node] = {}
+    positions: Dict[str, Node] = {}
+
+    def call(f: Callable[..., Any], *args: Any, **kwargs: Any) -> Node:
+        return graph.call_function(f, args, kwargs)
+
+    def side_rows(side: Node, kind: str) -> Node:
+        """``_side_rows`` in the graph, once per side input, right where that input is made."""
+        if side not in gathered:
+            at = None
+            if kind != "keep":
+                if kind not in positions:
+                    with graph.inserting_before(index.next):   # right after the real tokens' index
+                        seq = graph.call_method("size", (mask, 1))
+                        positions[kind] = _token_positions(call, kind, index, seq)
+                at = positions[kind]
+            with graph.inserting_before(side.next):
+                gathered[side] = _side_rows(call, side, kind, at)
+        return gathered[side]
+
     for sdpa, causal in kinds.items():
         if causal is None:
             why.append(f"{sdpa.name}: its mask is not padding plus causal order")
@@ -298,11 +592,16 @@ def attention_on_real_tokens(gm: torch.fx.GraphModule, plans: Plans, kinds: Dict
                 lengths = row_lengths(gm, plans, graph.call_function(torch.ne, (mask, pad)))
         scale = sdpa_arguments(sdpa)["scale"]
         scale = float(scale) if scale is not None else match.dim ** -0.5
-        width = match.heads * match.dim
         with graph.inserting_before(sdpa):
-            packed = [graph.call_method("unflatten", (graph.call_method("narrow", (rows, 1, first, width)),
-                                                      1, (match.heads, match.dim)))
-                      for rows, first in match.inputs]
+            packed = []
+            for rows, first, chain, heads, rep in match.inputs:
+                x = graph.call_method("unflatten", (graph.call_method("narrow", (rows, 1, first, heads * match.dim)),
+                                                    1, (heads, match.dim)))
+                if chain is not None:
+                    x = _chain_on_rows(graph, chain, x, side_rows)
+                if rep > 1:   # grouped-query attention: each key/value head serves rep query heads
+                    x = graph.call_function(torch.repeat_interleave, (x, rep), {"dim": 1})
+                packed.append(x)
             both = graph.call_function(VARLEN_ATTENTION, (*packed, lengths, scale, bool(causal)))
             out = graph.call_method("flatten", (graph.call_function(operator.getitem, (both, 0)), 1))
         if match.gather_index is not index:   # some real rows (labelled ones): at their packed rows
