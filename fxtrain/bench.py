@@ -13,7 +13,7 @@ import logging
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from tqdm import tqdm
@@ -36,6 +36,9 @@ class BenchConfig:
     label_density: float = 0.07
     padding_side: str = "right"
     labels_at_end: Optional[float] = None
+    # Packed rows instead of padded ones: documents of lengths in this range, several per row
+    # (models.packed_batch; padding and label_density then do not apply).
+    packed: Optional[Tuple[int, int]] = None
     steps: int = 5
     warmup: int = 1
     modes: Sequence[str] = ("eager", "compile", "fxtrain")
@@ -80,6 +83,9 @@ WORKLOADS: Dict[str, Workload] = {
                          dict(model="gpt2", batch=16, seq=128, padding=0.3, labels_at_end=0.25)),
     "bert-mlm-long": Workload("long-row BERT-MLM hidden 256, 4 layers: 4 x 1024, 60% padding, 15% labels",
                               dict(model="bert-mlm-1024", batch=4, seq=1024, padding=0.6, label_density=0.15)),
+    "llama-packed": Workload("Llama-style LM hidden 256, 4 layers: 4 x 1024 packed rows of documents of 32..512 "
+                             "tokens (DataCollatorWithFlattening's layout), every label but documents' first",
+                             dict(model="llama-small", batch=4, seq=1024, packed=(32, 512))),
     "gpt2-dense": Workload("dense GPT-2 LM step: 8 x 128, no padding, every label",
                            dict(model="gpt2", batch=8, seq=128, padding=0.0)),
 }
@@ -148,7 +154,8 @@ class BenchResult:
                          f"{vs_eager:.2f}x" if vs_eager else "-", f"{vs_compile:.2f}x" if vs_compile else "-",
                          f"{diff:.2e}" if diff is not None else "-"])
         c = self.config
-        title = (f"{c.model}: batch {c.batch} x seq {c.seq}, padding {self.densities['padding']:.0%}, "
+        packed = f"packed documents of {c.packed[0]}..{c.packed[1]} tokens, " if c.packed else ""
+        title = (f"{c.model}: batch {c.batch} x seq {c.seq}, {packed}padding {self.densities['padding']:.0%}, "
                  f"labelled {self.densities['labelled']:.1%}; {c.steps} timed steps after {c.warmup} warm-up, "
                  f"modes interleaved, on {c.device}")
         lines = [title, format_table(headers, rows)]
@@ -208,6 +215,9 @@ def _step(fn: Callable[..., Any], opt: torch.optim.Optimizer, batch: Dict[str, t
 def _batches(config: BenchConfig, n: int) -> List[Dict[str, torch.Tensor]]:
     preset = models.PRESETS[config.model]
     g = torch.Generator().manual_seed(config.seed)
+    if config.packed is not None:
+        return [models.packed_batch(config.batch, config.seq, preset.vocab, documents=config.packed,
+                                    pad_id=preset.pad_id, generator=g) for _ in range(n)]
     return [models.synthetic_batch(preset.kind, config.batch, config.seq, preset.vocab, padding=config.padding,
                                    label_density=config.label_density, pad_id=preset.pad_id,
                                    padding_side=config.padding_side, labels_at_end=config.labels_at_end,
@@ -220,11 +230,11 @@ def run_benchmark(config: BenchConfig, progress: bool = True) -> BenchResult:
     preset = models.PRESETS[config.model]
     n_batches = 1 + config.warmup + config.steps
     batches = _batches(config, n_batches)
-    mask = torch.stack([b["attention_mask"] for b in batches])
+    mask = torch.stack([b.get("attention_mask", torch.ones_like(b["input_ids"])) for b in batches])
     labels = torch.stack([b["labels"] for b in batches]) if preset.kind != "cls" else None
     densities = {"padding": 1 - mask.float().mean().item(),
                  "labelled": (labels != -100).float().mean().item() if labels is not None else 1.0}
-    batches = [{k: v.to(device) for k, v in b.items()} for b in batches]
+    batches = [{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in batches]
 
     runs: Dict[str, Any] = {}
     results = {m: ModeResult(m) for m in config.modes}
