@@ -129,11 +129,10 @@ class _DocumentsAndPadding(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
-def test_a_batch_whose_mask_is_no_document_mask_runs_dense():
+def test_a_batch_whose_mask_is_no_document_mask_runs_dense(tmp_path):
     """The batch guard checks the mask on every batch: one that also masks keys (here a padding
-    mask) takes the dense route, with eager's numbers; a document mask again runs per document."""
-    torch.manual_seed(0)
-    tm, ref = wrap_pair(_DocumentsAndPadding())
+    mask) takes the dense route, with eager's numbers; a document mask again runs per document.
+    The same from the on-disk cache (the guard and the step are plain torch ops there too)."""
     g = torch.Generator().manual_seed(0)
 
     def batch(keep_last):
@@ -143,7 +142,12 @@ def test_a_batch_whose_mask_is_no_document_mask_runs_dense():
         return dict(input_ids=torch.randint(0, 50, (2, 8), generator=g), position_ids=pos, keep=keep,
                     labels=torch.randint(0, 50, (2, 8), generator=g))
 
-    train_parity(tm, ref, [batch(1), batch(0), batch(1)], lambda out, b: out)
-    info = tm.capture_info()
-    assert info.optimizations["packed_attention"].startswith("on:"), info.optimizations
-    assert sum(info.dense_batches.values()) == 1, info.dense_batches
+    batches = [batch(1), batch(0), batch(1)]
+    for hits in (0, 1):
+        torch.manual_seed(0)
+        tm, ref = wrap_pair(_DocumentsAndPadding(), cache_dir=str(tmp_path))
+        train_parity(tm, ref, batches, lambda out, b: out)
+        info = tm.capture_info()
+        assert info.cache_hits == hits, info.cache_log
+        assert info.optimizations["packed_attention"].startswith("on:"), info.optimizations
+        assert sum(info.dense_batches.values()) == 1, info.dense_batches

@@ -58,30 +58,61 @@ NAME = "packed_attention"
 _SDPA = {NN_SDPA, F.scaled_dot_product_attention}
 
 
-def document_starts(positions: torch.Tensor) -> torch.Tensor:
-    """``[batch, seq]`` bool: the tokens that begin a document, a document being a run of positions
-    that grow by one (a row's first token always begins one)."""
-    step = torch.diff(positions, dim=-1) != 1
-    return torch.cat([torch.ones_like(positions[:, :1], dtype=torch.bool), step], dim=-1)
+def emit_document_starts(graph: torch.fx.Graph, positions: Node) -> Node:
+    """Nodes of ``graph`` computing ``[batch, seq]`` bool: the tokens that begin a document, a
+    document being a run of positions that grow by one (a row's first token always begins one).
+    Plain torch ops, so that the step, the batch guard and the on-disk cache all take them."""
+    step = graph.call_function(torch.ne, (graph.call_function(torch.diff, (positions,), {"dim": -1}), 1))
+    first = graph.call_function(operator.getitem, (positions, (slice(None), slice(None, 1))))
+    first = graph.call_function(torch.ones_like, (first,), {"dtype": torch.bool})
+    return graph.call_function(torch.cat, ([first, step],), {"dim": -1})
 
 
-def is_document_mask(mask: torch.Tensor, positions: torch.Tensor, causal: bool) -> torch.Tensor:
-    """0-d bool: ``mask`` (an SDPA mask, bool or additive) lets each token see exactly the tokens of
-    its own document (at or before it when ``causal``), documents read from ``positions``
-    (``[batch, seq]``). Additive masks must block with ``-inf`` (weight exactly 0, as skipping)."""
-    b, s = positions.shape
-    if mask.dim() != 4 or mask.shape[-2:] != (s, s) or mask.shape[0] not in (1, b):
-        return torch.zeros((), dtype=torch.bool, device=mask.device)
-    if mask.dtype == torch.bool:
-        allowed, well_formed = mask, torch.ones((), dtype=torch.bool, device=mask.device)
-    else:
-        allowed = mask == 0
-        well_formed = (allowed | (mask == float("-inf"))).all()
-    doc = document_starts(positions).cumsum(-1)
-    expected = doc[:, None, :, None] == doc[:, None, None, :]
+def emit_document_mask_check(graph: torch.fx.Graph, mask: Node, positions: Node, causal: bool,
+                             is_bool: bool) -> Node:
+    """Nodes of ``graph`` computing a 0-d bool: ``mask`` (an SDPA mask, ``[batch or 1, heads or 1,
+    seq, seq]``, bool or additive as ``is_bool`` says) lets each token see exactly the tokens of its
+    own document (at or before it when ``causal``), documents read from ``positions``. An additive
+    mask must block with ``-inf`` (weight exactly 0, as skipping the key)."""
+    g = graph
+    doc = g.call_method("cumsum", (emit_document_starts(g, positions), -1))
+    q_doc = g.call_function(operator.getitem, (doc, (slice(None), None, slice(None), None)))
+    k_doc = g.call_function(operator.getitem, (doc, (slice(None), None, None, slice(None))))
+    expected = g.call_function(torch.eq, (q_doc, k_doc))                       # [batch, 1, seq, seq]
     if causal:
-        expected = expected & torch.ones(s, s, dtype=torch.bool, device=mask.device).tril()
-    return well_formed & (allowed == expected).all()
+        square = g.call_function(operator.getitem, (expected, (0, 0)))
+        lower = g.call_method("tril", (g.call_function(torch.ones_like, (square,)),))
+        expected = g.call_function(torch.logical_and, (expected, lower))
+    allowed = mask if is_bool else g.call_function(torch.eq, (mask, 0))
+    bad = g.call_method("any", (g.call_function(torch.ne, (allowed, expected)),))
+    ok = g.call_function(torch.logical_not, (bad,))
+    if not is_bool:
+        blocked = g.call_function(torch.eq, (mask, float("-inf")))
+        formed = g.call_method("all", (g.call_function(torch.logical_or, (allowed, blocked)),))
+        ok = g.call_function(torch.logical_and, (ok, formed))
+    return ok
+
+
+def _run(build: Any, *args: torch.Tensor) -> torch.Tensor:
+    graph = torch.fx.Graph()
+    inputs = [graph.placeholder(f"x{i}") for i in range(len(args))]
+    graph.output(build(graph, *inputs))
+    return torch.fx.GraphModule(torch.nn.Module(), graph)(*args)
+
+
+def document_starts(positions: torch.Tensor) -> torch.Tensor:
+    """``emit_document_starts`` on a tensor (the capturing batch, the bench's FLOP count)."""
+    return _run(emit_document_starts, positions)
+
+
+def is_document_mask(mask: torch.Tensor, positions: torch.Tensor, causal: bool) -> bool:
+    """``emit_document_mask_check`` on tensors: the capturing batch's check, the one every later
+    batch gets in the guard. False where the shapes do not fit (no document mask either)."""
+    b, s = positions.shape
+    if mask.dim() != 4 or tuple(mask.shape[-2:]) != (s, s) or mask.shape[0] not in (1, b):
+        return False
+    return bool(_run(lambda g, m, p: emit_document_mask_check(g, m, p, causal, mask.dtype == torch.bool),
+                     mask, positions))
 
 
 def _hint_shape(node: Any) -> Optional[Tuple[int, ...]]:
@@ -129,7 +160,7 @@ def _documents_of(mask: Any, sdpa_mask: Node, b: int, s: int) -> Tuple[Optional[
         return None, "no [batch, seq] integer input (position_ids) among its mask's inputs"
     for node, real in sorted(candidates, key=lambda c: c[0].name):
         for causal in (True, False):   # one-token documents fit both: causal is the stricter
-            if bool(is_document_mask(mask, real.to(mask.device), causal)):
+            if is_document_mask(mask, real.to(mask.device), causal):
                 return (node, causal), ""
     return None, "its mask is not 'same document' (and causal) over the runs of position_ids"
 
@@ -183,7 +214,8 @@ def packed_attention(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], op
             g_mask, g_pos = builder.node(args["attn_mask"]), builder.node(pos)
             guarded[key] = g_mask is not None and g_pos is not None
             if guarded[key]:
-                ok = builder.graph.call_function(is_document_mask, (g_mask, g_pos, causal))
+                is_bool = evaluated[args["attn_mask"]].dtype == torch.bool
+                ok = emit_document_mask_check(builder.graph, g_mask, g_pos, causal, is_bool)
                 kind = "causal " if causal else ""
                 builder.require(ok, f"the attention mask is not the {kind}document mask of position_ids "
                                     "that the per-document attention relies on")
@@ -192,7 +224,7 @@ def packed_attention(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], op
             continue
         if pos not in lengths_of:
             with graph.inserting_before(first):
-                starts = graph.call_function(document_starts, (pos,))
+                starts = emit_document_starts(graph, pos)
                 lengths_of[pos] = document_lengths(gm, plans, starts)
         scale = float(args["scale"]) if args["scale"] is not None else d ** -0.5
         with graph.inserting_before(sdpa):
