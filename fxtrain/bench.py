@@ -86,6 +86,8 @@ WORKLOADS: Dict[str, Workload] = {
     "llama-packed": Workload("Llama-style LM hidden 256, 4 layers: 4 x 1024 packed rows of documents of 32..512 "
                              "tokens (DataCollatorWithFlattening's layout), every label but documents' first",
                              dict(model="llama-small", batch=4, seq=1024, packed=(32, 512))),
+    "llama-packed-4k": Workload("the llama-packed model and documents in longer rows: 1 x 4096 packed tokens",
+                                dict(model="llama-small", batch=1, seq=4096, packed=(32, 512))),
     "gpt2-dense": Workload("dense GPT-2 LM step: 8 x 128, no padding, every label",
                            dict(model="gpt2", batch=8, seq=128, padding=0.0)),
 }
