@@ -175,3 +175,42 @@ def test_a_batch_whose_mask_is_no_document_mask_runs_dense(tmp_path):
         assert info.cache_hits == hits, info.cache_log
         assert info.optimizations["packed_attention"].startswith("on:"), info.optimizations
         assert sum(info.dense_batches.values()) == 1, info.dense_batches
+
+
+class _GroupedQueryDocuments(nn.Module):
+    """Bidirectional attention within documents, 4 query heads sharing one key/value head
+    (``enable_gqa``): the pass repeats the key/value head as SDPA pairs them."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.q = nn.Linear(16, 16, bias=False)
+        self.kv = nn.Linear(16, 8, bias=False)
+        self.head = nn.Linear(16, 50)
+
+    def forward(self, input_ids, position_ids, labels):
+        b, s = input_ids.shape
+        h = self.emb(input_ids)
+        q = self.q(h).view(b, s, 4, 4).transpose(1, 2)
+        k, v = (t.reshape(b, s, 1, 4).transpose(1, 2) for t in self.kv(h).split(4, dim=-1))
+        doc = (torch.diff(position_ids, dim=-1, prepend=position_ids[:, :1] - 1) != 1).cumsum(-1)
+        mask = doc[:, None, :, None] == doc[:, None, None, :]
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return F.cross_entropy(self.head(a.transpose(1, 2).reshape(b, s, 16)).flatten(0, 1), labels.flatten())
+
+
+def test_grouped_query_bidirectional_documents():
+    """Another kind of document mask (no causal order, grouped key/value heads), and a second batch
+    of other rows and documents (a position that does not grow by one starts one: ``0, 1, 1``)
+    served by the same capture."""
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(_GroupedQueryDocuments())
+    g = torch.Generator().manual_seed(0)
+    positions = [[[0, 1, 2, 0, 1, 0, 1, 2], [0, 1, 2, 3, 0, 1, 2, 3]],
+                 [[0, 0, 1, 2, 3, 4, 0, 1], [0, 1, 2, 3, 4, 5, 6, 7], [0, 0, 0, 0, 1, 1, 2, 0]]]
+    batches = [dict(input_ids=torch.randint(0, 50, (len(p), 8), generator=g), position_ids=torch.tensor(p),
+                    labels=torch.randint(0, 50, (len(p), 8), generator=g)) for p in positions]
+    train_parity(tm, ref, batches, lambda out, b: out)
+    info = tm.capture_info()
+    assert info.optimizations["packed_attention"].startswith("on:"), info.optimizations
+    assert len(info.records) == 1 and info.dense_batches == {}, (info.records, info.dense_batches)
