@@ -13,7 +13,7 @@ import logging
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from tqdm import tqdm
@@ -36,6 +36,9 @@ class BenchConfig:
     label_density: float = 0.07
     padding_side: str = "right"
     labels_at_end: Optional[float] = None
+    # Packed rows instead of padded ones: documents of lengths in this range, several per row
+    # (models.packed_batch; padding and label_density then do not apply).
+    packed: Optional[Tuple[int, int]] = None
     steps: int = 5
     warmup: int = 1
     modes: Sequence[str] = ("eager", "compile", "fxtrain")
@@ -83,6 +86,11 @@ WORKLOADS: Dict[str, Workload] = {
     "llama-sft": Workload("Llama-style causal LM (rotary, SwiGLU; hidden 256, 4 layers, vocab 32000): 16 x 128, "
                           "right padding 50%, loss on the last half of each sequence (the answer)",
                           dict(model="llama-small", batch=16, seq=128, padding=0.5, labels_at_end=0.5)),
+    "llama-packed": Workload("Llama-style LM hidden 256, 4 layers: 4 x 1024 packed rows of documents of 32..512 "
+                             "tokens (DataCollatorWithFlattening's layout), every label but documents' first",
+                             dict(model="llama-small", batch=4, seq=1024, packed=(32, 512))),
+    "llama-packed-4k": Workload("the llama-packed model and documents in longer rows: 1 x 4096 packed tokens",
+                                dict(model="llama-small", batch=1, seq=4096, packed=(32, 512))),
     "gpt2-dense": Workload("dense GPT-2 LM step: 8 x 128, no padding, every label",
                            dict(model="gpt2", batch=8, seq=128, padding=0.0)),
 }
@@ -101,10 +109,33 @@ def flop_ideal_ratio(config: BenchConfig) -> float:
     dense = profile(model, optimizations=False, reuse=False, **batch)
     sparse = profile(model, optimizations=True, reuse=False, **batch)
     uncosted = sorted({u.op for u in sparse.unknown_ops} - {u.op for u in dense.unknown_ops})
+    extra = 0
+    if config.packed is not None and "position_ids" in batch:
+        # Attention by document: its lengths are data, which the profiler's fake tensors lack; the
+        # capturing batch's documents give its FLOPs (the formulas the profiler uses for SDPA).
+        extra = _document_attention_flops(model, batch["position_ids"])
+        uncosted = [op for op in uncosted if "varlen_attention" not in op]
     if uncosted:   # an op without a FLOP count makes fxtrain's step look cheaper than it is
         logger.warning("FLOP-ideal ratio is an upper bound: fxtrain's step has ops the profiler cannot cost: %s",
                        ", ".join(uncosted))
-    return dense.flops / sparse.flops
+    return dense.flops / (sparse.flops + extra)
+
+
+def _document_attention_flops(model: torch.nn.Module, positions: torch.Tensor) -> int:
+    """Forward and backward FLOPs of attention run document by document over every layer, documents
+    being the runs of ``positions`` (packed rows)."""
+    from .passes.documents import document_starts
+    from .profile.flops import attention_backward_flops, attention_flops
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    total = 0
+    for row in document_starts(positions):
+        at = row.nonzero().view(-1).tolist() + [row.numel()]
+        for n in (e - a for a, e in zip(at, at[1:])):
+            shape = (1, heads, n, dim)
+            total += attention_flops(shape, shape, shape) + attention_backward_flops(shape, shape, shape)
+    return total * cfg.num_hidden_layers
 
 
 @dataclass
@@ -151,7 +182,8 @@ class BenchResult:
                          f"{vs_eager:.2f}x" if vs_eager else "-", f"{vs_compile:.2f}x" if vs_compile else "-",
                          f"{diff:.2e}" if diff is not None else "-"])
         c = self.config
-        title = (f"{c.model}: batch {c.batch} x seq {c.seq}, padding {self.densities['padding']:.0%}, "
+        packed = f"packed documents of {c.packed[0]}..{c.packed[1]} tokens, " if c.packed else ""
+        title = (f"{c.model}: batch {c.batch} x seq {c.seq}, {packed}padding {self.densities['padding']:.0%}, "
                  f"labelled {self.densities['labelled']:.1%}; {c.steps} timed steps after {c.warmup} warm-up, "
                  f"modes interleaved, on {c.device}")
         lines = [title, format_table(headers, rows)]
@@ -211,6 +243,9 @@ def _step(fn: Callable[..., Any], opt: torch.optim.Optimizer, batch: Dict[str, t
 def _batches(config: BenchConfig, n: int) -> List[Dict[str, torch.Tensor]]:
     preset = models.PRESETS[config.model]
     g = torch.Generator().manual_seed(config.seed)
+    if config.packed is not None:
+        return [models.packed_batch(config.batch, config.seq, preset.vocab, documents=config.packed,
+                                    pad_id=preset.pad_id, generator=g) for _ in range(n)]
     return [models.synthetic_batch(preset.kind, config.batch, config.seq, preset.vocab, padding=config.padding,
                                    label_density=config.label_density, pad_id=preset.pad_id,
                                    padding_side=config.padding_side, labels_at_end=config.labels_at_end,
@@ -223,11 +258,11 @@ def run_benchmark(config: BenchConfig, progress: bool = True) -> BenchResult:
     preset = models.PRESETS[config.model]
     n_batches = 1 + config.warmup + config.steps
     batches = _batches(config, n_batches)
-    mask = torch.stack([b["attention_mask"] for b in batches])
+    mask = torch.stack([b.get("attention_mask", torch.ones_like(b["input_ids"])) for b in batches])
     labels = torch.stack([b["labels"] for b in batches]) if preset.kind != "cls" else None
     densities = {"padding": 1 - mask.float().mean().item(),
                  "labelled": (labels != -100).float().mean().item() if labels is not None else 1.0}
-    batches = [{k: v.to(device) for k, v in b.items()} for b in batches]
+    batches = [{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in batches]
 
     runs: Dict[str, Any] = {}
     results = {m: ModeResult(m) for m in config.modes}

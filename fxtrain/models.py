@@ -6,7 +6,7 @@ in the docs can be reproduced by name.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -182,6 +182,34 @@ def synthetic_batch(kind: str, batch: int, seq: int, vocab: int, *, padding: flo
         raise ValueError(f"unknown batch kind {kind!r}")
     if device is not None:  # where the model trains ("cuda", ...): the batch is built on the CPU
         out = {k: v.to(device) for k, v in out.items()}
+    return out
+
+
+def packed_batch(batch: int, seq: int, vocab: int, *, documents: Tuple[int, int] = (32, 512), pad_id: int = 0,
+                 generator: Optional[torch.Generator] = None,
+                 device: Optional[torch.device] = None) -> Dict[str, Any]:
+    """A packed causal-LM batch, as HF's ``DataCollatorWithFlattening`` makes one per row: each row
+    of ``seq`` tokens holds documents of random lengths in ``documents`` (the last one cut to fill
+    the row), ``position_ids`` restart at 0 with each document, ``labels`` are the ids with -100 on
+    each document's first token, no ``attention_mask``; ``use_cache=False`` so that HF builds the
+    document mask."""
+    g = generator or torch.Generator().manual_seed(0)
+    cpu = torch.device("cpu")
+    lo, hi = documents
+    positions = torch.empty(batch, seq, dtype=torch.long)
+    for r in range(batch):
+        at = 0
+        while at < seq:
+            n = min(int(torch.randint(lo, hi + 1, (1,), generator=g)), seq - at)
+            positions[r, at:at + n] = torch.arange(n)
+            at += n
+    low = 0 if pad_id != 0 else 1
+    ids = torch.randint(low, vocab, (batch, seq), generator=g, device=cpu)
+    ids = torch.where(ids == pad_id, (pad_id + 1) % vocab, ids)
+    out: Dict[str, Any] = {"input_ids": ids, "labels": ids.masked_fill(positions == 0, -100),
+                           "position_ids": positions, "use_cache": False}
+    if device is not None:
+        out = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in out.items()}
     return out
 
 

@@ -61,8 +61,14 @@ class Options:
         "choices": ("auto", "on", "off"),
         "help": "When the model keeps only some rows (e.g. `h[:, 0]` for a classifier), compute the last "
                 "layers' token-wise work for those rows only."})
+    packed_attention: str = field(default="auto", metadata={
+        "choices": ("auto", "on", "off"),
+        "help": "Packed batches (several documents per row, `position_ids` restarting, no `attention_mask`; "
+                "HF's DataCollatorWithFlattening with use_cache=False): run each attention whose mask keeps "
+                "tokens within their document document by document; 'auto' turns it on when the capturing "
+                "batch's attention work within documents over whole rows is below `sparsity_threshold`."})
     sparsity_threshold: float = field(default=0.9, metadata={
-        "help": "Density (labelled or non-padding fraction) below which an 'auto' sparsity pass turns on."})
+        "help": "Density (labelled or non-padding fraction, attention work within documents) below which an 'auto' sparsity pass turns on."})
     sparsity_guard: str = field(default="dense", metadata={
         "choices": ("dense", "raise"),
         "help": "A batch that breaks a sparsity pass's per-batch condition (a label or a kept row on a padding "

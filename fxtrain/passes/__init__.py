@@ -18,6 +18,7 @@ from ..options import Options
 from .base import Pass, PassReport
 from . import cross_entropy_grad as _ce_grad, embedding_grad as _emb_grad
 from .cross_entropy_grad import cross_entropy_grad
+from .documents import packed_attention
 from .embedding_grad import tied_embedding_grad
 from .label_sparsity import label_sparsity
 from .padding_elimination import padding_elimination
@@ -26,7 +27,10 @@ from .scatter_in_place import scatter_in_place
 from .upstream_slicing import upstream_slicing
 
 # Padding elimination keeps the row selections the others inserted and checks them on real tokens.
-RUNS_AFTER: Dict[str, Tuple[str, ...]] = {"padding_elimination": ("label_sparsity", "upstream_slicing")}
+# Packed attention takes the attentions padding elimination leaves (its own per-sequence attention
+# on real tokens comes first where a batch is padded; a packed one has no attention_mask).
+RUNS_AFTER: Dict[str, Tuple[str, ...]] = {"padding_elimination": ("label_sparsity", "upstream_slicing"),
+                                          "packed_attention": ("padding_elimination",)}
 
 
 def ordered(passes: Sequence[Pass]) -> List[Pass]:
@@ -52,7 +56,7 @@ def ordered(passes: Sequence[Pass]) -> List[Pass]:
     return done
 
 
-PASSES: List[Pass] = ordered([label_sparsity, upstream_slicing, padding_elimination])
+PASSES: List[Pass] = ordered([label_sparsity, upstream_slicing, padding_elimination, packed_attention])
 BACKWARD_PASSES: List[Callable[[torch.fx.GraphModule], PassReport]] = [cross_entropy_grad, tied_embedding_grad]
 FORWARD_GRAPH_PASSES: List[Callable[[torch.fx.GraphModule], PassReport]] = [scatter_in_place]
 # The aten ops each backward pass rewrites: a code generator must leave them whole for the pass.

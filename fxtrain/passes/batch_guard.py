@@ -7,9 +7,10 @@ writes each condition into a small graph of its own (a few integer ops over ``[b
 that the runtime evaluates before the step (``runtime/dense_route.py``), and a batch that fails it
 runs through the graph captured before the passes: eager's numbers, never an exception.
 
-The same graph counts the rows each selection of the passes keeps (``counted_index``), and the real
-tokens of each sequence where attention runs sequence by sequence (``row_lengths``): conditions
-and counts reach the host in one transfer, the step's only device-to-host synchronisation, and the
+The same graph counts the rows each selection of the passes keeps (``counted_index``), the real
+tokens of each sequence where attention runs sequence by sequence (``row_lengths``) and reads the
+document-start flags of packed rows where it runs document by document (``document_lengths``):
+conditions and counts reach the host in one transfer, the step's only device-to-host synchronisation, and the
 selections in the step are sized by those counts (``runtime/host_counts.py``) instead of syncing
 once per ``nonzero``.
 """
@@ -22,7 +23,7 @@ import torch
 import torch.fx
 
 from ..runtime.direct import direct
-from ..runtime.host_counts import HOST_COUNT, HOST_ROW_LENGTHS, new_slot, provide
+from ..runtime.host_counts import HOST_COUNT, HOST_DOCUMENT_LENGTHS, HOST_ROW_LENGTHS, new_slot, provide
 from .plans import Plans
 
 Node = torch.fx.Node
@@ -48,7 +49,7 @@ class GuardBuilder:
         self.conditions: List[Tuple[Node, str]] = []
         self.counts: List[Tuple[Node, int]] = []       # (0-d int64 node of the guard graph, slot)
         self.vectors: List[Tuple[Node, int]] = []      # (1-d int64 node of the guard graph, slot)
-        self.row_slots: Dict[Node, int] = {}           # row_counts' bool node -> its slot (one per mask)
+        self.row_slots: Dict[Any, int] = {}            # row_counts' bool node (or ("flags", node)) -> its slot
         self.selections: Dict[Node, Node] = {}         # counted_index's index node -> its bool mask
         self._tail: List[Node] = []                    # what store() added (redone by a later store)
 
@@ -106,6 +107,18 @@ class GuardBuilder:
             self.vectors.append((self.graph.call_method("sum", (valid, 1)), slot))
             self.row_slots[valid] = slot
         return self.row_slots[valid]
+
+    def flags(self, valid: Node) -> int:
+        """Read ``valid`` (a bool node of the guard graph) itself, flattened to 0/1, for every batch:
+        the slot its values are left under. Fixed-size, so a varying number of events (documents
+        of a packed row) costs no shape of its own; one slot per ``valid``."""
+        key = ("flags", valid)
+        if key not in self.row_slots:
+            slot = new_slot()
+            flat = self.graph.call_method("flatten", (self.graph.call_method("long", (valid,)),))
+            self.vectors.append((flat, slot))
+            self.row_slots[key] = slot
+        return self.row_slots[key]
 
     def store(self, plans: Plans) -> None:
         """Hand the guard to the runtime through the capture's plans (nothing if it checks and counts
@@ -189,13 +202,26 @@ def row_lengths(gm: torch.fx.GraphModule, plans: Plans, valid: Node) -> Node:
     return gm.graph.call_function(HOST_ROW_LENGTHS, (valid, slot))
 
 
+def document_lengths(gm: torch.fx.GraphModule, plans: Plans, starts: Node) -> Node:
+    """A node of ``gm`` (at its insertion point) holding the document lengths of packed rows on the
+    host (``host_counts.document_lengths``), ``starts`` a ``[batch, seq]`` bool node marking each
+    document's first token: its flags are read ahead by the batch guard with its other numbers (no
+    synchronisation of its own). Where the guard cannot compute ``starts``, the op reads the flags
+    itself (one synchronisation)."""
+    builder = GuardBuilder.of(gm, plans)
+    g_starts = builder.node(starts)
+    slot = builder.flags(g_starts) if g_starts is not None else new_slot()
+    builder.store(plans)
+    return gm.graph.call_function(HOST_DOCUMENT_LENGTHS, (starts, slot))
+
+
 def _pure(node: Node) -> bool:
     if node.op == "placeholder":
         return True
     if node.op not in ("call_function", "call_method"):
         return False
     if node.op == "call_function" and (node.target in _INPLACE_OPERATORS
-                                       or node.target in (HOST_COUNT, HOST_ROW_LENGTHS)):
+                                       or node.target in (HOST_COUNT, HOST_ROW_LENGTHS, HOST_DOCUMENT_LENGTHS)):
         return False  # HOST_COUNT, HOST_ROW_LENGTHS: the guard itself leaves its numbers; it must not consume them
     if node.op == "call_function" and getattr(node.target, "__module__", None) == "_operator":
         return True  # operator.and_, operator.or_: named like in-place methods, but pure (the i* ones are above)

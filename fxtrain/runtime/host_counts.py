@@ -9,7 +9,9 @@ each selection in the graph is ``nonzero_static(valid, size=count(valid, slot))`
 returns the number the guard left under ``slot``: a host read, no synchronisation.
 
 The same guard read also leaves per-row numbers (``row_lengths``, a host tensor of each sequence's
-real tokens) where an op must know where each sequence starts in the packed rows.
+real tokens) where an op must know where each sequence starts in the packed rows, and per-token
+flags (``document_lengths``: which tokens begin a document of a packed row) from which the host
+derives the documents' lengths: the number of documents varies from batch to batch, the flags do not.
 
 ``count`` is exact either way: with no number left for it (a path that did not run the guard) it
 counts on the device itself, which costs the synchronisation ``nonzero`` would have. A number is
@@ -80,3 +82,29 @@ def _row_lengths_fake(valid: torch.Tensor, slot: int) -> torch.Tensor:
 
 
 HOST_ROW_LENGTHS = torch.ops.fxtrain_host.row_lengths.default
+
+
+@torch.library.custom_op("fxtrain_host::document_lengths", mutates_args=())
+def document_lengths(starts: torch.Tensor, slot: int) -> torch.Tensor:
+    """The documents of packed rows, for ``varlen_attention`` over the flattened rows: ``starts``
+    (``[batch, seq]`` bool) marks each token that begins a document (a row's first token always
+    does). An int64 host tensor of ``batch * seq`` entries: every row's document lengths in order,
+    then zeros (zero-length blocks are skipped), so that its size does not depend on the values.
+    The batch guard reads the flags ahead (a fixed-size vector, whatever the number of documents);
+    else they are read here (one synchronisation, the same numbers)."""
+    value = _table().pop(slot, None)
+    rows, seq = starts.shape
+    if not isinstance(value, list) or len(value) != rows * seq:
+        value = starts.to("cpu").flatten().tolist()
+    # Host lists, not tensor ops: a CPU nonzero would look like a device read to a sync counter.
+    at = [i for i, flag in enumerate(value) if flag or i % seq == 0] + [rows * seq]
+    found = [end - start for start, end in zip(at, at[1:])]
+    return torch.tensor(found + [0] * (rows * seq - len(found)), dtype=torch.int64)
+
+
+@document_lengths.register_fake
+def _document_lengths_fake(starts: torch.Tensor, slot: int) -> torch.Tensor:
+    return torch.empty((starts.shape[0] * starts.shape[1],), dtype=torch.int64, device="cpu")
+
+
+HOST_DOCUMENT_LENGTHS = torch.ops.fxtrain_host.document_lengths.default

@@ -1,0 +1,261 @@
+"""Packed batches: attention within documents only.
+
+A packed batch puts several documents in one row (HF's ``DataCollatorWithFlattening``: ``input_ids``
+and ``labels`` of shape ``[1, N]``, ``position_ids`` restarting at 0 with every document, no
+``attention_mask``). HF then builds, under tracing, a ``[batch, 1, N, N]`` mask that lets a token
+see the tokens of its own document only (at or before it in a causal LM). Eager runs SDPA over
+the whole row with that mask: ``batch * N**2`` work, of which the documents need ``sum(len**2)``.
+
+This pass replaces each such SDPA by ``fxtrain::varlen_attention`` (``runtime/varlen_attention.py``)
+over the rows flattened to ``[batch * N, heads, dim]``, the documents being consecutive blocks.
+For every query row that is what eager computes: the same keys (those of its document, in causal
+order), the same softmax over them; keys outside the document get weight 0 in eager (``False`` or
+``-inf``) and are not read at all here.
+
+What is relied on, and where it is checked:
+
+- the mask is exactly "same document" (and causal, or not), documents being the runs of a
+  ``[batch, seq]`` integer input that restart whenever it does not grow by one from one token to
+  the next (HF's ``find_packed_sequence_indices`` convention): evaluated on the capturing batch to
+  find that input and the kind, and written into the batch guard, so that any later batch whose
+  mask is something else (padding from an ``attention_mask``, a plain causal mask across documents,
+  a sliding window) runs the dense graph: eager's numbers. The decision follows the mask, never
+  ``position_ids`` alone: with ``use_cache=True`` HF builds a plain causal mask, which eager
+  applies across documents, and so must fxtrain;
+- no attention dropout, a constant scale, q, k and v of the same ``[batch, heads, seq, dim]``
+  (grouped-query key/value heads are repeated, as SDPA's ``enable_gqa`` does).
+
+Document lengths reach the op as a host tensor without a synchronisation of their own: the batch
+guard reads the per-token document-start flags (fixed size, whatever the number of documents) in
+its one transfer, and the host turns them into lengths (``host_counts.document_lengths``).
+
+An attention that fails any check stays as it is (exact), with its reason in the pass report.
+"""
+from __future__ import annotations
+
+import logging
+import operator
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from ..options import Options
+from ..runtime.varlen_attention import VARLEN_ATTENTION
+from ..torch_private import NN_SDPA, size_hint
+from .base import PassReport
+from .batch_guard import GuardBuilder, document_lengths
+from .density import density_reason, source_example
+from .padding_elimination import _evaluate
+from .plans import Plans
+from .rows import ancestors, value
+from .varlen import _erase_dead, sdpa_arguments
+
+logger = logging.getLogger("fxtrain")
+Node = torch.fx.Node
+NAME = "packed_attention"
+_SDPA = {NN_SDPA, F.scaled_dot_product_attention}
+
+
+def emit_document_starts(graph: torch.fx.Graph, positions: Node) -> Node:
+    """Nodes of ``graph`` computing ``[batch, seq]`` bool: the tokens that begin a document, a
+    document being a run of positions that grow by one (a row's first token always begins one).
+    Plain torch ops, so that the step, the batch guard and the on-disk cache all take them."""
+    step = graph.call_function(torch.ne, (graph.call_function(torch.diff, (positions,), {"dim": -1}), 1))
+    first = graph.call_function(operator.getitem, (positions, (slice(None), slice(None, 1))))
+    first = graph.call_function(torch.ones_like, (first,), {"dtype": torch.bool})
+    return graph.call_function(torch.cat, ([first, step],), {"dim": -1})
+
+
+def emit_document_mask_check(graph: torch.fx.Graph, mask: Node, positions: Node, causal: bool,
+                             is_bool: bool) -> Node:
+    """Nodes of ``graph`` computing a 0-d bool: ``mask`` (an SDPA mask, ``[batch or 1, heads or 1,
+    seq, seq]``, bool or additive as ``is_bool`` says) lets each token see exactly the tokens of its
+    own document (at or before it when ``causal``), documents read from ``positions``. An additive
+    mask must block with ``-inf`` (weight exactly 0, as skipping the key)."""
+    g = graph
+    doc = g.call_method("cumsum", (emit_document_starts(g, positions), -1))
+    q_doc = g.call_function(operator.getitem, (doc, (slice(None), None, slice(None), None)))
+    k_doc = g.call_function(operator.getitem, (doc, (slice(None), None, None, slice(None))))
+    expected = g.call_function(torch.eq, (q_doc, k_doc))                       # [batch, 1, seq, seq]
+    if causal:
+        square = g.call_function(operator.getitem, (expected, (0, 0)))
+        lower = g.call_method("tril", (g.call_function(torch.ones_like, (square,)),))
+        expected = g.call_function(torch.logical_and, (expected, lower))
+    allowed = mask if is_bool else g.call_function(torch.eq, (mask, 0))
+    bad = g.call_method("any", (g.call_function(torch.ne, (allowed, expected)),))
+    ok = g.call_function(torch.logical_not, (bad,))
+    if not is_bool:
+        blocked = g.call_function(torch.eq, (mask, float("-inf")))
+        formed = g.call_method("all", (g.call_function(torch.logical_or, (allowed, blocked)),))
+        ok = g.call_function(torch.logical_and, (ok, formed))
+    return ok
+
+
+def _run(build: Any, *args: torch.Tensor) -> torch.Tensor:
+    graph = torch.fx.Graph()
+    inputs = [graph.placeholder(f"x{i}") for i in range(len(args))]
+    graph.output(build(graph, *inputs))
+    return torch.fx.GraphModule(torch.nn.Module(), graph)(*args)
+
+
+def document_starts(positions: torch.Tensor) -> torch.Tensor:
+    """``emit_document_starts`` on a tensor (the capturing batch, the bench's FLOP count)."""
+    return _run(emit_document_starts, positions)
+
+
+def is_document_mask(mask: torch.Tensor, positions: torch.Tensor, causal: bool) -> bool:
+    """``emit_document_mask_check`` on tensors: the capturing batch's check, the one every later
+    batch gets in the guard. False where the shapes do not fit (no document mask either)."""
+    b, s = positions.shape
+    if mask.dim() != 4 or tuple(mask.shape[-2:]) != (s, s) or mask.shape[0] not in (1, b):
+        return False
+    return bool(_run(lambda g, m, p: emit_document_mask_check(g, m, p, causal, mask.dtype == torch.bool),
+                     mask, positions))
+
+
+def _hint_shape(node: Any) -> Optional[Tuple[int, ...]]:
+    v = value(node)
+    if not isinstance(v, torch.Tensor):
+        return None
+    return tuple(size_hint(d) for d in v.shape)
+
+
+def _check_call(sdpa: Node) -> Tuple[Optional[Tuple[int, int, int, int, int]], str]:
+    """``(batch, heads, seq, dim, key/value heads)`` of an SDPA that can run document by document
+    whatever its mask, or why not."""
+    args = sdpa_arguments(sdpa)
+    if not isinstance(args["attn_mask"], Node):
+        return None, "no mask (plain or causal attention over whole rows)"
+    if not isinstance(args["dropout_p"], (int, float)) or args["dropout_p"] != 0:
+        return None, "attention dropout is on (its mask over whole rows has no per-document form)"
+    if args["is_causal"] is not False:
+        return None, "is_causal set next to a mask"
+    if args["scale"] is not None and not isinstance(args["scale"], (int, float)):
+        return None, "the scale is not a constant"
+    shapes = [_hint_shape(args[n]) for n in ("query", "key", "value")]
+    if any(s is None or len(s) != 4 for s in shapes):
+        return None, "q, k or v is not [batch, heads, seq, dim]"
+    (b, h, s, d), (kb, kh, ks, kd), vs = shapes
+    if (kb, ks, kd) != (b, s, d) or vs != (kb, kh, ks, kd):
+        return None, "q, k and v differ in batch, length or head size (cross-attention, a cache)"
+    if kh != h and not (args["enable_gqa"] is True and h % kh == 0):
+        return None, "k and v have other heads than q"
+    return (b, h, s, d, kh), ""
+
+
+def _documents_of(mask: Any, sdpa_mask: Node, b: int, s: int) -> Tuple[Optional[Tuple[Node, bool]], str]:
+    """The ``[batch, seq]`` integer input whose runs are the documents of ``mask`` (the capturing
+    batch's value of ``sdpa_mask``), and whether it is causal."""
+    if not isinstance(mask, torch.Tensor):
+        return None, "its mask cannot be evaluated on the capturing batch"
+    candidates = []
+    for node in ancestors(sdpa_mask):
+        real = source_example(node)
+        if real is not None and real.dim() == 2 and not real.is_floating_point() and not real.is_complex() \
+                and real.dtype != torch.bool and tuple(real.shape) == (b, s):
+            candidates.append((node, real))
+    if not candidates:
+        return None, "no [batch, seq] integer input (position_ids) among its mask's inputs"
+    for node, real in sorted(candidates, key=lambda c: c[0].name):
+        for causal in (True, False):   # one-token documents fit both: causal is the stricter
+            if is_document_mask(mask, real.to(mask.device), causal):
+                return (node, causal), ""
+    return None, "its mask is not 'same document' (and causal) over the runs of position_ids"
+
+
+def packed_attention(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: Options,
+                     plans: Plans) -> PassReport:
+    if options.packed_attention == "off":
+        return PassReport(NAME, False, "off by option")
+    graph = gm.graph
+    sdpas = [n for n in graph.nodes if n.op == "call_function" and n.target in _SDPA]
+    if not sdpas:
+        return PassReport(NAME, False, "no attention")
+    why: List[str] = []
+    found: Dict[Node, Tuple[Tuple[int, int, int, int, int], Node, bool]] = {}
+    evaluated: Dict[Node, Any] = {}
+    for sdpa in sdpas:
+        dims, reason = _check_call(sdpa)
+        if dims is None:
+            why.append(f"{sdpa.name}: {reason}")
+            continue
+        mask = sdpa_arguments(sdpa)["attn_mask"]
+        if mask not in evaluated:
+            evaluated[mask] = _evaluate(gm, mask)
+        docs, reason = _documents_of(evaluated[mask], mask, dims[0], dims[2])
+        if docs is None:
+            why.append(f"{sdpa.name}: {reason}")
+            continue
+        found[sdpa] = (dims, *docs)
+    if not found:
+        return PassReport(NAME, False, "; ".join(sorted({w.split(": ", 1)[1] for w in why})))
+    # The capturing batch's attention work, documents over whole rows: what 'auto' weighs.
+    positions = {p for _, p, _ in found.values()}
+    work = whole = 0
+    for p in positions:
+        lengths = _lengths(source_example(p))
+        work += sum(n * n for n in lengths)
+        whole += source_example(p).numel() * source_example(p).shape[1]
+    on, reason = density_reason("attention density", work / whole if whole else None,
+                                options.packed_attention, options.sparsity_threshold)
+    if not on:
+        return PassReport(NAME, False, reason)
+    builder = GuardBuilder.of(gm, plans)
+    guarded: Dict[Tuple[Node, Node, bool], bool] = {}
+    lengths_of: Dict[Node, Node] = {}
+    done = 0
+    first = next(n for n in graph.nodes if n.op != "placeholder")
+    for sdpa, ((b, h, s, d, kh), pos, causal) in found.items():
+        args = sdpa_arguments(sdpa)
+        key = (args["attn_mask"], pos, causal)
+        if key not in guarded:
+            g_mask, g_pos = builder.node(args["attn_mask"]), builder.node(pos)
+            guarded[key] = g_mask is not None and g_pos is not None
+            if guarded[key]:
+                is_bool = evaluated[args["attn_mask"]].dtype == torch.bool
+                ok = emit_document_mask_check(builder.graph, g_mask, g_pos, causal, is_bool)
+                kind = "causal " if causal else ""
+                builder.require(ok, f"the attention mask is not the {kind}document mask of position_ids "
+                                    "that the per-document attention relies on")
+        if not guarded[key]:
+            why.append(f"{sdpa.name}: its mask cannot be checked before each step")
+            continue
+        if pos not in lengths_of:
+            with graph.inserting_before(first):
+                starts = emit_document_starts(graph, pos)
+                lengths_of[pos] = document_lengths(gm, plans, starts)
+        scale = float(args["scale"]) if args["scale"] is not None else d ** -0.5
+        with graph.inserting_before(sdpa):
+            rows = []
+            for name in ("query", "key", "value"):
+                x = args[name]
+                if name != "query" and kh != h:   # grouped-query heads: SDPA's enable_gqa pairing
+                    x = graph.call_method("repeat_interleave", (x, h // kh), {"dim": 1})
+                tokens_first = graph.call_method("transpose", (x, 1, 2))          # [b, s, heads, dim]
+                rows.append((tokens_first, graph.call_method("flatten", (tokens_first, 0, 1))))
+            both = graph.call_function(VARLEN_ATTENTION, (*(r for _, r in rows), lengths_of[pos], scale,
+                                                          bool(causal)))
+            out = graph.call_function(operator.getitem, (both, 0))
+            out = graph.call_method("transpose", (graph.call_method("view_as", (out, rows[0][0])), 1, 2))
+        sdpa.replace_all_uses_with(out)
+        _erase_dead(graph, [sdpa])
+        done += 1
+    builder.store(plans)
+    for w in why:
+        logger.info("fxtrain %s: attention stays over whole rows: %s", NAME, w)
+    if not done:
+        return PassReport(NAME, False, why[0])
+    note = f" (over whole rows: {'; '.join(why)})" if why else ""
+    return PassReport(NAME, True, f"{reason}: {done} of {len(sdpas)} attention(s) run document by document{note}")
+
+
+def _lengths(positions: torch.Tensor) -> List[int]:
+    """Every row's document lengths, in order (the capturing batch's)."""
+    starts = document_starts(positions.cpu())
+    out: List[int] = []
+    for row in starts:
+        at = row.nonzero().view(-1).tolist() + [row.numel()]
+        out += [e - a for a, e in zip(at, at[1:])]
+    return out
