@@ -109,33 +109,10 @@ def flop_ideal_ratio(config: BenchConfig) -> float:
     dense = profile(model, optimizations=False, reuse=False, **batch)
     sparse = profile(model, optimizations=True, reuse=False, **batch)
     uncosted = sorted({u.op for u in sparse.unknown_ops} - {u.op for u in dense.unknown_ops})
-    extra = 0
-    if config.packed is not None and "position_ids" in batch:
-        # Attention by document: its lengths are data, which the profiler's fake tensors lack; the
-        # capturing batch's documents give its FLOPs (the formulas the profiler uses for SDPA).
-        extra = _document_attention_flops(model, batch["position_ids"])
-        uncosted = [op for op in uncosted if "varlen_attention" not in op]
     if uncosted:   # an op without a FLOP count makes fxtrain's step look cheaper than it is
         logger.warning("FLOP-ideal ratio is an upper bound: fxtrain's step has ops the profiler cannot cost: %s",
                        ", ".join(uncosted))
-    return dense.flops / (sparse.flops + extra)
-
-
-def _document_attention_flops(model: torch.nn.Module, positions: torch.Tensor) -> int:
-    """Forward and backward FLOPs of attention run document by document over every layer, documents
-    being the runs of ``positions`` (packed rows)."""
-    from .passes.documents import document_starts
-    from .profile.flops import attention_backward_flops, attention_flops
-    cfg = model.config
-    heads = cfg.num_attention_heads
-    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    total = 0
-    for row in document_starts(positions):
-        at = row.nonzero().view(-1).tolist() + [row.numel()]
-        for n in (e - a for a, e in zip(at, at[1:])):
-            shape = (1, heads, n, dim)
-            total += attention_flops(shape, shape, shape) + attention_backward_flops(shape, shape, shape)
-    return total * cfg.num_hidden_layers
+    return dense.flops / sparse.flops
 
 
 @dataclass

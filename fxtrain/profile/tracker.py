@@ -118,6 +118,7 @@ class CostTracker(TorchDispatchMode):
         self.shadows = Shadows()
         self.hints = list(hints or [])
         self.fractions: List[float] = []        # data-dependent size / its maximum, in op order
+        #                                         (for an op costed from values: FLOPs per row)
         self.assumed_max = 0                    # data-dependent sizes costed at their maximum
         self.phase = "setup"
         self.counting = False                   # only the measured step counts FLOPs and events
@@ -261,6 +262,19 @@ class CostTracker(TorchDispatchMode):
             return self.shadows.get(x)
         return x  # a real tensor is its own value
 
+    def _value_flops(self, func: Any, args: Any, kwargs: Any, out: Any) -> Optional[int]:
+        """FLOPs of an op whose cost depends on data (attention per sequence): from the values where
+        the step has them, else from the FLOPs per row the same op had in the run that gave the
+        ``hints`` (a scaled batch keeps the sequence lengths' distribution, as it keeps densities).
+        Recorded in ``fractions`` as FLOPs per row (NaN: unknown), in op order like the sizes."""
+        rows = int(args[0].shape[0])
+        flops = op_flops(func, args, kwargs, out, value_of=self._value_list)
+        index = len(self.fractions)
+        if flops is None and index < len(self.hints) and self.hints[index] == self.hints[index]:
+            flops = int(round(self.hints[index] * rows))
+        self.fractions.append(flops / rows if flops is not None and rows else float("nan"))
+        return flops
+
     def _value_list(self, x: Any) -> Optional[list]:
         """A tensor argument's value as a Python list, where the step has one (a FLOP formula that
         depends on data reads it; the fake mode must not see the read)."""
@@ -377,6 +391,10 @@ class CostTracker(TorchDispatchMode):
             return self._run_python_op_backward(func, args, kwargs)
         if func is HOST_COUNT:
             return self._host_count(args[0])
+        if depends_on_values(func):
+            out = func(*args, **kwargs)
+            self._account(func, args, kwargs, out, flops=self._value_flops(func, args, kwargs, out))
+            return out
         if func is torch.ops.aten._local_scalar_dense.default:
             value = self._shadow_of(args[0])
             if value is None:
