@@ -120,6 +120,9 @@ def test_packed_batches_train_like_eager(name):
     info = tm.capture_info()
     reports = [r.optimizations["packed_attention"] for r in info.records]
     assert reports[0] == "on: attention density 0.40 < 0.9: 2 of 2 attention(s) run document by document", reports
+    # position_ids are not taken for an attention mask (their values are not 0/1)
+    why = info.records[0].optimizations["padding_elimination"]
+    assert why == "off: no single [batch, seq] attention mask input gates every attention", why
     assert info.dense_batches == {}, info.dense_batches
     if name == "llama":
         assert len(reports) == 3, reports

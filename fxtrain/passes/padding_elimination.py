@@ -106,6 +106,7 @@ def _token_mask(gm: torch.fx.GraphModule, sdpas: List[Node], embeddings: List[No
         candidates = [n for n in common if n.op == "placeholder" and isinstance(value(n), torch.Tensor)
                       and value(n).dim() == 2 and not value(n).is_floating_point()
                       and any(same_shape_guarded(value(n).shape, s) for s in id_shapes)]
+        candidates = [n for n in candidates if not _holds_more_than_a_mask(n)]
         if len(candidates) != 1:
             return None, None, "no single [batch, seq] attention mask input gates every attention"
         return candidates[0], None, ""
@@ -114,6 +115,13 @@ def _token_mask(gm: torch.fx.GraphModule, sdpas: List[Node], embeddings: List[No
         if isinstance(pad, int) and e.args[0].op == "placeholder":
             return e.args[0], pad, ""
     return None, None, "no attention mask and no embedding padding_idx marks the padding"
+
+
+def _holds_more_than_a_mask(node: Node) -> bool:
+    """A [batch, seq] integer input whose capturing values are not all 0/1 (``position_ids`` of a
+    packed batch, which the document mask is built from) does not mark real tokens."""
+    real = source_example(node)
+    return isinstance(real, torch.Tensor) and bool(((real != 0) & (real != 1)).any())
 
 
 def _is_embedding_start(node: Node, lead_shape: Sequence[Any]) -> bool:
