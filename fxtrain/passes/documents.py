@@ -47,10 +47,10 @@ from ..torch_private import NN_SDPA, size_hint
 from .base import PassReport
 from .batch_guard import GuardBuilder, document_lengths
 from .density import density_reason, source_example
-from .padding_elimination import _evaluate
+from .padding_elimination import evaluate_on_capturing_batch
 from .plans import Plans
 from .rows import ancestors, value
-from .varlen import _erase_dead, sdpa_arguments
+from .varlen import erase_replaced, sdpa_arguments
 
 logger = logging.getLogger("fxtrain")
 Node = torch.fx.Node
@@ -183,7 +183,7 @@ def packed_attention(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], op
             continue
         mask = sdpa_arguments(sdpa)["attn_mask"]
         if mask not in evaluated:
-            evaluated[mask] = _evaluate(gm, mask)
+            evaluated[mask] = evaluate_on_capturing_batch(gm, mask)
         docs, reason = _documents_of(evaluated[mask], mask, dims[0], dims[2])
         if docs is None:
             why.append(f"{sdpa.name}: {reason}")
@@ -240,7 +240,7 @@ def packed_attention(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], op
             out = graph.call_function(operator.getitem, (both, 0))
             out = graph.call_method("transpose", (graph.call_method("view_as", (out, rows[0][0])), 1, 2))
         sdpa.replace_all_uses_with(out)
-        _erase_dead(graph, [sdpa])
+        erase_replaced(graph, [sdpa])
         done += 1
     builder.store(plans)
     for w in why:

@@ -44,7 +44,7 @@ from .label_sparsity import cross_entropy_args, unsupported_cross_entropy
 from .density import add_probe, density_reason, source_example
 from .row_ops import put_rows, row_selection, take_rows
 from .varlen import attention_on_real_tokens, mask_kind, per_position_op, sdpa_arguments
-from .rows import Node, _same, ancestors, run_node, _same_shape, same_shape_guarded, copy_on_rows, heavy, is_regroup, op_name, row_inputs, value
+from .rows import Node, _same, ancestors, descendants, run_node, _same_shape, same_shape_guarded, copy_on_rows, heavy, is_regroup, op_name, row_inputs, value
 
 NAME = "padding_elimination"
 _SDPA = {NN_SDPA, F.scaled_dot_product_attention}
@@ -54,7 +54,7 @@ _ASSERT = "fxtrain padding_elimination: a label or a kept row sits on a padding 
           "(attention_mask == 0), which this rewrite does not compute; use Options(padding_elimination='off')"
 
 
-def _evaluate(gm: torch.fx.GraphModule, target: Node) -> Optional[Any]:
+def evaluate_on_capturing_batch(gm: torch.fx.GraphModule, target: Node) -> Optional[Any]:
     """``target``'s value on the capturing batch, computing only its ancestors (None if unknown)."""
     needed = ancestors(target)
     env: Dict[Node, Any] = {}
@@ -203,7 +203,7 @@ def _features_last(gm: torch.fx.GraphModule, start: Node, lead: int, entries: Se
         try:
             for a in node.all_input_nodes:
                 if a not in env:
-                    env[a] = _evaluate(gm, a)
+                    env[a] = evaluate_on_capturing_batch(gm, a)
             env[node] = run_node(node, env)
         except Exception:
             return False
@@ -228,14 +228,7 @@ class _Plan:
     def reached(self) -> Set[Node]:
         """Every node computed from the region (made once the region is final)."""
         if self._reached is None:
-            seen: Set[Node] = set()
-            stack = list(self.region)
-            while stack:
-                node = stack.pop()
-                if node not in seen:
-                    seen.add(node)
-                    stack.extend(node.users)
-            self._reached = seen
+            self._reached = descendants(self.region)
         return self._reached
 
 
@@ -386,7 +379,7 @@ def padding_elimination(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     kinds: Dict[Node, Optional[bool]] = {}   # attention -> causal (None: neither kind, stays padded)
     for sdpa in sdpas:
         attn_mask = sdpa_arguments(sdpa)["attn_mask"]
-        evaluated = _evaluate(gm, attn_mask)
+        evaluated = evaluate_on_capturing_batch(gm, attn_mask)
         if not _masks_padding_keys(evaluated, tokens):
             return PassReport(NAME, False, f"the mask of {sdpa.name} lets real tokens attend to padding")
         kinds[sdpa] = mask_kind(evaluated, tokens)
@@ -410,7 +403,7 @@ def padding_elimination(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     index, packed_row = _rewrite(gm, plan, mask_node, pad_id, plans)
     kinds = {n: k for n, k in kinds.items() if n in gm.graph.nodes}
     varlen, kept = attention_on_real_tokens(gm, plans, kinds, index, packed_row, set(plan.row_cuts), mask_node,
-                                            pad_id or 0, tokens, _evaluate)
+                                            pad_id or 0, tokens, evaluate_on_capturing_batch)
     note = f"; {deferred} returned tensor(s) that hold padding positions are computed on first use" if deferred else ""
     if kinds:
         note += f"; attention on real tokens, sequence by sequence: {varlen} of {len(kinds)}"
@@ -480,13 +473,13 @@ def _loss_on_real_rows(graph: torch.fx.Graph, ce: Node, rows: Node, index: Node,
 def _check_capturing_batch(gm: torch.fx.GraphModule, plan: _Plan, tokens: torch.Tensor) -> str:
     flat = tokens.flatten()
     for sel in plan.row_cuts:
-        index = _evaluate(gm, row_selection(sel)[1])
+        index = evaluate_on_capturing_batch(gm, row_selection(sel)[1])
         if index is None or not bool(flat[index].all()):
             return "the loss reads padding positions (labels on padding tokens)"
     for node, user, kind in plan.consumers:
         if kind == "loss":
             bound = cross_entropy_args(user)
-            target = _evaluate(gm, bound.arguments["target"])
+            target = evaluate_on_capturing_batch(gm, bound.arguments["target"])
             if target is None or not bool(((target == bound.arguments["ignore_index"]) | flat).all()):
                 return "the loss has labels on padding positions"
         elif kind == "select":

@@ -19,6 +19,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from ..graph_walk import ancestors, descendants  # noqa: F401  (the passes import them from here)
 from ..torch_private import NN_GELU, NN_LINEAR, NN_SILU
 from .row_ops import take_rows
 
@@ -42,18 +43,6 @@ _SOFTMAX_METHODS = {"softmax", "log_softmax"}
 _REDUCE_FUNCTIONS = {torch.mean, torch.sum}
 _REDUCE_METHODS = {"mean", "sum"}
 _VIEW_METHODS = {"view", "reshape"}
-
-
-def ancestors(node: Node) -> Set[Node]:
-    """``node`` and every node it is computed from."""
-    seen: Set[Node] = set()
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return seen
 
 
 def run_node(node: Node, env: Dict[Node, Any]) -> Any:

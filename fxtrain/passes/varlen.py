@@ -45,7 +45,7 @@ from ..runtime.varlen_attention import VARLEN_ATTENTION
 from .batch_guard import GuardBuilder, row_lengths
 from .plans import Plans
 from .row_ops import row_selection
-from .rows import _same, ancestors, run_node, value
+from .rows import _same, ancestors, descendants, run_node, value
 
 logger = logging.getLogger("fxtrain")
 Node = torch.fx.Node
@@ -219,15 +219,8 @@ class _Chain:
 
 def _below(gm: torch.fx.GraphModule, index: Node) -> Set[Node]:
     """Every node computed from a re-padding (``put_rows``) of the real tokens' rows at ``index``."""
-    stack = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "index_copy_"
-             and len(n.args) == 4 and n.args[2] is index]
-    seen: Set[Node] = set()
-    while stack:
-        node = stack.pop()
-        if node not in seen:
-            seen.add(node)
-            stack.extend(node.users)
-    return seen
+    return descendants(n for n in gm.graph.nodes if n.op == "call_method" and n.target == "index_copy_"
+                       and len(n.args) == 4 and n.args[2] is index)
 
 
 def _chain_above(gm: torch.fx.GraphModule, x: Node, index: Node) -> Tuple[Optional[_Chain], str]:
@@ -489,7 +482,7 @@ def _chain_on_rows(graph: torch.fx.Graph, chain: _Chain, packed: Node, side_rows
     return graph.call_function(torch.squeeze, (env[chain.out], 2))
 
 
-def _erase_dead(graph: torch.fx.Graph, nodes: List[Node]) -> None:
+def erase_replaced(graph: torch.fx.Graph, nodes: List[Node]) -> None:
     """Erase ``nodes`` (the replaced attention, its re-padding) once unused, then whatever pure
     computation only they read (the padded mask)."""
     todo = list(nodes)
@@ -609,7 +602,7 @@ def attention_on_real_tokens(gm: torch.fx.GraphModule, plans: Plans, kinds: Dict
                 at = graph.call_function(torch.index_select, (packed_row(), 0, match.gather_index))
                 out = graph.call_function(F.embedding, (at, out))
         match.gather.replace_all_uses_with(out)
-        _erase_dead(graph, match.dead)
+        erase_replaced(graph, match.dead)
         done += 1
     builder.store(plans)
     for w in why:

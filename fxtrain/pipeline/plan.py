@@ -17,6 +17,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Set, Union
 import torch
 import torch.fx
 
+from ..graph_walk import descendants
 from .capture import INPUT, PARAM, CapturedGraph, SplitError
 from .costs import COST_FUNCTIONS, CostFn, forward_flops_of, flops_of, module_of, weight_flops_of
 from .marker import is_marker
@@ -151,21 +152,10 @@ class _Graph:
         for f in self.free:
             c = float(per_node[index[f]])
             if c:
-                readers = [self.position[u] for u in _transitive_users(f) if u in self.position and u not in self.user_inputs]
+                readers = [self.position[u] for u in descendants(f.users) if u in self.position and u not in self.user_inputs]
                 if readers:
                     costs[min(readers)] += c
         return costs
-
-
-def _transitive_users(node: torch.fx.Node) -> Set[torch.fx.Node]:
-    seen: Set[torch.fx.Node] = set()
-    stack = list(node.users)
-    while stack:
-        u = stack.pop()
-        if u not in seen:
-            seen.add(u)
-            stack.extend(u.users)
-    return seen
 
 
 def _module_cuts(g: _Graph, split_points: SplitPoints) -> List[int]:

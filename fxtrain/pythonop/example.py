@@ -8,23 +8,13 @@ just the ancestors of the arguments, without autograd.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Set
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.fx
 
+from ..graph_walk import ancestors
 from ..torch_private import FakeTensor, unset_fake_temporarily
-
-
-def _ancestors(nodes: Sequence[torch.fx.Node]) -> Set[torch.fx.Node]:
-    seen: Set[torch.fx.Node] = set()
-    stack = list(nodes)
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return seen
 
 
 def _placeholder_value(node: torch.fx.Node) -> Any:
@@ -45,7 +35,7 @@ def _placeholder_value(node: torch.fx.Node) -> Any:
 def real_values(nodes: Sequence[torch.fx.Node]) -> Optional[List[torch.Tensor]]:
     """The real tensors ``nodes`` evaluate to on the capturing call, or None when unknowable
     (an input without a real example, e.g. inside a higher-order op's subgraph)."""
-    needed = _ancestors(nodes)
+    needed = ancestors(nodes)
     env: Dict[torch.fx.Node, Any] = {}
     graph = nodes[0].graph
     with unset_fake_temporarily(), torch.no_grad():
