@@ -6,6 +6,7 @@ import itertools
 import logging
 import types
 import warnings
+import weakref
 from typing import Any, Dict, Hashable, Iterator, List, Mapping, Optional, Set, Tuple
 
 import torch
@@ -56,6 +57,13 @@ def root_cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {message[0] if message else ''}".strip()
 
 
+def _alive(ref: "weakref.ref[TrainModule]") -> "TrainModule":
+    module = ref()
+    if module is None:   # dynamo called a backend whose TrainModule is gone: nothing can run it
+        raise RuntimeError("fxtrain: a graph was handed to the backend of a TrainModule that no longer exists")
+    return module
+
+
 class TrainModule(nn.Module):
     """Wrap ``module`` so its forward and backward run from captured graphs.
 
@@ -79,9 +87,13 @@ class TrainModule(nn.Module):
         self._options = resolve(options)
         self._info = CaptureInfo(executor=executor.name if executor is not None else self._options.executor)
         self._rollback = Rollback(module)
-        self._backend = Backend(self._info, self._options, lambda: self.training,
-                               f"{type(module).__name__}-{next(_instances)}", on_graph=self._rollback.on_graph,
-                               executor=executor)
+        # dynamo keeps every backend it was given for the life of the process (until
+        # torch._dynamo.reset()), so the backend reaches this module only weakly: a TrainModule the
+        # user drops is freed with its model and graphs.
+        me = weakref.ref(self)
+        self._backend = Backend(self._info, self._options, lambda: _alive(me).training,
+                               f"{type(module).__name__}-{next(_instances)}",
+                               on_graph=lambda: _alive(me)._rollback.on_graph(), executor=executor)
         # One entry (so one dynamo cache) per mode: train and eval are captured separately even
         # for models whose code never reads `self.training`.
         self._compiled = {mode: make_entry(self._backend, self._options.dynamic, self._options.fullgraph,

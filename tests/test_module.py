@@ -440,3 +440,21 @@ def test_recompile_limit_goes_through_fallback_policy():
     with pytest.warns(fxtrain.FallbackWarning):
         xr = torch.randn(3, 8, requires_grad=True)
         _close(tm2(xr), ref2(xr))
+
+
+def test_a_dropped_train_module_is_freed_with_its_model():
+    """dynamo keeps every compile backend for the life of the process; fxtrain's backend reaches its
+    TrainModule only weakly, so a TrainModule the loop drops (a model swapped out, a notebook cell
+    run again) frees its model's parameters instead of keeping them until torch._dynamo.reset()."""
+    import gc
+    import weakref
+
+    def train_once():
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+        tm = fxtrain.TrainModule(model)
+        tm(torch.randn(4, 8)).sum().backward()
+        return weakref.ref(model), weakref.ref(tm)
+
+    model, tm = train_once()
+    gc.collect()
+    assert tm() is None and model() is None

@@ -488,3 +488,26 @@ def test_module_fxtrain_cannot_capture_is_costed_as_the_eager_fallback():
     report = fxtrain.profile(Uncapturable(), torch.randn(4, 8), options=fxtrain.Options(fullgraph=True))
     assert report.fallback is not None and "capture" in report.fallback
     assert report.flops_forward == _linear_flops(4, 8, 8)
+
+
+def test_profiled_models_are_let_go(caplog):
+    """Sessions (graphs) are reused for the last few models profiled; an older model is not kept
+    alive by them (a cache keyed weakly by the model, whose sessions hold the model, kept every
+    profiled model alive for good)."""
+    import gc
+    import weakref
+    from fxtrain.profile import entry
+    first = MLP()
+    x, y = torch.randn(4, 32), torch.randint(0, 10, (4,))
+    with caplog.at_level("INFO", logger="fxtrain"):
+        fxtrain.profile(first, x, y)
+        captures = sum("captured graph" in r.getMessage() for r in caplog.records)
+        fxtrain.profile(first, x, y)
+        assert sum("captured graph" in r.getMessage() for r in caplog.records) == captures > 0
+    gone = weakref.ref(first)
+    for _ in range(entry.MAX_MODELS_KEPT):
+        fxtrain.profile(MLP(), x, y)
+    del first
+    torch._dynamo.reset()   # dynamo keeps every compile backend (hence its TrainModule) until a reset
+    gc.collect()
+    assert gone() is None

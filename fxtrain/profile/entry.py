@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import weakref
+from collections import OrderedDict
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -17,8 +17,12 @@ from .step import OptimizerSpec
 logger = logging.getLogger("fxtrain")
 
 # Capturing is the slow part: a model profiled again (another batch, other inputs of the same
-# structure) with equal options reuses its session, hence its graphs, as long as the model lives.
-_sessions: "weakref.WeakKeyDictionary[torch.nn.Module, Dict[Tuple[Any, ...], Session]]" = weakref.WeakKeyDictionary()
+# structure) with equal options reuses its session, hence its graphs. A session holds its model
+# (and a TrainModule of it), so a cache keyed weakly by the model would keep every profiled model
+# alive for good; instead the sessions of the last few models profiled are kept, and an older
+# model is let go (profiling it again captures again).
+MAX_MODELS_KEPT = 4
+_sessions: "OrderedDict[int, Tuple[torch.nn.Module, Dict[Tuple[Any, ...], Session]]]" = OrderedDict()
 
 
 def _optimizer_name(spec: OptimizerSpec) -> Optional[str]:
@@ -35,7 +39,13 @@ def _session_for(model: torch.nn.Module, optimizer: OptimizerSpec, optimizations
                  options: Optional[Options], reuse: bool) -> Session:
     if not reuse:
         return Session(model, optimizer, optimizations, options)
-    per_model = _sessions.setdefault(model, {})
+    entry = _sessions.pop(id(model), None)
+    if entry is None or entry[0] is not model:
+        entry = (model, {})
+    _sessions[id(model)] = entry            # most recent last
+    while len(_sessions) > MAX_MODELS_KEPT:
+        _sessions.popitem(last=False)
+    per_model = entry[1]
     # Options compare by value: a new but equal Options() (or none: the defaults) must not capture again.
     key = (optimizations, dataclasses.astuple(options or Options()))
     if key not in per_model:
