@@ -112,9 +112,9 @@ def _split_args(p: argparse.ArgumentParser) -> None:
     where.add_argument("--stages", type=int, help="number of stages, balanced automatically")
     where.add_argument("--split-points", nargs="+", metavar="MODULE[:after]",
                        help="cut before (or after) these modules, by qualified name")
-    p.add_argument("--balance", choices=("flops", "sparse_flops", "time", "params"), default="flops",
+    p.add_argument("--balance", choices=("flops", "sparse_flops", "time", "params", "measured"), default="flops",
                    help="what --stages balances: training FLOPs, FLOPs after label sparsity, those plus the "
-                        "bytes each op moves (time), or parameters")
+                        "bytes each op moves (time), parameters, or the stages' times measured here")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--plot", metavar="PATH", help="draw the simulated schedule timeline (PNG/SVG/PDF)")

@@ -445,8 +445,60 @@ def test_failing_stage_ends_peers_within_timeout(tmp_path, mode, monkeypatch):
         assert "process ended without reporting an error (it probably died)" in first["error_message"]
 
 
+def _measured_job(rank: int, world: int, _: Any) -> Dict[str, Any]:
+    """ZB1P on a measured plan; rank 1 times its stages as if stage 0 were 20x slower: the group
+    times each plan together, averages, and runs the first rank's decision."""
+    from fxtrain.pipeline import plan as plan_module
+    real = plan_module.time_plan
+    seen: List[Tuple[List[int], Any]] = []
+
+    def recorded(captured, stages, before=None, split=False):
+        times = real(captured, stages, before, split)
+        if rank == 1:
+            times = [(f * 20, b * 20, w * 20) if i == 0 else (f, b, w) for i, (f, b, w) in enumerate(times)]
+        seen.append(([st.index for st in stages], times))
+        return times
+    plan_module.time_plan = recorded
+    model, batch = toy_model(), toy_batch()
+    pipe = fxtrain.split(model, example_kwargs=batch, num_stages=4, balance="measured")
+    at_split = len(seen)
+    runner = pipe.build("zb1p", n_microbatches=M, options=fxtrain.Options(fallback="raise"))
+    return {"cuts": runner.plan.cuts, "how": runner.plan.how, "seen": seen[at_split:],
+            "times": [(st.forward_time, st.backward_time, st.weight_time) for st in runner.plan.stages],
+            "stages": list(runner.stage_indices), "losses": [runner.step(**batch)],
+            "grads": {n: p.grad.clone() for n, p in runner.named_parameters() if p.grad is not None}}
+
+
 JOBS: Dict[str, Callable[[int, int, Any], Any]] = {"parity": _parity_job, "fail_raise": _failure_job,
-                                                    "fail_die": _failure_job, "schedules": _schedules_job}
+                                                    "fail_die": _failure_job, "schedules": _schedules_job,
+                                                    "measured": _measured_job}
+
+
+def test_measured_plan_is_rank_zeros_and_exact(tmp_path):
+    """balance="measured": ranks that time their stages differently all run rank 0's plan, cut for
+    the schedule build runs, and train exactly like one process."""
+    results = spawn("measured", 2, tmp_path, deadline=120.0)
+    ref_loss, ref_grads, _ = _oracle("toy")
+    assert results[0]["cuts"] == results[1]["cuts"]
+    assert results[0]["times"] == results[1]["times"] and all(f > 0 and b > 0 for f, b, _ in results[0]["times"])
+    # ZB1P splits each backward: the weight part was timed on its own (stage 0's is its whole backward).
+    assert all(0 < w <= b for _, b, w in results[0]["times"])
+    # Every plan the first rank wanted was timed by both ranks; the plan's times are their mean.
+    assert len(results[0]["seen"]) == len(results[1]["seen"]) >= 1
+    last0, last1 = results[0]["seen"][-1][1], results[1]["seen"][-1][1]
+    timed_plans = [[(a + b) / 2 for a, b in zip(r0, r1)] for r0, r1 in
+                   zip(*[[[(f + b) for f, b, _ in t] for _, t in r["seen"]] for r in results])]
+    assert [f + b for f, b, _ in results[0]["times"]] in [pytest.approx(t) for t in timed_plans]
+    assert last1[0][0] > last0[0][0]   # rank 1's skew reached the mean
+    assert "measured time" in results[0]["how"] and "simulated zb1p step" in results[0]["how"]
+    last = next(r for r in results if 3 in r["stages"])
+    torch.testing.assert_close(last["losses"][0], ref_loss, rtol=1e-6, atol=1e-7)
+    held = set()
+    for r in results:
+        for n, g in r["grads"].items():
+            held.add(n)
+            assert (g - ref_grads[n]).norm() <= RTOL * ref_grads[n].norm() + ZERO, n
+    assert held == set(ref_grads)
 
 
 # ------------------------------------------------------------------ planning (single process)
@@ -671,3 +723,98 @@ def test_cli_split_prints_the_plan(tmp_path, capsys):
     assert main(["split", "bert-tiny", "--stages", "2", "--batch", "4", "--seq", "16", "--plot", str(png)]) == 0
     out = capsys.readouterr().out
     assert "2 stages balanced by flops" in out and "bert.embeddings" in out and png.stat().st_size > 1000
+
+
+# --------------------------------------------------------------- measured plans (single process)
+def test_measured_balance_times_the_stages_and_leaves_no_trace():
+    """split(balance="measured") times every stage as the runner builds it; the timing runs leave
+    no gradient behind and do not move the random stream."""
+    model, batch = toy_model(), toy_batch()
+    torch.manual_seed(5)
+    expected = torch.rand(4)
+    torch.manual_seed(5)
+    pipe = fxtrain.split(model, example_kwargs=batch, num_stages=3, balance="measured")
+    assert torch.equal(torch.rand(4), expected)
+    assert all(p.grad is None for p in model.parameters())
+    plan = pipe.plan
+    assert plan.balance == "measured" and "balanced by measured time" in plan.how
+    assert all(st.forward_time > 0 and st.backward_time > 0 for st in plan.stages)
+    assert [st.cost for st in plan.stages] == [st.forward_time + st.backward_time for st in plan.stages]
+    text = pipe.describe()
+    assert "ms per stage (forward + backward, measured)" in text and "simulated from measured stage times" in text
+    sim = pipe.simulate("1f1b", 4)   # the simulation replays the measured times
+    first_forward = next(e for e in sim.events if e[1] == 0 and e[2] == "F")
+    assert first_forward[5] - first_forward[4] == pytest.approx(plan.stages[0].forward_time)
+
+
+def _true_stage_times(true_f, true_b):
+    n = len(true_f)
+
+    def measure(cuts):
+        bounds = [0] + list(cuts) + [n]
+        return [(sum(true_f[a:b]), sum(true_b[a:b]), sum(true_b[a:b]) / 2) for a, b in zip(bounds, bounds[1:])]
+    return measure
+
+
+def test_calibration_converges_on_the_measured_times():
+    """Counted costs wrong by 5x on a third of the graph: the measured plan lands within a few
+    percent of the plan the true costs would give, for min-max and for a schedule's step."""
+    from fxtrain.pipeline.measure import Target, calibrate
+    rng = np.random.default_rng(0)
+    target = Target("zb1p", 8, 2)
+    for _ in range(5):
+        n = 30
+        true_f = list(rng.random(n) * (1 + 4 * (np.arange(n) < 10)))
+        true_b = [2 * f for f in true_f]
+        total = [f + b for f, b in zip(true_f, true_b)]
+        measure = _true_stage_times(true_f, true_b)
+        timed = []
+        cuts, times, tried = calibrate([1.0] * n, 4, lambda c: timed.append(tuple(c)) or measure(c),
+                                       forward_share=[1 / 3] * n, weight_share=[0.5] * n)
+        assert tuple(cuts) in timed and times == measure(cuts) and tried == len(timed) <= 4
+        best, worst = min_max_partition(total, 4)
+        start, _ = min_max_partition([1.0] * n, 4)
+        assert max(stage_costs(total, cuts)) <= 1.07 * worst < max(stage_costs(total, start))
+
+        def step(c):
+            f, b, w = zip(*measure(list(c)))
+            return target.step(f, b, w)
+        cuts, _, _ = calibrate([1.0] * n, 4, measure, forward_share=[1 / 3] * n, weight_share=[0.5] * n,
+                               target=target)
+        optimum = min(itertools.combinations(range(1, n), 3), key=step)
+        assert step(cuts) <= 1.02 * step(optimum) and step(cuts) < step(start)
+
+
+def test_schedule_search_is_the_brute_force_optimum():
+    from fxtrain.pipeline.measure import Target, _Costs, search_cuts
+    rng = np.random.default_rng(1)
+    for schedule, ranks in (("zb1p", 2), ("zbv", 2), ("1f1b", 4), ("interleaved-1f1b", 2)):
+        target = Target(schedule, 8, ranks)
+        for _ in range(6):
+            n = 12
+            f = list(rng.random(n) * 3)
+            costs = _Costs(f, [x * rng.uniform(1, 3) for x in f], list(rng.random(n) * 0.6))
+            seed, _ = min_max_partition(costs.total(), 4)
+            got = search_cuts(costs, 4, target, [seed])
+            best = min(target.step(*costs.stages(c)) for c in itertools.combinations(range(1, n), 3))
+            assert target.step(*costs.stages(got)) == pytest.approx(best, rel=1e-9), schedule
+
+
+def test_no_automatic_cut_between_logits_and_their_loss():
+    """A cut between the vocabulary projection and its label-sparse loss would ship the logits and
+    keep label sparsity from firing (the projection then runs on every row): plans never cut there."""
+    from fxtrain.pipeline.plan import _Graph, _keep_logits_with_loss
+    model, batch = bert_model(), bert_batch()
+    pipe = fxtrain.split(model, example_kwargs=batch, num_stages=2)
+    g = _Graph(pipe.plan.captured)
+    allowed, _ = g.cut_tables()
+    kept = _keep_logits_with_loss(g, allowed)
+    banned = [c for c in range(len(allowed)) if allowed[c] and not kept[c]]
+    decoder = next(n for n in g.sequence if "decoder" in (n.meta.get("nn_module_stack") and
+                                                         list(n.meta["nn_module_stack"].values())[-1][0] or ""))
+    loss = max(g.position[n] for n in g.sequence if "cross_entropy" in str(n.target))
+    assert banned == list(range(g.position[decoder] + 1, loss + 1))
+    # Dense FLOPs make the decoder alone a stage; the loss still sits with it.
+    for k in (3, 5):
+        plan = pipe.replan(num_stages=k, balance="params").plan
+        assert all(c not in banned for c in plan.cuts), (k, plan.cuts)

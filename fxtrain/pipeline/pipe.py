@@ -78,6 +78,14 @@ class Pipe:
         stage per rank for GPipe/1F1B, two for the others)."""
         from .timeline import simulate
         rows = self.stage_table()
+        if self.plan.balance == "measured":
+            # Measured forward, backward and (zero bubble) weight part, else the FLOPs' proportion.
+            fwd = [st.forward_time for st in self.plan.stages]
+            bwd = [st.backward_time for st in self.plan.stages]
+            weight = [st.weight_time if st.weight_time > 0 else
+                      b * (r["weight_flops"] / (r["flops"] - r["forward_flops"]) if r["flops"] > r["forward_flops"] else 0.5)
+                      for st, r, b in zip(self.plan.stages, rows, bwd)]
+            return simulate(fwd, bwd, schedule, n_microbatches, weight=weight, ranks=ranks)
         # Time ~ the balanced cost when it is a FLOP count (dense or after sparsity), else FLOPs;
         # split into forward, input-gradient and weight-gradient parts in the dense graph's proportions.
         timed = "cost" if self.plan.balance != "params" else "flops"
@@ -119,25 +127,33 @@ class Pipe:
         other._captures = self._captures
         return other
 
-    def microbatch_plan(self, n_microbatches: int, loss_fn: Optional[Callable[..., Any]]) -> Tuple[Any, Plan]:
-        """The model captured at microbatch shape (with ``loss_fn``) and cut by the same spec."""
+    def microbatch_plan(self, n_microbatches: int, loss_fn: Optional[Callable[..., Any]],
+                        target: Any = None) -> Tuple[Any, Plan]:
+        """The model captured at microbatch shape (with ``loss_fn``) and cut by the same spec.
+
+        ``target`` (a ``measure.Target``): the schedule ``build`` runs, which a measured plan is
+        cut for (other balances ignore it)."""
         from .runner import chunk0
-        key = (n_microbatches, loss_fn)
+        measured = self.spec.get("balance") == "measured"
+        capture_key = (n_microbatches, loss_fn)
+        key = capture_key + ((target,) if measured else ())
         if key not in self._microbatch:
-            if key not in self._captures:
-                args, kwargs, target = self.example
+            if capture_key not in self._captures:
+                args, kwargs, example_target = self.example
                 m = 1 if self.example_is_microbatch else n_microbatches
                 try:
-                    mb = (chunk0(tuple(args), m), chunk0(dict(kwargs), m), chunk0(target, m))
+                    mb = (chunk0(tuple(args), m), chunk0(dict(kwargs), m), chunk0(example_target, m))
                 except SplitError as e:
                     raise SplitError(
                         f"{e}: fxtrain.split takes the whole batch as example (what step() will get) and "
                         f"build() cuts it into n_microbatches; if the example is one microbatch (torch's "
                         f"pipeline(mb_args=...) convention), pass it as fxtrain.split(model, mb_args=..., "
                         f"mb_kwargs=...)") from None
-                self._captures[key] = capture(self.model, mb[0], mb[1], loss_fn=loss_fn, target=mb[2])
-            captured = self._captures[key]
-            self._microbatch[key] = (captured, make_plan(captured, **self.spec)) if captured.has_loss else (captured, None)
+                self._captures[capture_key] = capture(self.model, mb[0], mb[1], loss_fn=loss_fn, target=mb[2])
+            captured = self._captures[capture_key]
+            extra = {"target": target} if measured else {}
+            self._microbatch[key] = ((captured, make_plan(captured, **self.spec, **extra)) if captured.has_loss
+                                     else (captured, None))
         return self._microbatch[key]
 
     def stage_train_module(self, key: Any, make: Callable[[], Any]) -> Any:
@@ -154,7 +170,9 @@ def split(model: nn.Module, example_args: Sequence[Any] = (), example_kwargs: Op
     """Cut ``model``'s training graph into pipeline stages.
 
     Where: ``num_stages=N`` (optimal contiguous min-max partition of ``balance``: "flops", the
-    default, "params", or a ``CostFn``), ``split_points={"qualified.module": "before"|"after"}``
+    default, "sparse_flops", "time", "params", or a ``CostFn``; or "measured": the stages timed as
+    they will run and re-cut until even, which ``build`` redoes for its schedule, see
+    ``pipeline.measure``), ``split_points={"qualified.module": "before"|"after"}``
     (or a list of names, meaning before), or, with neither, the ``fxtrain.pipe_split()`` calls in
     ``forward``. ``N`` is the number of stages, not of ranks: ``build`` puts ``N / group size``
     stages on each rank.

@@ -12,7 +12,7 @@ so only the first rank needs the batch.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Mapping, Optional, Sequence, Set, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
 import torch.fx
@@ -22,6 +22,9 @@ from .capture import INPUT, PARAM, CapturedGraph, SplitError
 from .costs import COST_FUNCTIONS, CostFn, forward_flops_of, flops_of, module_of, weight_flops_of
 from .marker import is_marker
 from .partition import min_max_partition
+
+if TYPE_CHECKING:
+    from .measure import Target
 
 SplitPoints = Union[Mapping[str, str], Sequence[str]]
 
@@ -42,6 +45,9 @@ class StagePlan:
     first_module: str = ""
     last_module: str = ""
     cost: float = 0.0                    # what the plan balanced (FLOPs unless balance= says otherwise)
+    forward_time: float = 0.0            # balance="measured": seconds per call measured (0: not measured)
+    backward_time: float = 0.0
+    weight_time: float = 0.0             # the backward's weight-gradient part, when timed apart (zero bubble)
 
 
 @dataclasses.dataclass
@@ -190,8 +196,11 @@ def _check_cuts(g: _Graph, cuts: List[int], allowed: Sequence[bool], origin: str
 
 def make_plan(captured: CapturedGraph, *, num_stages: Optional[int] = None,
               split_points: Optional[SplitPoints] = None,
-              balance: Union[str, CostFn] = "flops") -> Plan:
-    """Cut ``captured`` into stages: by ``split_points``, by ``num_stages`` (balanced), or at the markers."""
+              balance: Union[str, CostFn] = "flops", target: Optional["Target"] = None) -> Plan:
+    """Cut ``captured`` into stages: by ``split_points``, by ``num_stages`` (balanced), or at the markers.
+
+    ``target`` (balance="measured" only): the schedule the plan will run, whose simulated step
+    the measured plan minimises (``build`` passes it)."""
     g = _Graph(captured)
     allowed, weights = g.cut_tables()
     if split_points is not None and num_stages is not None:
@@ -204,9 +213,13 @@ def make_plan(captured: CapturedGraph, *, num_stages: Optional[int] = None,
     elif num_stages is not None:
         if num_stages < 1:
             raise SplitError(f"num_stages must be >= 1, got {num_stages}")
+        allowed = _keep_logits_with_loss(g, allowed)
+        if balance == "measured":
+            return _measured_plan(g, num_stages, allowed, weights, target)
         cost_fn = COST_FUNCTIONS.get(balance) if isinstance(balance, str) else balance
         if cost_fn is None:
-            raise SplitError(f"balance must be one of {sorted(COST_FUNCTIONS)} or a cost function, got {balance!r}")
+            raise SplitError(f"balance must be one of {sorted(COST_FUNCTIONS) + ['measured']} or a cost function, "
+                             f"got {balance!r}")
         per_node = cost_fn(captured.gm)
         if len(per_node) != len(captured.gm.graph.nodes):
             raise SplitError("the cost function must return one cost per graph node")
@@ -232,6 +245,94 @@ def make_plan(captured: CapturedGraph, *, num_stages: Optional[int] = None,
         for st in stages:
             st.cost = float(st.flops)
     return Plan(captured, stages, cuts, how, name)
+
+
+def _keep_logits_with_loss(g: _Graph, allowed: Sequence[bool]) -> List[bool]:
+    """No automatic cut between a label-sparse loss and the last product computing its logits.
+
+    Cut there, the logits (rows x vocabulary) would travel between ranks and label sparsity,
+    which needs the loss and the product in one graph, would not fire: the vocabulary projection
+    would run on every row (3.6x slower on BERT-MLM's last stage, measured)."""
+    from .costs import labelled_share
+    out = list(allowed)
+    region = [n for n in labelled_share(g.captured.gm) if n in g.position]
+    losses = [g.position[n] for n in region if not n.users or all(u.op == "output" or u not in region for u in n.users)]
+    heavy = [g.position[n] for n in region if flops_of(n)]
+    if heavy and losses:
+        for c in range(max(heavy) + 1, max(losses) + 1):
+            out[c] = False
+    return out
+
+
+def _measured_plan(g: _Graph, k: int, allowed: Sequence[bool], weights: Sequence[float],
+                   target: Optional["Target"]) -> Plan:
+    """``balance="measured"`` (see ``measure``): stages timed as they will run, cut until even."""
+    from .measure import calibrate
+    if k > len(g.sequence):
+        raise SplitError(f"cannot cut {len(g.sequence)} operations into {k} stages")
+    start = g.sequence_costs(COST_FUNCTIONS["time"](g.captured.gm))
+    forward_share, weight_share = [], []
+    for n in g.sequence:
+        total, forward = flops_of(n), forward_flops_of(n)
+        forward_share.append(forward / total if total else 1 / 3)
+        weight_share.append(weight_flops_of(n, lambda a: a not in g.position) / (total - forward)
+                            if total > forward else 0.0)
+    aim = f"the simulated {target.schedule} step" if target is not None else "the slowest stage"
+
+    def plan(measure: Callable[[List[int]], Any]) -> Tuple[List[int], Any, str]:
+        try:
+            cuts, times, tried = calibrate(start, k, measure, forward_share=forward_share, weight_share=weight_share,
+                                           allowed=allowed, cut_weights=weights, target=target)
+        except ValueError as e:
+            raise SplitError(str(e)) from None
+        return cuts, times, f"{k} stages balanced by measured time ({tried} plan(s) timed, minimising {aim})"
+
+    split = target is not None and target.split
+    if target is None or target.group is None:
+        result = plan(lambda c: time_plan(g.captured, _stages(g, c), split=split))
+    else:
+        from .measure import GroupTimer, PlanningFailed
+        device = next(iter(i.value.device for i in g.captured.inputs if i.kind == PARAM), torch.device("cpu"))
+        timer = GroupTimer(target.group, lambda c, before: time_plan(g.captured, _stages(g, c), before, split), device)
+        if timer.leads:
+            try:
+                result = timer.finish(plan(timer.measure))
+            except BaseException as e:
+                timer.fail(e)
+                raise
+        else:
+            try:
+                result = timer.follow()
+            except PlanningFailed as e:
+                raise SplitError(str(e)) from None
+    return plan_with_times(g.captured, *result)
+
+
+def plan_with_times(captured: CapturedGraph, cuts: List[int], times: Sequence[Tuple[float, float, float]],
+                    how: str) -> Plan:
+    """The plan cut at ``cuts`` whose stages were measured at ``times`` (forward, backward, and the
+    backward's weight part, seconds; 0 where it was not timed apart)."""
+    stages = _stages(_Graph(captured), list(cuts))
+    for st, (f, b, w) in zip(stages, times):
+        st.forward_time, st.backward_time, st.weight_time, st.cost = float(f), float(b), float(w), float(f + b)
+    return Plan(captured, stages, list(cuts), how, "measured")
+
+
+def time_plan(captured: CapturedGraph, stages: Sequence[StagePlan], before: Optional[Callable[[], None]] = None,
+              split: bool = False) -> List[Tuple[float, float, float]]:
+    """(forward, backward, weight part) seconds of each stage, run as the ``TrainModule`` the
+    runner builds; ``split``: the backward split as the zero-bubble schedules run it (``before``
+    and ``split``: see ``measure.time_stages``)."""
+    from ..module import TrainModule
+    from ..options import Options
+    from .measure import time_stages
+    from .stage_module import stage_module
+    kinds = captured.by_node()
+    options = Options(backward="graph") if split else None
+    modules = [TrainModule(stage_module(captured, st, last=st.index == len(stages) - 1), options) for st in stages]
+    first = [kinds[p].value for p in stages[0].inputs]
+    params = [i.value for i in captured.inputs if i.kind == PARAM]
+    return time_stages(modules, first, params, before=before, split=split)
 
 
 def _stages(g: _Graph, cuts: List[int]) -> List[StagePlan]:

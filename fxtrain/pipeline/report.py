@@ -41,8 +41,10 @@ def describe_plan(pipe: "Pipe", n_microbatches: int = 4) -> str:
     if pipe.plan.balance != "flops":
         costs = [r["cost"] for r in rows]
         cmean = sum(costs) / len(costs) or 1
-        lines.append(f"balanced on {pipe.plan.balance}: " + ", ".join(f"{_si(c)}" for c in costs)
-                     + f" per stage, max/mean = {max(costs) / cmean:.3f}")
+        shown = [f"{c * 1e3:.1f} ms" for c in costs] if pipe.plan.balance == "measured" else [_si(c) for c in costs]
+        lines.append(f"balanced on {pipe.plan.balance}: " + ", ".join(shown)
+                     + f" per stage{' (forward + backward, measured)' if pipe.plan.balance == 'measured' else ''}, "
+                       f"max/mean = {max(costs) / cmean:.3f}")
     lines.extend(schedule_lines(pipe, n_microbatches))
     return "\n".join(lines)
 
@@ -51,7 +53,8 @@ def schedule_lines(pipe: "Pipe", m: int) -> List[str]:
     """Per schedule this plan can run: its layout and its simulated bubble beside the textbook one."""
     from .schedules import SCHEDULE_INFO
     n = pipe.num_stages
-    lines = [f"schedules for these {n} stages, {m} microbatches (simulated from stage FLOPs, free communication):"]
+    source = "measured stage times" if pipe.plan.balance == "measured" else "stage FLOPs"
+    lines = [f"schedules for these {n} stages, {m} microbatches (simulated from {source}, free communication):"]
     for name, info in SCHEDULE_INFO.items():
         v = 1 if info.placement == "single" else 2
         if n % v or (v == 2 and n < 4):

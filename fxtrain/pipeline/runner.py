@@ -45,6 +45,7 @@ from ..options import Options, resolve
 from ..runtime.weight_split import PendingWeights, defer_weight_gradients
 from .capture import fetch, path_text, walk
 from .errors import PipelineError, SplitError
+from .measure import Target
 from .plan import Plan
 from .schedules import SCHEDULE_INFO, check_layout, placement
 from .stage_module import stage_module
@@ -193,8 +194,11 @@ class PipelineRunner:
         self.stage_index = self.stage_indices[0]
         self._ranks = ranks
         # Every rank captures and plans the whole model (deterministic), so all agree on the cuts
-        # and on which stages share a parameter without exchanging anything.
-        captured, plan = pipe.microbatch_plan(m, loss_fn)
+        # and on which stages share a parameter without exchanging anything. A measured plan
+        # (balance="measured") is cut for this schedule and timed by the group together, the
+        # first rank deciding (``measure.GroupTimer``).
+        target = Target(schedule, m, len(ranks), base) if pipe.spec.get("balance") == "measured" else None
+        captured, plan = pipe.microbatch_plan(m, loss_fn, target)
         if plan is None:
             raise SplitError("the model's output holds no scalar loss (no tensor, `.loss` or first element); "
                              "pass loss_fn=lambda output, target: ... to build()")

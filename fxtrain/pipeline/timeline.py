@@ -13,6 +13,7 @@ simulation runs exactly the order the runner will. As torch does, the first stag
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .schedules import check_layout, placement, schedule_info
@@ -59,8 +60,18 @@ def action_order(schedule: str, stage: int, stages: int, m: int) -> List[Tuple[s
     return order
 
 
+@functools.lru_cache(maxsize=64)
+def _orders(schedule: str, stages: int, ranks: int, m: int) -> Tuple[Tuple[Action, ...], ...]:
+    return tuple(tuple(order) for order in _rank_orders(schedule, stages, ranks, m))
+
+
 def rank_orders(schedule: str, stages: int, ranks: int, m: int) -> List[List[Action]]:
-    """Every rank's compute actions in the order the schedule runs them."""
+    """Every rank's compute actions in the order the schedule runs them (kept per layout: building
+    torch's order takes milliseconds, and plan searches simulate one layout many times)."""
+    return [list(order) for order in _orders(schedule, stages, ranks, m)]
+
+
+def _rank_orders(schedule: str, stages: int, ranks: int, m: int) -> List[List[Action]]:
     info = schedule_info(schedule)
     if info.placement == "single":
         if stages != ranks:
@@ -81,7 +92,9 @@ def simulate(forward: Sequence[float], backward: Sequence[float], schedule: str,
         ranks = n if info.placement == "single" else max(1, n // 2)
     check_layout(schedule, n, ranks)
     # Avoid zero-length actions (a stage with no counted FLOPs still takes some time).
-    eps = 1e-3 * max(max(forward), max(backward), 1.0)
+    # (A thousandth of the largest action: costs may be FLOPs or seconds.)
+    scale = max(max(forward), max(backward))
+    eps = 1e-3 * scale if scale > 0 else 1e-3
     fwd = [max(f, eps) for f in forward]
     bwd = [max(b, eps) for b in backward]
     wgt = [min(max(w, 0.0), b) for w, b in zip(weight or [b / 2 for b in bwd], bwd)]
