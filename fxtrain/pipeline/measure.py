@@ -191,6 +191,9 @@ class Target:
     n_microbatches: int
     ranks: int
     group: Any = None    # the pipeline's process group: its ranks time each plan together
+    #: how the group times a plan (``runner.time_in_pipeline``: as the pipeline itself); None:
+    #: the stages as a chain in each process
+    time_cuts: Optional[Callable[[List[int], Callable[[], None]], StageTimes]] = None
 
     @property
     def split(self) -> bool:

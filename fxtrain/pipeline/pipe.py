@@ -4,6 +4,7 @@ from __future__ import annotations
 import datetime
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
+import torch
 from torch import nn
 
 from ..options import Options
@@ -127,34 +128,49 @@ class Pipe:
         other._captures = self._captures
         return other
 
+    def microbatch_capture(self, n_microbatches: int, loss_fn: Optional[Callable[..., Any]]) -> Any:
+        """The model captured at microbatch shape (with ``loss_fn``)."""
+        from .runner import chunk0
+        key = (n_microbatches, loss_fn)
+        if key not in self._captures:
+            args, kwargs, example_target = self.example
+            m = 1 if self.example_is_microbatch else n_microbatches
+            try:
+                mb = (chunk0(tuple(args), m), chunk0(dict(kwargs), m), chunk0(example_target, m))
+            except SplitError as e:
+                raise SplitError(
+                    f"{e}: fxtrain.split takes the whole batch as example (what step() will get) and "
+                    f"build() cuts it into n_microbatches; if the example is one microbatch (torch's "
+                    f"pipeline(mb_args=...) convention), pass it as fxtrain.split(model, mb_args=..., "
+                    f"mb_kwargs=...)") from None
+            self._captures[key] = capture(self.model, mb[0], mb[1], loss_fn=loss_fn, target=mb[2])
+        return self._captures[key]
+
     def microbatch_plan(self, n_microbatches: int, loss_fn: Optional[Callable[..., Any]],
                         target: Any = None) -> Tuple[Any, Plan]:
         """The model captured at microbatch shape (with ``loss_fn``) and cut by the same spec.
 
         ``target`` (a ``measure.Target``): the schedule ``build`` runs, which a measured plan is
         cut for (other balances ignore it)."""
-        from .runner import chunk0
         measured = self.spec.get("balance") == "measured"
-        capture_key = (n_microbatches, loss_fn)
-        key = capture_key + ((target,) if measured else ())
+        key = (n_microbatches, loss_fn) + ((target,) if measured else ())
         if key not in self._microbatch:
-            if capture_key not in self._captures:
-                args, kwargs, example_target = self.example
-                m = 1 if self.example_is_microbatch else n_microbatches
-                try:
-                    mb = (chunk0(tuple(args), m), chunk0(dict(kwargs), m), chunk0(example_target, m))
-                except SplitError as e:
-                    raise SplitError(
-                        f"{e}: fxtrain.split takes the whole batch as example (what step() will get) and "
-                        f"build() cuts it into n_microbatches; if the example is one microbatch (torch's "
-                        f"pipeline(mb_args=...) convention), pass it as fxtrain.split(model, mb_args=..., "
-                        f"mb_kwargs=...)") from None
-                self._captures[capture_key] = capture(self.model, mb[0], mb[1], loss_fn=loss_fn, target=mb[2])
-            captured = self._captures[capture_key]
+            captured = self.microbatch_capture(n_microbatches, loss_fn)
             extra = {"target": target} if measured else {}
             self._microbatch[key] = ((captured, make_plan(captured, **self.spec, **extra)) if captured.has_loss
                                      else (captured, None))
         return self._microbatch[key]
+
+    def step_batch(self, n_microbatches: int) -> Tuple[Tuple[Any, ...], Dict[str, Any], Any]:
+        """A batch ``step()`` takes, from the example: itself, or ``n_microbatches`` copies of a
+        one-microbatch example (for timing runs)."""
+        args, kwargs, target = self.example
+        if not self.example_is_microbatch:
+            return tuple(args), dict(kwargs), target
+
+        def repeat(v: Any) -> Any:
+            return torch.cat([v] * n_microbatches) if isinstance(v, torch.Tensor) and v.dim() else v
+        return tuple(repeat(a) for a in args), {k: repeat(v) for k, v in kwargs.items()}, repeat(target)
 
     def stage_train_module(self, key: Any, make: Callable[[], Any]) -> Any:
         if key not in self._stage_modules:

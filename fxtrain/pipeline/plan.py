@@ -293,7 +293,8 @@ def _measured_plan(g: _Graph, k: int, allowed: Sequence[bool], weights: Sequence
     else:
         from .measure import GroupTimer, PlanningFailed
         device = next(iter(i.value.device for i in g.captured.inputs if i.kind == PARAM), torch.device("cpu"))
-        timer = GroupTimer(target.group, lambda c, before: time_plan(g.captured, _stages(g, c), before, split), device)
+        timer = GroupTimer(target.group, target.time_cuts or (lambda c, before: time_plan(g.captured, _stages(g, c),
+                                                                                            before, split)), device)
         if timer.leads:
             try:
                 result = timer.finish(plan(timer.measure))

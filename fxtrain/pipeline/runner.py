@@ -30,6 +30,7 @@ import dataclasses
 import datetime
 import itertools
 import logging
+import statistics
 import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -153,6 +154,62 @@ def chunk0(value: Any, m: int) -> Any:
     return value
 
 
+TIMING_RUN = "timing run of a measured plan"
+TIMING_STEPS = 3
+
+
+def time_in_pipeline(pipe: "Pipe", schedule: str, m: int, loss_fn: Optional[Callable[..., Any]],
+                     group: Any, timeout: Optional[datetime.timedelta], options: Optional[Options],
+                     cuts: List[int], before: Callable[[], None]) -> List[Tuple[float, float, float]]:
+    """Every stage's (forward, backward, weight part) seconds per microbatch, measured by running
+    the plan cut at ``cuts`` as this very pipeline: its schedule, on the group's ranks, on the
+    example batch (one step to compile, then ``TIMING_STEPS``; medians over microbatches).
+    Called by every rank of the group at once (``measure.GroupTimer``). The steps' gradients and
+    random draws are undone; the stages' compiled modules stay cached for the plan ``build`` keeps."""
+    from .plan import plan_with_times
+    captured = pipe.microbatch_capture(m, loss_fn)
+    probe = plan_with_times(captured, list(cuts), [(0.0, 0.0, 0.0)] * pipe.num_stages, TIMING_RUN)
+    params = list(pipe.model.parameters())
+    saved = [p.grad for p in params]
+    args, kwargs, target = pipe.step_batch(m)
+    device = params[0].device if params else torch.device("cpu")
+    samples: Dict[Tuple[int, str], List[float]] = {}
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type != "cpu" else [],
+                                   device_type=device.type if device.type != "cpu" else "cuda"):
+            runner = PipelineRunner(pipe, schedule, m, loss_fn, group=group, timeout=timeout, options=options,
+                                    plan=probe)
+            runner.step(*args, target=target, **kwargs)
+            before()
+            for _ in range(TIMING_STEPS):
+                for p in params:
+                    # As after a training loop's zero_grad(set_to_none=True): each step allocates
+                    # its gradients (a tied 31 MB table's first W then costs 5-8 ms more).
+                    p.grad = None
+                runner.step(*args, target=target, **kwargs)
+                for s, kind, _, a, b in runner.last_actions:
+                    samples.setdefault((s, kind), []).append(b - a)
+    finally:
+        for p, g in zip(params, saved):
+            p.grad = g
+    everyone: List[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, samples, group=group)
+    merged: Dict[Tuple[int, str], List[float]] = {}
+    for part in everyone:
+        for key, values in part.items():
+            merged.setdefault(key, []).extend(values)
+
+    def med(s: int, kind: str) -> float:
+        return statistics.median(merged[(s, kind)]) if (s, kind) in merged else 0.0
+    out = []
+    for s in range(pipe.num_stages):
+        if (s, "B") in merged:
+            out.append((med(s, "F"), med(s, "B"), 0.0))
+        else:
+            out.append((med(s, "F"), med(s, "I") + med(s, "W"), med(s, "W")))
+    return out
+
+
 class PipelineRunner:
     """This rank's stages of a pipeline; ``step(*args, **kwargs)`` trains one batch (see ``Pipe.build``).
 
@@ -163,7 +220,9 @@ class PipelineRunner:
 
     def __init__(self, pipe: "Pipe", schedule: str, n_microbatches: int, loss_fn: Optional[Callable[..., Any]],
                  group: Optional[dist.ProcessGroup] = None, timeout: Optional[datetime.timedelta] = None,
-                 options: Optional[Options] = None) -> None:
+                 options: Optional[Options] = None, plan: Optional[Plan] = None) -> None:
+        """``plan``: run these cuts instead of the pipe's plan at microbatch size (timing runs of
+        a measured plan)."""
         if not dist.is_available() or not dist.is_initialized():
             raise PipelineError("Pipe.build needs torch.distributed initialised (torchrun, or "
                                 "init_process_group in each torch.multiprocessing worker)")
@@ -197,14 +256,21 @@ class PipelineRunner:
         # and on which stages share a parameter without exchanging anything. A measured plan
         # (balance="measured") is cut for this schedule and timed by the group together, the
         # first rank deciding (``measure.GroupTimer``).
-        target = Target(schedule, m, len(ranks), base) if pipe.spec.get("balance") == "measured" else None
-        captured, plan = pipe.microbatch_plan(m, loss_fn, target)
+        if plan is not None:
+            captured = plan.captured
+        else:
+            target = None
+            if pipe.spec.get("balance") == "measured":
+                def time_cuts(cuts: List[int], before: Callable[[], None]) -> List[Tuple[float, float, float]]:
+                    return time_in_pipeline(pipe, schedule, m, loss_fn, base, timeout, options, cuts, before)
+                target = Target(schedule, m, len(ranks), base, time_cuts)
+            captured, plan = pipe.microbatch_plan(m, loss_fn, target)
         if plan is None:
             raise SplitError("the model's output holds no scalar loss (no tensor, `.loss` or first element); "
                              "pass loss_fn=lambda output, target: ... to build()")
         if plan.num_stages != pipe.num_stages:
             raise SplitError(f"the plan at microbatch size has {plan.num_stages} stages, not {pipe.num_stages}")
-        if plan.cuts != pipe.plan.cuts:
+        if plan.cuts != pipe.plan.cuts and plan.how != TIMING_RUN:
             logger.warning("fxtrain.split: cuts at microbatch size %s differ from the split-time plan %s",
                            plan.cuts, pipe.plan.cuts)
         self.plan: Plan = plan
@@ -222,7 +288,7 @@ class PipelineRunner:
         for s in self.stage_indices:
             stage_plan, last = plan.stages[s], s == self.num_stages - 1
             self.modules[s] = pipe.stage_train_module(
-                (m, loss_fn, s, repr(options)),
+                (m, loss_fn, s, repr(options), tuple(plan.cuts)),
                 lambda stage_plan=stage_plan, last=last: TrainModule(stage_module(captured, stage_plan, last=last), options))
         self.module = self.modules[self.stage_index]
         #: custom autograd Functions of the whole model kept as opaque PythonOps, and how many of
