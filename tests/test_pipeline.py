@@ -446,24 +446,24 @@ def test_failing_stage_ends_peers_within_timeout(tmp_path, mode, monkeypatch):
 
 
 def _measured_job(rank: int, world: int, _: Any) -> Dict[str, Any]:
-    """ZB1P on a measured plan; rank 1 times its stages as if stage 0 were 20x slower: the group
-    times each plan together, averages, and runs the first rank's decision."""
-    from fxtrain.pipeline import plan as plan_module
-    real = plan_module.time_plan
+    """ZB1P on a measured plan; rank 1 reports its stage timings as if stage 0 were 20x slower:
+    the group times each plan together (as the pipeline itself), averages, and runs one plan."""
+    from fxtrain.pipeline import runner as runner_module
+    real = runner_module.time_in_pipeline
     seen: List[Tuple[List[int], Any]] = []
 
-    def recorded(captured, stages, before=None, split=False):
-        times = real(captured, stages, before, split)
+    def recorded(pipe, schedule, m, loss_fn, group, timeout, options, cuts, before):
+        times = real(pipe, schedule, m, loss_fn, group, timeout, options, cuts, before)
         if rank == 1:
             times = [(f * 20, b * 20, w * 20) if i == 0 else (f, b, w) for i, (f, b, w) in enumerate(times)]
-        seen.append(([st.index for st in stages], times))
+        seen.append((list(cuts), times))
         return times
-    plan_module.time_plan = recorded
+    runner_module.time_in_pipeline = recorded
     model, batch = toy_model(), toy_batch()
     pipe = fxtrain.split(model, example_kwargs=batch, num_stages=4, balance="measured")
-    at_split = len(seen)
     runner = pipe.build("zb1p", n_microbatches=M, options=fxtrain.Options(fallback="raise"))
-    return {"cuts": runner.plan.cuts, "how": runner.plan.how, "seen": seen[at_split:],
+    untouched = all(p.grad is None for p in model.parameters())
+    return {"cuts": runner.plan.cuts, "how": runner.plan.how, "seen": seen, "untouched": untouched,
             "times": [(st.forward_time, st.backward_time, st.weight_time) for st in runner.plan.stages],
             "stages": list(runner.stage_indices), "losses": [runner.step(**batch)],
             "grads": {n: p.grad.clone() for n, p in runner.named_parameters() if p.grad is not None}}
@@ -483,13 +483,16 @@ def test_measured_plan_is_rank_zeros_and_exact(tmp_path):
     assert results[0]["times"] == results[1]["times"] and all(f > 0 and b > 0 for f, b, _ in results[0]["times"])
     # ZB1P splits each backward: the weight part was timed on its own (stage 0's is its whole backward).
     assert all(0 < w <= b for _, b, w in results[0]["times"])
-    # Every plan the first rank wanted was timed by both ranks; the plan's times are their mean.
-    assert len(results[0]["seen"]) == len(results[1]["seen"]) >= 1
-    last0, last1 = results[0]["seen"][-1][1], results[1]["seen"][-1][1]
-    timed_plans = [[(a + b) / 2 for a, b in zip(r0, r1)] for r0, r1 in
-                   zip(*[[[(f + b) for f, b, _ in t] for _, t in r["seen"]] for r in results])]
-    assert [f + b for f, b, _ in results[0]["times"]] in [pytest.approx(t) for t in timed_plans]
-    assert last1[0][0] > last0[0][0]   # rank 1's skew reached the mean
+    # Every plan the first rank wanted was run by both ranks as a pipeline, in the same order; the
+    # plan kept is one of them, with the mean of the two ranks' reports (rank 1's skew included).
+    assert [c for c, _ in results[0]["seen"]] == [c for c, _ in results[1]["seen"]] and results[0]["seen"]
+    assert results[0]["cuts"] in [c for c, _ in results[0]["seen"]]
+    for (cuts, t0), (_, t1) in zip(results[0]["seen"], results[1]["seen"]):
+        if cuts == results[0]["cuts"]:
+            mean = [tuple((a + b) / 2 for a, b in zip(x, y)) for x, y in zip(t0, t1)]
+            assert results[0]["times"] == [pytest.approx(m) for m in mean]
+            assert t1[0][0] == pytest.approx(20 * t0[0][0])   # both ranks measured the same pipeline
+    assert results[0]["untouched"] and results[1]["untouched"]   # the timing steps left no gradient
     assert "measured time" in results[0]["how"] and "simulated zb1p step" in results[0]["how"]
     last = next(r for r in results if 3 in r["stages"])
     torch.testing.assert_close(last["losses"][0], ref_loss, rtol=1e-6, atol=1e-7)
