@@ -12,7 +12,11 @@ the ones simulated from the stage FLOPs and from the measured compute times, and
 time went (``timeline.idle_breakdown``): waiting on a peer's compute (the schedule's own bubble),
 transfers and dispatch (from an action's inputs being computed to its start), and the
 all-reduce of parameters shared across ranks after the schedule (the tied decoder, unless the V
-placement puts both its stages on rank 0). ``--plot`` draws the measured timeline.
+placement puts both its stages on rank 0). For ZB1P it also splits the measured bubble into the
+schedule's own (the schedule replayed with the measured compute times and free communication)
+and the rest, communication and dispatch, and checks the former against 1.2 x (p-1)/(3m).
+``--balance measured`` cuts where the stages' measured times are even for the schedule run
+(``build`` times candidate plans as this pipeline). ``--plot`` draws the measured timeline.
 """
 from __future__ import annotations
 
