@@ -463,7 +463,8 @@ def _measured_job(rank: int, world: int, _: Any) -> Dict[str, Any]:
     pipe = fxtrain.split(model, example_kwargs=batch, num_stages=4, balance="measured")
     runner = pipe.build("zb1p", n_microbatches=M, options=fxtrain.Options(fallback="raise"))
     untouched = all(p.grad is None for p in model.parameters())
-    return {"cuts": runner.plan.cuts, "how": runner.plan.how, "seen": seen, "untouched": untouched,
+    kept = sorted({key[-1] for key in pipe._stage_modules})   # the timing runs' other plans are let go
+    return {"cuts": runner.plan.cuts, "how": runner.plan.how, "seen": seen, "untouched": untouched, "kept": kept,
             "times": [(st.forward_time, st.backward_time, st.weight_time) for st in runner.plan.stages],
             "stages": list(runner.stage_indices), "losses": [runner.step(**batch)],
             "grads": {n: p.grad.clone() for n, p in runner.named_parameters() if p.grad is not None}}
@@ -493,6 +494,7 @@ def test_measured_plan_is_rank_zeros_and_exact(tmp_path):
             assert results[0]["times"] == [pytest.approx(m) for m in mean]
             assert t1[0][0] == pytest.approx(20 * t0[0][0])   # both ranks measured the same pipeline
     assert results[0]["untouched"] and results[1]["untouched"]   # the timing steps left no gradient
+    assert all(r["kept"] == [tuple(r["cuts"])] for r in results)
     assert "measured time" in results[0]["how"] and "simulated zb1p step" in results[0]["how"]
     last = next(r for r in results if 3 in r["stages"])
     torch.testing.assert_close(last["losses"][0], ref_loss, rtol=1e-6, atol=1e-7)

@@ -172,6 +172,13 @@ class Pipe:
             return torch.cat([v] * n_microbatches) if isinstance(v, torch.Tensor) and v.dim() else v
         return tuple(repeat(a) for a in args), {k: repeat(v) for k, v in kwargs.items()}, repeat(target)
 
+    def forget_stage_modules(self, n_microbatches: int, loss_fn: Optional[Callable[..., Any]], keep_cuts: Any) -> None:
+        """Drop the cached stages of other plans at this microbatch shape (the timing runs' of a
+        measured plan, which ``build`` will not run)."""
+        for key in [k for k in self._stage_modules if k[0] == n_microbatches and k[1] is loss_fn
+                    and k[-1] != tuple(keep_cuts)]:
+            del self._stage_modules[key]
+
     def stage_train_module(self, key: Any, make: Callable[[], Any]) -> Any:
         if key not in self._stage_modules:
             self._stage_modules[key] = make()

@@ -265,6 +265,8 @@ class PipelineRunner:
                     return time_in_pipeline(pipe, schedule, m, loss_fn, base, timeout, options, cuts, before)
                 target = Target(schedule, m, len(ranks), base, time_cuts)
             captured, plan = pipe.microbatch_plan(m, loss_fn, target)
+            if target is not None and plan is not None:
+                pipe.forget_stage_modules(m, loss_fn, plan.cuts)
         if plan is None:
             raise SplitError("the model's output holds no scalar loss (no tensor, `.loss` or first element); "
                              "pass loss_fn=lambda output, target: ... to build()")
