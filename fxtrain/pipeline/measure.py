@@ -9,18 +9,19 @@ Timing nodes one by one does not fix it either (tried: each op alone, cache-hot 
 kernels, predicted half of the stage times, and the label-sparse decoder does not scale with
 its rows).
 
-So the stages themselves are timed, as they will run: each stage of a candidate plan becomes the
-``TrainModule`` the runner would build (fxtrain's passes, label sparsity included, and executor),
-and the chain of stages runs forward then backward on the example in one process, each stage
-timed alone (median of a few steps after warm-up). The start is the min-max plan on ``time``
-(FLOP-equivalents). Each round scales the per-node costs of every stage by its measured /
-predicted ratio and cuts again; it stops when a plan repeats or after ``ROUNDS``, and keeps the
-measured plan whose slowest stage was fastest (a plan that was timed, never an extrapolation).
+So whole stages are timed, as they will run. Each round times a plan, fits per-node costs to
+every stage time measured so far (``_Costs.fit``: one factor per segment between the cuts seen,
+least squares; forward, backward and weight part apart), cuts again, and stops when a plan
+repeats or after ``ROUNDS``; the plan kept is one that was timed, chosen on its measured times
+(never an extrapolation). The start is the min-max plan on ``time`` (FLOP-equivalents).
 
-Gradients the timing runs leave on parameters are put back as they were, and the random state is
-restored, so training starts as if nothing ran. Timing is one process's view: on a machine shared
-with other jobs it moves between runs, so ranks may measure different plans; ``build`` makes
-every rank of the group use rank 0's.
+Two ways to time a plan: at ``split`` (no schedule, no process group) ``time_stages`` runs the
+stages as the ``TrainModule``s the runner builds, chained in one process, and the plan minimises
+the slowest stage; at ``build`` the runner times each candidate as the pipeline itself
+(``runner.time_in_pipeline``) on every rank of the group at once (``GroupTimer``: the first rank
+decides, times are averaged), and the plan minimises the schedule's simulated step
+(``search_cuts``). Timing leaves parameters' gradients as they were and restores the random
+state, so training starts as if nothing ran.
 """
 from __future__ import annotations
 
