@@ -83,6 +83,43 @@ def llama_lm(hidden: int = 256, layers: int = 4, heads: int = 4, vocab: int = 32
     return LlamaForCausalLM(_no_dropout(cfg))
 
 
+def swin_cls(image: int = 32, labels: int = 5) -> nn.Module:
+    """Tiny HF Swin (patch 2, embed 16, depths [1, 1], heads [2, 2], window 4): its window partition
+    divides symbolic image sizes, the case that made a symbolic recapture stall (issue #31)."""
+    from transformers import SwinConfig, SwinForImageClassification
+    cfg = SwinConfig(image_size=image, patch_size=2, embed_dim=16, depths=[1, 1], num_heads=[2, 2],
+                     window_size=4, num_labels=labels, drop_path_rate=0.0)
+    return SwinForImageClassification(_no_dropout(cfg))
+
+
+def convnext_cls(image: int = 32, labels: int = 5) -> nn.Module:
+    from transformers import ConvNextConfig, ConvNextForImageClassification
+    cfg = ConvNextConfig(image_size=image, patch_size=2, num_stages=2, hidden_sizes=[16, 32], depths=[1, 1],
+                         num_labels=labels, drop_path_rate=0.0)
+    return ConvNextForImageClassification(cfg)
+
+
+def vit_cls(image: int = 32, labels: int = 5) -> nn.Module:
+    """Call with ``interpolate_pos_encoding=True`` to feed other image sizes."""
+    from transformers import ViTConfig, ViTForImageClassification
+    cfg = ViTConfig(image_size=image, patch_size=4, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                    intermediate_size=64, num_labels=labels)
+    return ViTForImageClassification(_no_dropout(cfg))
+
+
+def resnet_cls(labels: int = 5) -> nn.Module:
+    from transformers import ResNetConfig, ResNetForImageClassification
+    cfg = ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic", num_labels=labels)
+    return ResNetForImageClassification(cfg)
+
+
+def image_batch(batch: int, image: int, labels: int = 5, generator: Optional[torch.Generator] = None,
+                **extra: Any) -> Dict[str, Any]:
+    """Random RGB images and class labels, as HF image classifiers take them."""
+    return dict(pixel_values=torch.randn(batch, 3, image, image, generator=generator),
+                labels=torch.randint(0, labels, (batch,), generator=generator), **extra)
+
+
 @dataclass
 class Preset:
     """A named model with the batch kind it trains on ("mlm", "clm" or "cls")."""

@@ -39,11 +39,11 @@ class Options:
         "choices": ("eager", "raise"),
         "help": "When capture fails: warn once and run the model eagerly, or raise."})
     dynamic: Optional[bool] = field(default=None, metadata={
-        "help": "Symbolic sizes. None: capture with the first batch's sizes (fastest capture) and once more "
-                "with all sizes symbolic when a size changes (torch.compile instead makes symbolic only the "
-                "dimensions it saw change, function by function, so a model with graph breaks can recapture on "
-                "sizes it has run); True: symbolic from the first capture (no recapture on a new batch size or "
-                "sequence length); False: a capture per size."})
+        "help": "Symbolic sizes. None: capture with the first batch's sizes (fastest capture); when a size "
+                "changes, capture once more with the input dimensions seen to change symbolic and every other "
+                "one static (a dimension whose symbolic reasoning proves expensive stays static: a capture per "
+                "size of it), and again only if another dimension changes; True: every size symbolic from the "
+                "first capture; False: a capture per size."})
     fullgraph: bool = field(default=False, metadata={
         "help": "Treat any graph break as a capture failure (then `fallback` decides)."})
     custom_autograd: bool = field(default=True, metadata={
@@ -86,6 +86,9 @@ class Options:
     recompile_limit: int = field(default=64, metadata={
         "help": "Calls of one TrainModule that may capture (a call whose model breaks into several graphs "
                 "counts once); one more counts as a capture failure, and `fallback` decides."})
+    capture_warning_seconds: float = field(default=60.0, metadata={
+        "help": "A single capture (one frame dynamo compiles) taking longer than this logs one WARNING saying "
+                "what is being captured, for how long so far, and the option that avoids it."})
     memory_budget: Optional[Union[int, str]] = field(default=None, metadata={
         "help": "Peak memory the whole training step must fit, in bytes or as a size ('6GiB', '512MB'): "
                 "parameters, gradients, optimizer state (see `optimizer`), the batch, activations and "
@@ -106,6 +109,8 @@ class Options:
                 raise ValueError(f"fxtrain.Options.{f.name}={value!r}: expected one of {list(choices)}")
         if not 0.0 <= self.sparsity_threshold <= 1.0:
             raise ValueError(f"fxtrain.Options.sparsity_threshold must be within [0, 1], got {self.sparsity_threshold}")
+        if not self.capture_warning_seconds > 0:
+            raise ValueError(f"fxtrain.Options.capture_warning_seconds must be positive, got {self.capture_warning_seconds}")
         if self.recompile_limit < 1:
             raise ValueError(f"fxtrain.Options.recompile_limit must be >= 1, got {self.recompile_limit}")
         if self.memory_budget is not None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 
-from typing import Any, Callable, ContextManager, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, ContextManager, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx
@@ -36,9 +36,9 @@ BACKWARD_PASS_OPS = (aten.nll_loss_backward.default, aten._log_softmax_backward_
 _around_classes: Dict[type, type] = {}
 
 
-def _run_around_compile(converter: Any, around: Callable[[], ContextManager[Any]]) -> None:
-    """Make dynamo's frame converter enter ``around()`` whenever it converts a frame (a cache miss),
-    never on a hit. Settings that matter only while dynamo analyses a frame (its config, fxtrain's
+def _run_around_compile(converter: Any, around: Callable[[Optional[str]], ContextManager[Any]]) -> None:
+    """Make dynamo's frame converter enter ``around(code_name)`` whenever it converts a frame (a cache
+    miss), never on a hit; ``code_name`` is the converted frame's (None if dynamo did not pass it). Settings that matter only while dynamo analyses a frame (its config, fxtrain's
     PythonOp routing) are applied there instead of around every call (~10 config writes per step).
 
     The converter's class is swapped for a subclass: the eval-frame C++ code reads these objects
@@ -47,7 +47,8 @@ def _run_around_compile(converter: Any, around: Callable[[], ContextManager[Any]
     cls = _around_classes.get(base)
     if cls is None:
         def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-            with self._fxtrain_around():
+            code = getattr(args[0], "f_code", None) if args else None   # the frame being converted
+            with self._fxtrain_around(getattr(code, "co_name", None)):
                 return base.__call__(self, *args, **kwargs)
         cls = _around_classes[base] = type(f"FxtrainAround{base.__name__}", (base,), {"__call__": __call__})
     converter.__class__ = cls
@@ -55,7 +56,7 @@ def _run_around_compile(converter: Any, around: Callable[[], ContextManager[Any]
 
 
 def dynamo_compile(fn: Callable[..., Any], backend: Callable[..., Any], dynamic: Optional[bool], fullgraph: bool,
-                   around_compile: Callable[[], ContextManager[Any]]) -> Callable[..., Any]:
+                   around_compile: Callable[[Optional[str]], ContextManager[Any]]) -> Callable[..., Any]:
     """``torch.compile(fn, backend=backend, ...)`` whose compilations run inside ``around_compile()``.
 
     Needs: ``torch._dynamo.optimize`` returning a context whose ``callback`` (a CatchErrorsWrapper)
@@ -71,6 +72,31 @@ def dynamo_compile(fn: Callable[..., Any], backend: Callable[..., Any], dynamic:
 def dynamo_config_patch(settings: Dict[str, Any]) -> ContextManager[Any]:
     """Dynamo's config set to ``settings`` within the block (``torch._dynamo.config.patch(dict)``)."""
     return torch._dynamo.config.patch(settings)
+
+
+@contextlib.contextmanager
+def dims_static(marks: Sequence[Tuple[torch.Tensor, Sequence[int]]]) -> Iterator[None]:
+    """Dynamo keeps the listed dimensions of these tensors static while the block compiles, even under
+    ``dynamic=True`` (``torch._dynamo.mark_static``, whose ``_dynamo_static_indices`` this sets and
+    then takes back, so the user's tensors carry no mark afterwards).
+
+    Why taking the mark back is safe: dynamo guards a marked dimension attribute only as "absent, or
+    a subset of the marks compiled with", so later calls with unmarked tensors still hit the graph."""
+    saved = []
+    for tensor, dims in marks:
+        had = tensor.__dict__.get("_dynamo_static_indices")
+        saved.append((tensor, had, tensor.__dict__.get("_has_dynamo_dim_marking")))
+        tensor._dynamo_static_indices = set(had or ()) | set(dims)
+        tensor._has_dynamo_dim_marking = True
+    try:
+        yield
+    finally:
+        for tensor, had, flag in saved:
+            for attr, old in (("_dynamo_static_indices", had), ("_has_dynamo_dim_marking", flag)):
+                if old is None:
+                    tensor.__dict__.pop(attr, None)
+                else:
+                    setattr(tensor, attr, old)
 
 
 # ------------------------------------------------------------------------------- AOTAutograd

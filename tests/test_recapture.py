@@ -1,6 +1,7 @@
 """The default sizes policy (dynamic=None) and what capture_info() says about captures; eager is the oracle.
 
-Static first, then, from the first change of sizes, a symbolic entry for good. Dynamo's own automatic
+Static first, then, from the first change of sizes, a symbolic entry for good (symbolic: the dimensions
+seen to change and the leading one of each input; static: the rest). Dynamo's own automatic
 dynamic shapes are per code object and per dimension: through the static entry alone a model captured
 again for each new combination of changed dimensions and, with graph breaks, for sizes it had already
 run (the code after a break that only symbolic sizes expose starts static when dynamo first meets it;
@@ -65,7 +66,8 @@ def test_no_capture_on_sizes_already_run_when_symbolic_sizes_break_the_graph():
     assert info.graphs == captures
     # Each capture says why it happened: the two after the first, the switch to symbolic sizes.
     reasons = [r.reason for r in info.records]
-    switch = "symbolic sizes from the first size change (kwargs['x'] [2, 6, 8] -> [3, 10, 8])"
+    switch = ("sizes changed: symbolic kwargs['x'] dim 0 (2 -> 3), kwargs['x'] dim 1 (6 -> 10); "
+              "every other input size static")
     assert reasons[0] == "first call" and all(r.startswith(switch) or r.startswith("after a graph break")
                                              for r in reasons[1:]), reasons
     assert switch in str(info)

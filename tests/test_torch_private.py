@@ -266,15 +266,37 @@ def test_partition_saving_and_size_accessors() -> None:
 def test_dynamo_compile_runs_around_compile() -> None:
     entered = []
 
-    def around():
+    def around(code_name):
         import contextlib
-        entered.append(1)
+        entered.append(code_name)
         return contextlib.nullcontext()
 
-    fn = _check("dynamo_compile", tp.dynamo_compile, lambda t: t + 1, "eager", False, True, around)
+    def plus_one(t):
+        return t + 1
+
+    fn = _check("dynamo_compile", tp.dynamo_compile, plus_one, "eager", False, True, around)
     assert torch.equal(fn(torch.ones(2)), torch.full((2,), 2.0))
     fn(torch.ones(2))
-    assert len(entered) == 1
+    assert entered == ["plus_one"]   # once, with the converted frame's name
+
+
+def test_dims_static_marks_and_takes_back() -> None:
+    x = torch.randn(4, 3)
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append([i for i in inputs if isinstance(i, torch.SymInt)])   # the graph's symbolic sizes
+        return gm.forward
+
+    fn = torch.compile(lambda t: t * 2, backend=backend, dynamic=True)
+    with _check("dims_static", tp.dims_static, [(x, [1])]):
+        assert torch.equal(fn(x), x * 2)
+    assert not hasattr(x, "_dynamo_static_indices") and not hasattr(x, "_has_dynamo_dim_marking")
+    assert len(graphs[0]) == 1                                     # dim 0 symbolic, dim 1 static
+    y = torch.randn(7, 3)
+    assert torch.equal(fn(y), y * 2) and len(graphs) == 1          # unmarked tensors hit the graph
+    z = torch.randn(4, 5)
+    assert torch.equal(fn(z), z * 2) and len(graphs) == 2          # the static size is guarded
 
 
 def test_distributed_and_subclass_accessors() -> None:

@@ -21,9 +21,9 @@ def _entry(module, args, kwargs):
 
 
 def make_entry(backend: Callable[..., Any], dynamic: Optional[bool], fullgraph: bool,
-               around_compile: Callable[[], ContextManager[Any]]) -> Callable[..., Any]:
-    """``torch.compile`` of a fresh entry function; ``around_compile()`` is entered whenever dynamo
-    compiles a frame for it (not on calls that hit its cache)."""
+               around_compile: Callable[[Optional[str]], ContextManager[Any]]) -> Callable[..., Any]:
+    """``torch.compile`` of a fresh entry function; ``around_compile(code_name)`` is entered whenever
+    dynamo compiles a frame for it (not on calls that hit its cache), with the frame's code name."""
     name = f"{ENTRY_NAME}_{next(_counter)}"
     code = _entry.__code__.replace(co_name=name, co_qualname=name)
     fn = types.FunctionType(code, _entry.__globals__, name)

@@ -5,7 +5,7 @@ call may trigger a capture, so that only those calls pay for the safety net of t
 """
 from __future__ import annotations
 
-from typing import Any, Hashable, List, Optional, Tuple
+from typing import Any, FrozenSet, Hashable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -57,28 +57,43 @@ def call_schema(args: Tuple[Any, ...], kwargs: dict, device: Optional[torch.devi
             tuple([(k, schema(v, ("kwargs", k), device, shapes)) for k, v in kwargs.items()]))
 
 
-def call_sizes(args: Tuple[Any, ...], kwargs: dict) -> Hashable:
-    """Every tensor of a call as (path, size), in order: what a static capture is specialised to."""
-    sizes = []
+def call_tensors(args: Tuple[Any, ...], kwargs: dict) -> List[Tuple[str, torch.Tensor]]:
+    """Every tensor of a call as (path, tensor), in the order ``schema`` meets them (args, then
+    kwargs; containers depth first), so that index ``i`` here is shape ``i`` of a ``call_schema`` walk."""
+    found = []
     stack = [(f"kwargs[{k!r}]", v) for k, v in reversed(list(kwargs.items()))]
     stack += [(f"args[{i}]", a) for i, a in reversed(list(enumerate(args)))]
     while stack:
         path, value = stack.pop()
         if isinstance(value, torch.Tensor):
-            sizes.append((path, tuple(value.shape)))
+            found.append((path, value))
         elif isinstance(value, dict):
             stack.extend((f"{path}[{k!r}]", v) for k, v in reversed(list(value.items())))
         elif isinstance(value, (list, tuple)):
             stack.extend((f"{path}[{i}]", v) for i, v in reversed(list(enumerate(value))))
-    return tuple(sizes)
+    return found
 
 
-def size_change(first: Hashable, now: Hashable) -> str:
-    """The first tensor whose size differs between two ``call_sizes``, for a person to read."""
-    for (path, a), (_, b) in zip(first, now):
-        if a != b:
-            return f"{path} {list(a)} -> {list(b)}"
-    return "sizes changed"
+def call_sizes(args: Tuple[Any, ...], kwargs: dict) -> Hashable:
+    """Every tensor of a call as (path, size), in order: what a static capture is specialised to."""
+    return tuple((path, tuple(t.shape)) for path, t in call_tensors(args, kwargs))
+
+
+def changed_dims(first: Sequence[Sequence[int]], now: Sequence[Sequence[int]]) -> FrozenSet[Tuple[int, int]]:
+    """(tensor index, dimension) of every size that differs between two calls of one schema."""
+    return frozenset((i, d) for i, (a, b) in enumerate(zip(first, now)) for d, (m, n) in enumerate(zip(a, b))
+                     if m != n)
+
+
+def leading_dims(shapes: Sequence[Sequence[int]]) -> FrozenSet[Tuple[int, int]]:
+    """(tensor index, 0) of every input with a dimension: the batch dimension, by convention."""
+    return frozenset((i, 0) for i, shape in enumerate(shapes) if len(shape))
+
+
+def describe_dims(dims: Iterable[Tuple[int, int]], paths: Sequence[Tuple[str, Any]],
+                  first: Sequence[Sequence[int]], now: Sequence[Sequence[int]]) -> str:
+    """``kwargs['x'] dim 0 (4 -> 3)``, for a person to read which sizes became symbolic."""
+    return ", ".join(f"{paths[i][0]} dim {d} ({first[i][d]} -> {now[i][d]})" for i, d in sorted(dims))
 
 
 def first_tensor_device(args: Tuple[Any, ...], kwargs: dict) -> Optional[torch.device]:

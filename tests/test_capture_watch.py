@@ -1,0 +1,77 @@
+"""The capture watchdog (fxtrain/capture/watch.py): a slow capture warns once, a compile sunk in
+sympy is stopped (and only then), and a stop the compile outran leaves nothing behind."""
+import logging
+import time
+
+import pytest
+import sympy
+import torch
+from torch import nn
+
+import fxtrain
+from fxtrain.capture.watch import ExpensiveSymbolicSizes, watched
+from utils import train_parity, wrap_pair
+
+
+def _sympy_work(seconds: float) -> None:
+    x, y = sympy.symbols("x y", integer=True, positive=True)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        sympy.simplify((x ** 3 + y * x) / (x + y) + sympy.floor(x / 7) * y)
+
+
+def _plain_work(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        sum(range(1000))
+
+
+def test_watch_stops_a_compile_sunk_in_sympy():
+    started = time.perf_counter()
+    with pytest.raises(ExpensiveSymbolicSizes):
+        with watched(lambda s: "", warn_after=1e9, sympy_budget=0.3) as watch:
+            _sympy_work(30.0)
+    assert watch.stopped and time.perf_counter() - started < 15
+    _plain_work(0.3)   # nothing pending is delivered later
+
+
+def test_watch_leaves_other_work_alone():
+    with watched(lambda s: "", warn_after=1e9, sympy_budget=0.1) as watch:
+        _plain_work(1.5)          # long, but no sympy
+        _sympy_work(0.3)          # sympy past the budget, but not most of the recent time
+        _plain_work(0.5)
+    assert not watch.stopped and watch.sympy_seconds > 0.1
+
+
+def test_watch_warns_once_after_the_threshold(caplog):
+    with caplog.at_level(logging.WARNING, logger="fxtrain"):
+        with watched(lambda s: f"capturing X has taken {s:.1f} s", warn_after=0.1, sympy_budget=None):
+            _plain_work(0.6)
+    warnings = [r.getMessage() for r in caplog.records if "capturing X" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].startswith("fxtrain: capturing X has taken")
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x).tanh().sum()
+
+
+def test_slow_capture_warning_names_the_capture_and_the_option(caplog):
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(Tiny(), dynamic=None, capture_warning_seconds=0.001)
+    with caplog.at_level(logging.WARNING, logger="fxtrain"):
+        train_parity(tm, ref, [dict(x=torch.randn(4, 8)), dict(x=torch.randn(3, 8))], lambda out, _: out)
+    slow = [r.getMessage() for r in caplog.records if "so far" in r.getMessage()]
+    first = [m for m in slow if m.startswith("fxtrain: the capture of Tiny has taken")]
+    symbolic = [m for m in slow if m.startswith("fxtrain: a symbolic capture of Tiny (symbolic: kwargs['x'] dim 0 (4 -> 3))")]
+    assert len(first) == 1 and "Options(cache_dir=...)" in first[0], slow
+    assert len(symbolic) == 1 and "Options(dynamic=False)" in symbolic[0], slow
+
+
+def test_capture_warning_seconds_must_be_positive():
+    with pytest.raises(ValueError, match="capture_warning_seconds"):
+        fxtrain.Options(capture_warning_seconds=0)
