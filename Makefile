@@ -14,8 +14,10 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/fxtrain demo
 
+# Two workers: most of the suite is dynamo compiling Python on one core (tests/conftest.py gives each
+# worker one intra-op thread, so two workers use the two cores without oversubscribing them).
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
 
 bench: $(STAMP)
 	$(VENV)/bin/fxtrain bench

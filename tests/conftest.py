@@ -6,6 +6,12 @@ import os
 import pytest
 
 _KEEP = {"FXTRAIN_TEST_DEVICE", "FXTRAIN_LOG_LEVEL"}
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs two workers on two cores: one intra-op thread each keeps them from fighting
+    # over the cores (both the fxtrain model and its eager oracle run in the same worker, alike).
+    import torch
+    torch.set_num_threads(1)
 # FXTRAIN_TEST_EXECUTOR=inductor runs the whole suite with that executor as the default of
 # fxtrain.Options (a test that names an executor keeps it: those test one executor's features):
 # the suite's second pass, the one `make test` does not run. Fresh processes a test starts (the

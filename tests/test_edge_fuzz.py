@@ -4,11 +4,15 @@ one seed, a few hundred batches in all, against eager PyTorch. The long mode is
 from fxtrain import fuzz
 from utils import DEVICE
 
-CI_BATCHES = 32  # per case; 8 cases: 256 batches
+CI_BATCHES = 32  # per case; 8 text cases: 256 batches
+
+
+TEXT = [name for name, (_, kind, _) in fuzz.MODELS.items() if kind != "image"]
+IMAGE_BATCHES = 14   # HF Swin captures slowly (4-9 s a capture): one loss, fewer batches
 
 
 def test_no_batch_differs_from_eager():
-    results = fuzz.run(fuzz.cases([0]), CI_BATCHES, progress=False, device=DEVICE)
+    results = fuzz.run(fuzz.cases([0], TEXT), CI_BATCHES, progress=False, device=DEVICE)
     report = fuzz.summary(results)
     print(report)
     assert not [f for r in results for f in r.findings], report
@@ -17,3 +21,14 @@ def test_no_batch_differs_from_eager():
     # some batches took the dense route, and every model recaptured on new schemas/sizes.
     assert sum(sum(r.dense_batches.values()) for r in results) > 0, report
     assert all(r.captures >= 2 for r in results), report
+
+
+def test_no_image_batch_differs_from_eager():
+    """Batch sizes 1..8 and a second image size through HF Swin: the sizes policy's recaptures
+    (symbolic batch, image size kept static once its symbolic reasoning proved expensive)."""
+    results = fuzz.run(fuzz.cases([0], ["swin-image"], ["model"]), IMAGE_BATCHES, progress=False, device=DEVICE)
+    report = fuzz.summary(results)
+    print(report)
+    assert not [f for r in results for f in r.findings], report
+    (result,) = results
+    assert result.batches == IMAGE_BATCHES and result.captures >= 2 and result.signatures >= 5, report
