@@ -109,7 +109,8 @@ def main() -> None:
         steps = row["steps"]
         shapes = " -> ".join("x".join(map(str, s["shape"])) for s in steps) or "-"
         first = f"{steps[0]['seconds']:.2f}" if steps else "-"
-        second = f"{steps[1]['seconds']:.2f}" if len(steps) > 1 else (f"> {a.timeout:.0f}" if row.get("timed_out") else "-")
+        second = (f"{steps[1]['seconds']:.2f}" if len(steps) > 1 else
+                  f"> {a.timeout:.0f}" if row.get("timed_out") else "-")
         ratio = f"{steps[1]['seconds'] / steps[0]['seconds']:.2f}" if len(steps) > 1 else "-"
         third = str(steps[2]["captures"]) if len(steps) > 2 else "-"
         note = ("did not finish" if row.get("timed_out") else row.get("error") or

@@ -5,10 +5,9 @@ import contextlib
 import itertools
 import logging
 import time
-import types
 import warnings
 import weakref
-from typing import Any, Dict, FrozenSet, Hashable, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Hashable, Iterator, List, Mapping, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -18,15 +17,14 @@ from .cache.session import ModuleCache
 from .capture.backend import Backend, RecompileLimitReached, current_mode
 from .capture.breaks import call_breaks, close_window, open_window
 from .capture.entry import make_entry
-from .capture.frames import ENTRY_NAME
 from .capture.state import in_fake_run
 from .capture.watch import WINDOW, ExpensiveSymbolicSizes, watched
 from .capture.info import CaptureInfo, GraphRecord
-from .capture.inputs import (autocast_state, call_schema, call_sizes, call_tensors, changed_dims, describe_dims,
-                             leading_dims)
+from .capture.inputs import autocast_state, call_schema
 from .capture.rollback import Rollback
 from .capture.scalars import ScalarWatch
 from .capture.settings import dynamo_settings
+from .capture.sizes import SizesPolicy
 from .options import Options, resolve
 from .pythonop import routing
 from .runtime.executors import Executor
@@ -102,21 +100,8 @@ class TrainModule(nn.Module):
         # for models whose code never reads `self.training`.
         self._compiled = {mode: make_entry(self._backend, self._options.dynamic, self._options.fullgraph,
                                            self._compiling) for mode in (True, False)}
-        self._symbolic: Dict[bool, Any] = {}
-        # dynamic=None: static entries first; the sizes each call schema first ran with, and the
-        # schemas that have since run with other sizes (the symbolic entry from then on).
-        self._static_first = self._options.dynamic is None
-        self._static_sizes: Dict[Hashable, Tuple[Hashable, Hashable]] = {}  # key -> (shapes, call_sizes)
-        self._symbolic_keys: Set[Hashable] = set()
-        # key -> the input dimensions, as (tensor index, dim), seen to change size: the only
-        # symbolic input sizes of the symbolic entry's captures (_static_marks).
-        self._symbolic_dims: Dict[Hashable, FrozenSet[Tuple[int, int]]] = {}
-        # Why the last call captured symbolically, and the call dynamo may compile from the symbolic
-        # entry (held for the call only). A plain object: nn.Module's __setattr__ is slow.
-        self._sizes = types.SimpleNamespace(switch=None, call=None)
-        # key -> input dimensions whose symbolic reasoning proved expensive: static from then on.
-        self._expensive_dims: Dict[Hashable, FrozenSet[Tuple[int, int]]] = {}
-        self._first_compile_seconds: Optional[float] = None
+        self._symbolic: Dict[bool, Any] = {}     # the symbolic entries (capture/sizes.py)
+        self._sizes = SizesPolicy(self._options.dynamic is None)
         self._capturing_calls = 0                  # calls that captured (Options.recompile_limit)
         self._cache = ModuleCache(self._options, self._info, self._backend.owner, self._backend.executor,
                                   self._backend.context)
@@ -176,8 +161,7 @@ class TrainModule(nn.Module):
                 out = self._cache.load(key, module, args, kwargs, key[1])
             if out is not MISS:
                 self._seen.add(key)
-                if key not in self._static_sizes:   # the sizes a later size change is measured against
-                    self._static_sizes[key] = (shapes, call_sizes(args, kwargs))
+                self._sizes.served(key, shapes, args, kwargs)
                 return out
         graphs_before = self._info.graphs
         self._backend.may_capture = self._capturing_calls < self._options.recompile_limit
@@ -188,10 +172,12 @@ class TrainModule(nn.Module):
                     out = self._entry_for(key, args, kwargs, shapes)(module, args, kwargs)
                     break
                 except ExpensiveSymbolicSizes:
-                    self._keep_expensive_static()
+                    logger.info("fxtrain: symbolic sizes of %s proved expensive to reason about (sympy); "
+                                "capturing %s static instead", type(self.module).__name__,
+                                self._sizes.keep_expensive_static())
         finally:
             filed = close_window(window)
-            self._sizes.call = None
+            self._sizes.end_call()
         if self._info.graphs != graphs_before:
             self._capturing_calls += 1
         if self._info.graphs != graphs_before or filed:
@@ -255,138 +241,42 @@ class TrainModule(nn.Module):
         return True
 
     def _entry_for(self, key: Hashable, args: Tuple[Any, ...], kwargs: Dict[str, Any], sizes: Tuple[Any, ...]) -> Any:
-        """Dynamo's entry for this call.
-
-        ``dynamic=None``: a call schema runs from the static entry until a call brings other sizes;
-        from then on it runs from a symbolic entry (``dynamic=True``), whose captures keep symbolic
-        the input dimensions seen to change and the leading (batch) dimension of every input, and
-        mark every other input dimension static (``_static_marks``). Why not all sizes: symbolic
-        reasoning about sizes that never change can cost minutes (Swin's window partition on a
-        symbolic image size: sympy simplifying floor divisions), for a graph no more general than
-        needed; a dimension whose reasoning proves expensive anyway is stopped by the watchdog and
-        kept static (``_keep_expensive_static``). Why the batch dimension even when it did not change:
-        it is the size most likely to change next (the last batch of an epoch), and the cheapest to
-        keep symbolic, so one recapture usually serves the whole run. Why not leave it to dynamo's
-        automatic dynamic shapes on the static entry, which also makes only changed dimensions
-        symbolic: that works per code object, so a function dynamo first meets later (the code after a graph break
-        that only symbolic sizes expose) starts static again, and a model with graph breaks
-        recaptures on sizes it has already run (HF Longformer); under the symbolic entry such later
-        frames are symbolic from their first capture. The switch is for good, but for the first
-        sizes themselves in a model without graph breaks: dynamo guards every compiled function on
-        the entry it was compiled under (BACKEND_MATCH), so going back would recapture what only
-        the symbolic entry compiled. A cached graph that served the first sizes sends every later
-        call here (dynamo never saw them).
-        """
-        self._sizes.switch = None
-        if not self._static_first:
-            return self._compiled[self.training]
-        first, first_paths = self._static_sizes.get(key) or self._static_sizes.setdefault(
-            key, (sizes, call_sizes(args, kwargs)))
-        if key not in self._symbolic_keys and (key in self._cache.resized or first != sizes):
-            self._symbolic_keys.add(key)
-            self._symbolic_dims[key] = frozenset()
-            if first == sizes:
-                self._sizes.switch = "a cached graph served the first sizes and stopped serving"
-        # The first sizes go back to the static entry, which captured them, where the symbolic graph
-        # cannot serve them: dynamo specialises sizes 0 and 1, so a symbolic dimension that was 0 or 1
-        # would capture them a second time. Elsewhere the symbolic graph serves them: the static
-        # graph's guards may no longer hold (HF classifiers set config.problem_type on their first
-        # call). Never for a model with graph breaks: the frames it compiled apart were compiled again
-        # under the symbolic entry, and their static versions no longer match (HF Longformer).
-        back = (sizes == first and key not in self._cache.resized and not self._info.graph_breaks
-                and any(first[i][d] < 2 for i, d in self._symbolic_dims.get(key, ())))
-        if key in self._symbolic_keys and not back:
-            self._sizes.call = (key, sizes, args, kwargs)
+        """Dynamo's entry for this call: the static one, or from the first size change of its schema
+        on, the symbolic one (``dynamic=None``; capture/sizes.py says which sizes it makes symbolic)."""
+        resized, breaks = key in self._cache.resized, bool(self._info.graph_breaks)
+        if self._sizes.use_symbolic(key, sizes, args, kwargs, resized, breaks):
             if self.training not in self._symbolic:
                 self._symbolic[self.training] = make_entry(self._backend, True, self._options.fullgraph,
                                                            self._compiling)
             return self._symbolic[self.training]
         return self._compiled[self.training]
 
-    def _keep_expensive_static(self) -> None:
-        """The watchdog stopped a symbolic capture of the entry frame (nothing of the call ran, so
-        ``_call`` runs it again): keep static the dimensions it had just made symbolic.
-
-        Which ones: first every newly symbolic dimension but the leading one of each tensor (image
-        height and width, sequence length), since a symbolic batch size is the cheapest and the most
-        useful; if the leading ones alone still prove expensive, those too (a capture per size)."""
-        key = self._sizes.call[0]
-        dims = self._symbolic_dims[key]
-        later = frozenset(d for d in dims if d[1] != 0)
-        static = later if later else dims
-        self._symbolic_dims[key] = dims - static
-        self._expensive_dims[key] = self._expensive_dims.get(key, frozenset()) | static
-        first, paths = self._static_sizes[key]
-        logger.info("fxtrain: symbolic sizes of %s proved expensive to reason about (sympy); capturing "
-                    "%s static instead", type(self.module).__name__,
-                    describe_dims(static, paths, first, self._sizes.call[1]))
-
-    def _static_marks(self) -> Sequence[Tuple[torch.Tensor, List[int]]]:
-        """When dynamo compiles for a call from the symbolic entry: the input dimensions that stay
-        static (all but those seen to change, this call's changes included), and why the capture
-        happened if this call changed a size no earlier call had. Nothing to do on calls that run a
-        captured graph: dynamo guards the static sizes, so a new change fails a guard and lands here."""
-        call = self._sizes.call
-        if call is None:
-            return ()
-        key, sizes, args, kwargs = call
-        first, paths = self._static_sizes[key]
-        before = self._symbolic_dims[key]
-        expensive = self._expensive_dims.get(key, frozenset())
-        changed = changed_dims(first, sizes)
-        dims = (before | changed | leading_dims(first)) - expensive
-        if dims != before:
-            self._symbolic_dims[key] = dims
-            new = dims - before
-            shown = describe_dims(new & changed, paths, first, sizes) or "no size of this call"
-            batch = ", and the leading (batch) dimension of every input" if new - changed else ""
-            self._sizes.switch = (f"{'sizes changed' if not before else 'more sizes changed'}: symbolic "
-                                  f"{shown}{batch}; every other input size static")
-        if expensive:
-            kept = f"static, their symbolic reasoning proved expensive: {describe_dims(expensive, paths, first, sizes)}"
-            self._sizes.switch = f"{self._sizes.switch}; {kept}" if self._sizes.switch else f"sizes changed; {kept}"
-        return [(t, [d for d in range(t.dim()) if (i, d) not in dims])
-                for i, (_, t) in enumerate(call_tensors(args, kwargs))]
-
     @contextlib.contextmanager
     def _compiling(self, code_name: Optional[str] = None) -> Iterator[None]:
         """Entered by dynamo whenever it compiles a frame of this module (capture/entry.py): the
-        settings fxtrain captures under, which cost nothing on calls that run captured graphs, and a
-        watchdog (capture/watch.py). A symbolic capture of the entry frame (nothing of the call ran
-        yet) is stopped once its sympy work passes the budget, and the call retried (``_call``)."""
-        marks = self._static_marks()
-        symbolic = self._sizes.call is not None and bool(self._symbolic_dims.get(self._sizes.call[0]))
-        budget = self._sympy_budget() if symbolic and code_name and code_name.startswith(ENTRY_NAME + "_") else None
+        settings fxtrain captures under, which cost nothing on calls that run captured graphs, the
+        sizes to keep static, and a watchdog (capture/watch.py) that warns when a compile is slow
+        and stops a symbolic one sunk in sympy (``_call`` then runs the call again)."""
         started = time.perf_counter()
         with dynamo_config_patch(dynamo_settings(self._options, self._specialize_float)), \
                 (routing(self._record_python_op) if self._options.custom_autograd else contextlib.nullcontext()), \
-                dims_static(marks), \
-                watched(self._describe_compile, self._options.capture_warning_seconds, budget) as watch:
+                dims_static(self._sizes.marks()), \
+                watched(self._describe_compile, self._options.capture_warning_seconds,
+                        self._sizes.sympy_budget(code_name)) as watch:
             yield
+        seconds = time.perf_counter() - started
         logger.debug("fxtrain: compiled %s in %.2f s (%.2f s in sympy, at most %.0f%% of %.0f s)", code_name,
-                     time.perf_counter() - started, watch.sympy_seconds, 100 * watch.peak_share, WINDOW)
-        if not symbolic and self._first_compile_seconds is None and code_name and code_name.startswith(ENTRY_NAME + "_"):
-            self._first_compile_seconds = time.perf_counter() - started
-
-    def _sympy_budget(self) -> float:
-        """Seconds of sympy work a symbolic recapture may spend before its symbolic sizes can count
-        as expensive (capture/watch.py adds: and sympy most of the time lately): half the first
-        (static) capture, at least 1 s. Stopped there, the retry keeps the total within about 3x
-        the first capture (HF Swin with a new image size: 2.9x)."""
-        return max(1.0, 0.5 * (self._first_compile_seconds or 0.0))
+                     seconds, watch.sympy_seconds, 100 * watch.peak_share, WINDOW)
+        self._sizes.compiled(code_name, seconds)
 
     def _describe_compile(self, elapsed: float) -> str:
-        name = type(self.module).__name__
-        call = self._sizes.call
-        dims = self._symbolic_dims.get(call[0]) if call is not None else None
-        if dims:
-            first, paths = self._static_sizes[call[0]]
-            what = f"a symbolic capture of {name} (symbolic: {describe_dims(dims, paths, first, call[1])})"
+        what, symbolic = self._sizes.describe_compile(type(self.module).__name__)
+        if symbolic:
             avoid = "Options(dynamic=False) (FXTRAIN_DYNAMIC=0) captures each size statically instead"
+        elif self._options.cache_dir is None:
+            avoid = "Options(cache_dir=...) (FXTRAIN_CACHE_DIR) lets later processes load it instead"
         else:
-            what = f"the capture of {name}"
-            avoid = ("Options(cache_dir=...) (FXTRAIN_CACHE_DIR) lets later processes load it instead"
-                     if self._options.cache_dir is None else "it is stored in the cache for later processes")
+            avoid = "it is stored in the cache for later processes"
         return f"{what} has taken {elapsed:.0f} s so far ({'train' if self.training else 'eval'} mode); {avoid}"
 
     def _record_python_op(self, name: str) -> None:

@@ -38,8 +38,9 @@ _around_classes: Dict[type, type] = {}
 
 def _run_around_compile(converter: Any, around: Callable[[Optional[str]], ContextManager[Any]]) -> None:
     """Make dynamo's frame converter enter ``around(code_name)`` whenever it converts a frame (a cache
-    miss), never on a hit; ``code_name`` is the converted frame's (None if dynamo did not pass it). Settings that matter only while dynamo analyses a frame (its config, fxtrain's
-    PythonOp routing) are applied there instead of around every call (~10 config writes per step).
+    miss), never on a hit; ``code_name`` is the converted frame's (None if dynamo did not pass it).
+    Settings that matter only while dynamo analyses a frame (its config, fxtrain's PythonOp routing)
+    are applied there instead of around every call (~10 config writes per step).
 
     The converter's class is swapped for a subclass: the eval-frame C++ code reads these objects
     and crashed on a look-alike wrapper."""

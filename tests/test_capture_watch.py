@@ -67,7 +67,8 @@ def test_slow_capture_warning_names_the_capture_and_the_option(caplog):
         train_parity(tm, ref, [dict(x=torch.randn(4, 8)), dict(x=torch.randn(3, 8))], lambda out, _: out)
     slow = [r.getMessage() for r in caplog.records if "so far" in r.getMessage()]
     first = [m for m in slow if m.startswith("fxtrain: the capture of Tiny has taken")]
-    symbolic = [m for m in slow if m.startswith("fxtrain: a symbolic capture of Tiny (symbolic: kwargs['x'] dim 0 (4 -> 3))")]
+    symbolic = [m for m in slow
+                if m.startswith("fxtrain: a symbolic capture of Tiny (symbolic: kwargs['x'] dim 0 (4 -> 3))")]
     assert len(first) == 1 and "Options(cache_dir=...)" in first[0], slow
     assert len(symbolic) == 1 and "Options(dynamic=False)" in symbolic[0], slow
 

@@ -1,0 +1,149 @@
+"""The default sizes policy (``Options.dynamic=None``): which sizes a capture makes symbolic.
+
+A call schema runs from a static entry until a call brings other sizes; from then on it runs from a
+symbolic entry (``dynamic=True``), whose captures keep symbolic the input dimensions seen to change
+and the leading (batch) dimension of every input, and mark every other input dimension static
+(``marks``: set only while dynamo compiles, taken back after).
+
+Why not every size: symbolic reasoning about sizes that never change can cost minutes (HF Swin's
+window partition on a symbolic image size: sympy simplifying ever larger floor divisions), for a
+graph no more general than needed. A dimension whose reasoning proves expensive anyway is stopped
+by the watchdog (capture/watch.py) and kept static from then on (``keep_expensive_static``). Why
+the batch dimension even unchanged: it is the size most likely to change next (the last batch of an
+epoch) and the cheapest to keep symbolic, so one recapture usually serves the run. Why not dynamo's
+automatic dynamic shapes on the static entry, which also makes only changed dimensions symbolic: it
+works per code object, so a function dynamo first meets later (the code after a graph break that only
+symbolic sizes expose) starts static again, and a model with graph breaks recaptures on sizes it has
+already run (HF Longformer); under the ``dynamic=True`` entry such later frames are symbolic from
+their first capture (only the entry frame's inputs carry static marks).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, FrozenSet, Hashable, List, Optional, Sequence, Tuple
+
+import torch
+
+from .frames import ENTRY_NAME
+from .inputs import call_sizes, call_tensors, changed_dims, describe_dims, leading_dims
+
+Dims = FrozenSet[Tuple[int, int]]   # (input tensor index in call_schema order, dimension)
+
+
+def _entry_frame(code_name: Optional[str]) -> bool:
+    return bool(code_name and code_name.startswith(ENTRY_NAME + "_"))
+
+
+class SizesPolicy:
+    """One per TrainModule. ``switch`` says why the current call captured (for capture_reasons);
+    ``call`` is the call dynamo may compile from the symbolic entry, held for that call only."""
+
+    def __init__(self, static_first: bool) -> None:
+        self.static_first = static_first
+        self.first: Dict[Hashable, Tuple[Tuple[Any, ...], Hashable]] = {}   # key -> (shapes, call_sizes)
+        self.symbolic: Dict[Hashable, Dims] = {}     # keys on the symbolic entry -> their symbolic dims
+        self.expensive: Dict[Hashable, Dims] = {}    # key -> dims whose symbolic reasoning proved expensive
+        self.first_compile_seconds: Optional[float] = None
+        self.switch: Optional[str] = None
+        self.call: Optional[Tuple[Hashable, Tuple[Any, ...], Tuple[Any, ...], Dict[str, Any]]] = None
+
+    def served(self, key: Hashable, shapes: Tuple[Any, ...], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        """A cached graph served this call: its sizes are what a later size change is measured against."""
+        if key not in self.first:
+            self.first[key] = (shapes, call_sizes(args, kwargs))
+
+    def use_symbolic(self, key: Hashable, shapes: Tuple[Any, ...], args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                     resized: bool, graph_breaks: bool) -> bool:
+        """Whether this call runs from the symbolic entry. ``resized``: a cached graph served the
+        first sizes and stopped serving (dynamo never saw them)."""
+        self.switch = None
+        if not self.static_first:
+            return False
+        first = self.first.get(key)
+        if first is None:
+            first = self.first[key] = (shapes, call_sizes(args, kwargs))
+        if key not in self.symbolic and (resized or first[0] != shapes):
+            self.symbolic[key] = frozenset()
+            if first[0] == shapes:
+                self.switch = "a cached graph served the first sizes and stopped serving"
+        if key not in self.symbolic:
+            return False
+        # The first sizes go back to the static entry, which captured them, only where the symbolic
+        # graph cannot serve them: dynamo specialises sizes 0 and 1, so a symbolic dimension that was
+        # 0 or 1 would capture them a second time. Elsewhere the symbolic graph serves them, since the
+        # static graph's guards may no longer hold (HF classifiers set config.problem_type on their
+        # first call). Never in a model with graph breaks: the frames it compiled apart were compiled
+        # again under the symbolic entry, and their static versions no longer match (dynamo guards
+        # each function on the entry it was compiled under; HF Longformer recaptured 19 graphs).
+        if (shapes == first[0] and not resized and not graph_breaks
+                and any(first[0][i][d] < 2 for i, d in self.symbolic[key])):
+            return False
+        self.call = (key, shapes, args, kwargs)
+        return True
+
+    def end_call(self) -> None:
+        self.call = None
+
+    def marks(self) -> Sequence[Tuple[torch.Tensor, List[int]]]:
+        """When dynamo compiles for a call from the symbolic entry: the input dimensions that stay
+        static (all but the symbolic ones, this call's changes included), and why the capture
+        happened if this call changed a size no earlier call had. Nothing to do on calls that run a
+        captured graph: dynamo guards the static sizes, so a new change fails a guard and lands here."""
+        if self.call is None:
+            return ()
+        key, shapes, args, kwargs = self.call
+        first, paths = self.first[key]
+        before = self.symbolic[key]
+        expensive = self.expensive.get(key, frozenset())
+        changed = changed_dims(first, shapes)
+        dims = (before | changed | leading_dims(first)) - expensive
+        if dims != before:
+            self.symbolic[key] = dims
+            new = dims - before
+            shown = describe_dims(new & changed, paths, first, shapes) or "no size of this call"
+            batch = ", and the leading (batch) dimension of every input" if new - changed else ""
+            self.switch = (f"{'sizes changed' if not before else 'more sizes changed'}: symbolic "
+                           f"{shown}{batch}; every other input size static")
+        if expensive:
+            kept = ("static, their symbolic reasoning proved expensive: "
+                    f"{describe_dims(expensive, paths, first, shapes)}")
+            self.switch = f"{self.switch}; {kept}" if self.switch else f"sizes changed; {kept}"
+        return [(t, [d for d in range(t.dim()) if (i, d) not in dims])
+                for i, (_, t) in enumerate(call_tensors(args, kwargs))]
+
+    def sympy_budget(self, code_name: Optional[str]) -> Optional[float]:
+        """Seconds of sympy work this compile may spend before its symbolic sizes can count as
+        expensive (capture/watch.py adds: and sympy most of the time lately), or None: not stopped.
+        Only a symbolic capture of the entry frame is stopped (nothing of the call has run, so the
+        call can run again). Half the first (static) capture, at least 1 s: stopped there, the
+        retry keeps the total near 3x the first capture (HF Swin with a new image size: 2.9x)."""
+        if self.call is None or not self.symbolic.get(self.call[0]) or not _entry_frame(code_name):
+            return None
+        return max(1.0, 0.5 * (self.first_compile_seconds or 0.0))
+
+    def compiled(self, code_name: Optional[str], seconds: float) -> None:
+        if self.call is None and self.first_compile_seconds is None and _entry_frame(code_name):
+            self.first_compile_seconds = seconds
+
+    def keep_expensive_static(self) -> str:
+        """The watchdog stopped a symbolic capture of the entry frame: keep static the dimensions it
+        had made symbolic (the caller runs the call again), and say which.
+
+        Which ones: first every symbolic dimension but the leading one of each tensor (image height
+        and width, sequence length), since a symbolic batch size is the cheapest and the most
+        useful; if the leading ones alone still prove expensive, those too (a capture per size)."""
+        assert self.call is not None
+        key, shapes = self.call[0], self.call[1]
+        dims = self.symbolic[key]
+        static = frozenset(d for d in dims if d[1] != 0) or dims
+        self.symbolic[key] = dims - static
+        self.expensive[key] = self.expensive.get(key, frozenset()) | static
+        first, paths = self.first[key]
+        return describe_dims(static, paths, first, shapes)
+
+    def describe_compile(self, name: str) -> Tuple[str, bool]:
+        """What is being compiled, for the slow-capture warning, and whether it is symbolic."""
+        dims = self.symbolic.get(self.call[0]) if self.call is not None else None
+        if not dims:
+            return f"the capture of {name}", False
+        first, paths = self.first[self.call[0]]
+        return f"a symbolic capture of {name} (symbolic: {describe_dims(dims, paths, first, self.call[1])})", True
