@@ -280,9 +280,14 @@ class TrainModule(nn.Module):
                 (routing(self._record_python_op) if self._options.custom_autograd else contextlib.nullcontext()):
             yield
 
-    def _record_python_op(self, name: str) -> None:
-        if name not in self._info.python_ops:
-            self._info.python_ops.append(name)
+    def _record_python_op(self, name: str, handed_off: Optional[str] = None) -> bool:
+        """Whether this is news (a dynamo restart meets the same Function again)."""
+        entries, entry = ((self._info.python_op_handoffs, f"{name}: {handed_off}") if handed_off is not None
+                          else (self._info.python_ops, name))
+        if entry in entries:
+            return False
+        entries.append(entry)
+        return True
 
     def _after_capture_failure(self, exc: Exception, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         """Decide between a user error (eager fails too: raise eager's error) and a capture failure."""

@@ -1,10 +1,16 @@
 """The real values a Function's tensor arguments have on the capturing call.
 
-A Function whose forward cannot run on fake tensors and that has no ``infer_shape`` is shaped by
-running it once for real. Its arguments are usually intermediate values (``lin(x)``), which dynamo
+A Function dynamo cannot trace is shaped by its real run on the capturing call (which is that
+step's run, pending.py). Its arguments are usually intermediate values (``lin(x)``), which dynamo
 only holds as fakes; but the graph traced so far and the real example behind each graph input
 (``grapharg.example``, kept while the capturing call runs) are enough to compute them: evaluate
 just the ancestors of the arguments, without autograd.
+
+The evaluation must leave no trace of its own on the step: the random number generators are put
+back (a dropout above the Function then draws, when the graph runs, the mask it drew here, and the
+run matches), graph inputs other than parameters are copies (a batch norm above it updates a copy
+of its running statistics, not the module's a second time), and an earlier PythonOp of the graph
+keeps the run it makes for the graph's first run (pending.evaluation).
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import torch.fx
 
 from ..graph_walk import ancestors
 from ..torch_private import FakeTensor, unset_fake_temporarily
+from . import pending
 
 
 def _placeholder_value(node: torch.fx.Node) -> Any:
@@ -28,8 +35,13 @@ def _placeholder_value(node: torch.fx.Node) -> Any:
     except Exception:  # the weak reference to the real input is gone
         return None
     if isinstance(real, torch.Tensor) and not isinstance(real, FakeTensor):
-        return real
+        return real if isinstance(real, torch.nn.Parameter) else real.detach().clone()
     return None
+
+
+def _device(node: torch.fx.Node) -> Any:
+    example = node.meta.get("example_value")
+    return example.device if isinstance(example, torch.Tensor) else None
 
 
 def real_values(nodes: Sequence[torch.fx.Node]) -> Optional[List[torch.Tensor]]:
@@ -38,7 +50,8 @@ def real_values(nodes: Sequence[torch.fx.Node]) -> Optional[List[torch.Tensor]]:
     needed = ancestors(nodes)
     env: Dict[torch.fx.Node, Any] = {}
     graph = nodes[0].graph
-    with unset_fake_temporarily(), torch.no_grad():
+    devices = sorted({d.index or 0 for n in needed for d in [_device(n)] if d is not None and d.type == "cuda"})
+    with unset_fake_temporarily(), torch.no_grad(), torch.random.fork_rng(devices=devices), pending.evaluation():
         for node in graph.nodes:
             if node not in needed:
                 continue
