@@ -24,7 +24,7 @@ from .capture.rollback import Rollback
 from .capture.scalars import ScalarWatch
 from .capture.settings import dynamo_settings
 from .options import Options, resolve
-from .pythonop import routing
+from .pythonop import forget_runs, routing
 from .runtime.executors import Executor
 from .torch_private import dynamo_config_patch, dynamo_recompile_limit_error
 from .runtime.dense_route import SparseBatchError
@@ -201,6 +201,7 @@ class TrainModule(nn.Module):
             logger.warning("fxtrain: %d graph break(s) while capturing %s: %s", len(breaks),
                            type(self.module).__name__, "; ".join(dict.fromkeys(breaks)))
         self._rollback.after_capture()
+        forget_runs(self)   # Functions' capturing runs no graph took (pythonop/pending.py)
         if self._specialize_float:
             self._floats.record(key, args, kwargs)
 
@@ -292,6 +293,7 @@ class TrainModule(nn.Module):
     def _after_capture_failure(self, exc: Exception, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         """Decide between a user error (eager fails too: raise eager's error) and a capture failure."""
         self._rollback.restore()
+        forget_runs(self)
         try:
             out = self.module(*args, **kwargs)
         except Exception as eager_exc:

@@ -444,24 +444,33 @@ def dynamo_restart_errors() -> tuple:
     return (RestartAnalysis, SkipFrame)
 
 
+class SideEffectsOutside(Exception):
+    """A traced call changed objects that exist outside it (``speculate``)."""
+
+
 def speculate(tx: Any, fn_vt: Any, args: Sequence[Any]) -> Any:
     """Trace ``fn_vt(*args)`` (dynamo variables) into a throwaway subgraph and return its output
     variable: nothing of it reaches the frame's graph, its side effects or its graph-break counts.
 
-    ``speculate_subgraph(..., always_restore=True, restore_side_effects=True)`` (what dynamo uses to
-    look at a backward it does not keep): a subtracer of its own, side effects on objects from
-    outside the subgraph refused (``Unsupported``), those inside dropped. Dynamo's ``Unsupported``
-    counts itself in ``counters["unimplemented"]`` when raised, and nested attempts may file graph
-    breaks: both counters are put back as they were, since the frame being converted did not
-    break. The variables dynamo made for objects the trace read (``OutputGraph.variable_tracker_cache``)
-    go too: their side-effect tracking went with the trace, and the objects may have changed by the
-    time the frame reads them (a Function dynamo refused is then run for real, and may append to a
-    global list the model reads next). ``capture_scalar_outputs`` is on so that ``.item()`` is a
-    symbol rather than a refusal (and a logged warning). Raises whatever the trace raised, except
-    dynamo's restarts, with the frame's side effects restored, and its guards
-    (``tracing_context.guards_context`` checkpoint): a refused trace decides nothing, while the
-    guards it installed (on fxtrain's own state, met in a TrainModule the forward calls) would
-    recapture at every call."""
+    ``speculate_subgraph(..., always_restore=True)`` (what dynamo uses to look at a backward it does
+    not keep), in a subtracer of its own. Dynamo refuses (``Unsupported``) changes to objects the
+    frame knew before the call; one the trace meets first counts as the subgraph's own, and dynamo
+    would let it change and drop the change: that is a side effect all the same (a list outside
+    that forward appends to), so it raises ``SideEffectsOutside``, read from the side effects the
+    trace recorded (``SideEffects.id_to_variable``: a variable tracked during the trace, not new,
+    ``is_modified``), which are then dropped (``track_runahead_tensor_and_symvar_side_effects``
+    keeps what dynamo keeps of them). Dynamo's ``Unsupported`` counts itself in
+    ``counters["unimplemented"]`` when raised, and nested attempts may file graph breaks: both
+    counters are put back as they were, since the frame being converted did not break. The
+    variables dynamo made for objects the trace read (``OutputGraph.variable_tracker_cache``) go
+    too: the objects may have changed by the time the frame reads them (a Function dynamo refused
+    is then run for real). ``capture_scalar_outputs`` is on so that ``.item()`` is a symbol rather
+    than a refusal (and a logged warning). Raises whatever the trace raised, except dynamo's
+    restarts, with the frame's side effects restored, and its guards (``tracing_context.
+    guards_context`` checkpoint): a refused trace decides nothing, while the guards it installed (on
+    fxtrain's own state, met in a TrainModule the forward calls) would recapture at every call.
+    Grad mode and the rest of dynamo's global state (``tracing_context.global_context``) are put
+    back in any case: a trace that stops inside ``with torch.no_grad()`` does not leave it."""
     from torch._dynamo.utils import counters
     from torch._dynamo.variables.higher_order_ops import speculate_subgraph
     before = {k: dict(counters[k]) for k in ("unimplemented", "graph_break")}
@@ -470,11 +479,23 @@ def speculate(tx: Any, fn_vt: Any, args: Sequence[Any]) -> Any:
     cached = dict(cache)
     guards = tx.output.tracing_context.guards_context
     guards_before = guards.copy_graphstate()
+    global_context = tx.output.tracing_context.global_context
+    global_before = global_context.copy_graphstate()
+    grad_before = torch.is_grad_enabled()
+    new_types = dynamo_new_object_mutation_types()
     try:
         with dynamo_scalar_outputs(tx):
             (out, _), _graph, _lifted = speculate_subgraph(
                 tx, fn_vt, list(args), {}, "fxtrain: a Function's forward, for its outputs' shapes",
-                always_restore=True, restore_side_effects=True, set_subgraph_inputs="automatic")
+                always_restore=True, restore_side_effects=False, set_subgraph_inputs="automatic")
+        traced = tx.output.side_effects
+        changed = [vt for key, vt in traced.id_to_variable.items()
+                   if key not in side_effects.id_to_variable and vt.mutation_type is not None
+                   and not isinstance(vt.mutation_type, new_types) and traced.is_modified(vt)]
+        side_effects.track_runahead_tensor_and_symvar_side_effects(traced)
+        tx.output.side_effects = side_effects
+        if changed:
+            raise SideEffectsOutside(f"it changes {type(changed[0]).__name__} from outside the call")
         return out
     except dynamo_restart_errors():
         raise
@@ -483,6 +504,9 @@ def speculate(tx: Any, fn_vt: Any, args: Sequence[Any]) -> Any:
         guards.restore_graphstate(guards_before)
         raise
     finally:
+        # A trace that failed inside ``with torch.no_grad()`` leaves the mode it entered.
+        global_context.restore_graphstate(global_before)
+        torch.set_grad_enabled(grad_before)
         for k, v in before.items():
             counters[k].clear()
             counters[k].update(v)
@@ -492,8 +516,10 @@ def speculate(tx: Any, fn_vt: Any, args: Sequence[Any]) -> Any:
 
 def refused_for_side_effects(error: BaseException) -> bool:
     """Whether dynamo's refusal to trace was about an effect on state outside the traced call
-    (``Unsupported`` for a "side effect", e.g. "HOP: Unsafe side effect")."""
+    (``Unsupported`` for a "side effect", e.g. "HOP: Unsafe side effect", or ``speculate``'s own)."""
     from torch._dynamo.exc import Unsupported
+    if isinstance(error, SideEffectsOutside):
+        return True
     text = f"{getattr(error, 'gb_type', '') or ''} {error}" if isinstance(error, Unsupported) else ""
     return "side effect" in text.lower()
 

@@ -75,8 +75,9 @@ def _tensors(out: Any) -> List[torch.Tensor]:
 
 
 def parity(build: Callable[[], Tuple[nn.Module, Any]], batches: List[Any], *, loss: Callable[[Any], torch.Tensor] = _loss,
-           options: Dict[str, Any] = None, backward: bool = True) -> fxtrain.TrainModule:
-    """``build()`` -> (model, python state): called once for each copy, same seed."""
+           options: Dict[str, Any] = None, backward: bool = True, reseed: bool = False) -> fxtrain.TrainModule:
+    """``build()`` -> (model, python state): called once for each copy, same seed. ``reseed``: the
+    random generator is seeded alike before each copy's call (models that draw random numbers)."""
     torch.manual_seed(0)
     model, state = build()
     torch.manual_seed(0)
@@ -87,7 +88,12 @@ def parity(build: Callable[[], Tuple[nn.Module, Any]], batches: List[Any], *, lo
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for step, batch in enumerate(batches):
         args = batch if isinstance(batch, tuple) else (batch,)
-        out, r = tm(*args), ref(*args)
+        if reseed:
+            torch.manual_seed(100 + step)
+        out = tm(*args)
+        if reseed:
+            torch.manual_seed(100 + step)
+        r = ref(*args)
         assert_same(out, r, f"step {step} output")
         if backward:
             _loss(out).backward() if loss is _loss else loss(out).backward()
@@ -792,3 +798,64 @@ def test_symbolic_size_and_changing_float_arguments():
     batches = [(torch.randn(b, 4, generator=g), t) for b, t in ((3, 0.5), (5, 0.7), (2, 0.9), (4, 1.3))]
     tm = parity(build, batches, options={"fallback": "raise", "dynamic": True})
     assert tm.capture_info().fallback_reason is None
+
+
+def test_forward_raising_on_a_later_call_follows_the_fallback_policy():
+    """The graph cannot branch on an exception: a forward that raises on a later call only (the model
+    catching it) makes that call fail, and fallback="eager" (the default) runs it and every later
+    one eagerly, with eager's results."""
+    def build():
+        class Guarded(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                if float(x.abs().max()) > 100:
+                    raise OverflowError("too large")
+                return x * 2
+
+            @staticmethod
+            def backward(ctx, g):
+                return g * 2
+
+        def use(h):
+            try:
+                return Guarded.apply(h)
+            except OverflowError:
+                return h.clamp(-1, 1)
+        return Scaled(use), None
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g) * 1e4, torch.randn(3, 4, generator=g)]
+    with pytest.warns(fxtrain.FallbackWarning, match="too large"):
+        tm = parity(build, batches, options={})
+    assert "OverflowError" in tm.capture_info().fallback_reason
+
+
+def test_random_numbers_drawn_by_a_function_shaped_by_its_real_run():
+    """A Function that draws random numbers after a dropout (and logs, so dynamo will not trace it):
+    its capturing run drew them where eager draws them, and the generator moves on past them."""
+    def build():
+        log: List[int] = []
+
+        class Noisy(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                log.append(x.shape[0])
+                noise = torch.rand_like(x)
+                ctx.save_for_backward(noise)
+                return x * noise
+
+            @staticmethod
+            def backward(ctx, g):
+                (noise,) = ctx.saved_tensors
+                return g * noise
+
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(4, 4)
+
+            def forward(self, x):
+                h = nn.functional.dropout(self.lin(x), 0.5)
+                return nn.functional.dropout(Noisy.apply(h), 0.5)
+        return M(), log
+    tm = parity(build, _batches(3), reseed=True)
+    _clean(tm)

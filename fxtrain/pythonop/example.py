@@ -14,7 +14,7 @@ keeps the run it makes for the graph's first run (pending.evaluation).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.fx
@@ -44,15 +44,10 @@ def _device(node: torch.fx.Node) -> Any:
     return example.device if isinstance(example, torch.Tensor) else None
 
 
-def real_values(nodes: Sequence[torch.fx.Node]) -> Optional[List[torch.Tensor]]:
-    """The real tensors ``nodes`` evaluate to on the capturing call, or None when unknowable
-    (an input without a real example, e.g. inside a higher-order op's subgraph)."""
-    needed = ancestors(nodes)
+def _evaluate(nodes: Sequence[torch.fx.Node], needed: Any) -> Optional[List[torch.Tensor]]:
     env: Dict[torch.fx.Node, Any] = {}
-    graph = nodes[0].graph
-    devices = sorted({d.index or 0 for n in needed for d in [_device(n)] if d is not None and d.type == "cuda"})
-    with unset_fake_temporarily(), torch.no_grad(), torch.random.fork_rng(devices=devices), pending.evaluation():
-        for node in graph.nodes:
+    with unset_fake_temporarily(), torch.no_grad(), pending.evaluation():
+        for node in nodes[0].graph.nodes:
             if node not in needed:
                 continue
             if node.op == "placeholder":
@@ -75,3 +70,17 @@ def real_values(nodes: Sequence[torch.fx.Node]) -> Optional[List[torch.Tensor]]:
     if not all(isinstance(v, torch.Tensor) and not isinstance(v, FakeTensor) for v in values):
         return None
     return values
+
+
+def real_values(nodes: Sequence[torch.fx.Node], then: Callable[[List[torch.Tensor]], Any]) -> Any:
+    """``then(values)``, the real tensors ``nodes`` evaluate to on the capturing call, or None when
+    those are unknowable (an input without a real example, e.g. inside a higher-order op's subgraph).
+
+    ``then`` runs with the random generators as the evaluation left them (a Function that draws
+    random numbers draws them after the dropout above it, as in eager); they are put back as they
+    were before the evaluation when it returns."""
+    needed = ancestors(nodes)
+    devices = sorted({d.index or 0 for n in needed for d in [_device(n)] if d is not None and d.type == "cuda"})
+    with torch.random.fork_rng(devices=devices):
+        values = _evaluate(nodes, needed)
+        return None if values is None else then(values)

@@ -12,6 +12,12 @@ entry goes when the backward ran or when the handle tensor is freed (no backward
 The handle always lives on the CPU, whatever device the data is on: reading it back is never a
 device-to-host synchronisation.
 
+A call whose capture ran the Function for real (one dynamo could not trace) takes that run the
+first time the graph runs it (pending.py), so the step's forward runs once. Calls that are more than
+positional tensors and constants in, tensors out (structure.py: keyword arguments, containers,
+Python numbers returned, inputs updated in place) rebuild their arguments and collect their
+outputs from the spec's trees; the plain ones keep the flat per-call path.
+
 Cost. Both ops run once per Function call per step, so their dispatch is kept lean: the ops are
 declared with ``torch.library.custom_op`` (torch then knows them as custom ops: fake kernels, the
 profiler's ``OPDEFS`` lookup), but their CompositeExplicitAutograd and Autograd kernels are replaced
@@ -213,7 +219,10 @@ def run_at_capture(fn_cls: type, args: List[Any], kwargs: Dict[str, Any], values
     the capturing values, as the Function may update any of them in place (ctx.mark_dirty), which
     is only known afterwards; differentiable ones are non-leaves, as eager's usually are (an in-place
     update of a leaf that requires grad is an error). The run keeps, per list or dict built for
-    the call, its items before the call (``Run.before``)."""
+    the call, its items before the call (``Run.before``), and the random generators' states around
+    it if it drew from them (``Run.rng``)."""
+    devices = sorted({v.device for v in values if v.device.type == "cuda"}, key=str)
+    rng_before = _pending.rng_states(devices)
     with tp.unset_fake_temporarily(), tp.disable_current_modes(), tp.outside_compile(), real_step():
         state = _enter_user_autograd() if record else None
         try:
@@ -234,7 +243,14 @@ def run_at_capture(fn_cls: type, args: List[Any], kwargs: Dict[str, Any], values
         finally:
             if state is not None:
                 _exit_user_autograd(state)
-    return Run(inputs, call_inputs, result, containers, before)
+    run = Run(inputs, call_inputs, result, containers, before)
+    rng_after = _pending.rng_states(devices)
+    if not _pending.same_states(rng_before, rng_after):
+        # The graph has not run yet: put the generators back for it, and let the op move them past
+        # these draws when it takes this run (pending.claim).
+        _pending.set_rng_states(devices, rng_before)
+        run.rng = (rng_before, rng_after)
+    return run
 
 
 @torch.library.custom_op("fxtrain::python_op", mutates_args=())
@@ -270,6 +286,10 @@ def python_op(key: int, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
     shares = _shares_storage
     returned = [o.detach().clone() if shares(o, tensors) or _repeated(o, outs, k) else o.detach()
                 for k, o in enumerate(outs)]
+    for j, _, _ in spec.checks:
+        # Shaped by a real run, the graph's fake output is contiguous: a code generator that reads
+        # its layout from there (inductor) must get that layout.
+        returned[j] = returned[j].contiguous()
     if spec.record and any(o.requires_grad for o in outs):
         with _lock:
             handle_id = next(_handles)

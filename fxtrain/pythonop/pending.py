@@ -13,8 +13,10 @@ forward runs exactly once per step, on real tensors, as in eager, and its side e
   let go of then, so it never stands in for a later call.
 - ``evaluating``: computing a later Function's real arguments (example.py) may evaluate an earlier
   PythonOp of the same graph; that evaluation is this call's run of it too, and is kept the same way.
-- ``session``: runs a capture made but no graph took (the capture failed) are dropped when the same
-  TrainModule next captures, so they hold no memory for long.
+- ``forget``: runs a capture made but no graph took (the capture failed) are dropped when the
+  TrainModule's call ends, so they hold no memory for long. (Not when it next enters a capture:
+  dynamo's frame converter, where fxtrain enters its capture settings, is also called for frames it
+  meets while the new graph runs, before the graph reaches the op that takes its run.)
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from ..torch_private import is_fake
 class Run:
     """One call of ``apply`` made by the op: what the backward and the op's outputs need."""
 
-    __slots__ = ("inputs", "call_inputs", "result", "containers", "before")
+    __slots__ = ("inputs", "call_inputs", "result", "containers", "before", "rng")
 
     def __init__(self, inputs: List[torch.Tensor], call_inputs: List[torch.Tensor], result: Any,
                  containers: Sequence[Any], before: Optional[List[Any]] = None) -> None:
@@ -40,6 +42,24 @@ class Run:
         self.result = result
         self.containers = containers      # lists and dicts built for the call, after it
         self.before = before              # a capture's run: those containers' items before the call
+        self.rng: Optional[Tuple[Any, Any]] = None   # a capture's run that drew random numbers: RNG states around it
+
+
+def rng_states(devices: Sequence[torch.device]) -> List[torch.Tensor]:
+    """The CPU generator's state, and each CUDA device's."""
+    states = [torch.get_rng_state()]
+    states.extend(torch.cuda.get_rng_state(d) for d in devices if d.type == "cuda")
+    return states
+
+
+def set_rng_states(devices: Sequence[torch.device], states: List[torch.Tensor]) -> None:
+    torch.set_rng_state(states[0])
+    for d, state in zip([d for d in devices if d.type == "cuda"], states[1:]):
+        torch.cuda.set_rng_state(state, d)
+
+
+def same_states(a: List[torch.Tensor], b: List[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -80,7 +100,6 @@ class _State(threading.local):
 
 _state = state = _State()   # ``state.evaluating`` is read by the op on every call
 _by_owner: "weakref.WeakKeyDictionary[Any, List[PendingRun]]" = weakref.WeakKeyDictionary()
-_depth: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 
 
 def _node_key(node: Any) -> Any:
@@ -101,20 +120,20 @@ def signature(fn_cls: type, args: Sequence[Any], kwargs: Any) -> Tuple[Any, ...]
 
 
 @contextlib.contextmanager
-def session(owner: Any, trace_of: Any = None) -> Iterator[None]:
-    """One capture by ``owner`` (a TrainModule): what an earlier capture of it left untaken is dropped."""
+def session(owner: Any) -> Iterator[None]:
+    """Captures by ``owner`` (a TrainModule): the runs they make are its."""
     previous = _state.owner
-    depth = _depth.get(owner, 0)
-    if depth == 0:
-        for run in _by_owner.pop(owner, []):
-            run.drop()
-    _depth[owner] = depth + 1
     _state.owner = owner
     try:
         yield
     finally:
-        _depth[owner] = depth
         _state.owner = previous
+
+
+def forget(owner: Any) -> None:
+    """``owner``'s call ended: runs no graph took are dropped (with their tensors)."""
+    for run in _by_owner.pop(owner, []):
+        run.drop()
 
 
 def set_trace(trace: int) -> None:
@@ -169,11 +188,26 @@ def claim(spec: Any, tensors: Sequence[torch.Tensor]) -> Optional[Run]:
         return None
     spec.pending = None
     run = pending.run
-    if run is None or not pending.matches(tensors):
+    if run is None or not pending.matches(tensors) or not _rng_at_its_place(run, tensors):
         pending.drop()
         return None
     pending.drop()
     return run
+
+
+def _rng_at_its_place(run: Run, tensors: Sequence[torch.Tensor]) -> bool:
+    """A run that drew random numbers drew them from the generators' state at capture, which the
+    capture then put back. It is this call's run only if the graph reached the op with the same
+    state (no random op above it that the evaluation of its arguments skipped); the generators then
+    move on past its draws, as in eager. Otherwise the op runs the Function anew, for eager's values."""
+    if run.rng is None:
+        return True
+    devices = sorted({t.device for t in tensors if t.device.type == "cuda"}, key=str)
+    before, after = run.rng
+    if not same_states(rng_states(devices), before):
+        return False
+    set_rng_states(devices, after)
+    return True
 
 
 def look_up(spec: Any, tensors: Sequence[torch.Tensor]) -> None:

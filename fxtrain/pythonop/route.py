@@ -23,6 +23,7 @@ from .. import torch_private as tp
 from ..capture.state import capturing
 from .example import real_values
 from .op import run_at_capture
+from .pending import Run
 from .registry import (CONSTANT, DETACHED, DICT, LIST, SCALAR, SCALAR_DTYPES, TENSOR, TUPLE, CallSpec, Node,
                        OutputMeta, qualified_name, register)
 from .speculate import NotTraced, bind, trace_forward
@@ -242,7 +243,7 @@ def _leaves(node: Node) -> Iterator[Node]:
         yield node
 
 
-def _by_trace(tx: Any, call: _Call, arg_vts: List[Any], kwarg_vts: Dict[str, Any]) -> CallSpec:
+def _by_trace(tx: Any, call: _Call, fn_cls_vt: Any, arg_vts: List[Any], kwarg_vts: Dict[str, Any]) -> CallSpec:
     def default(value: Any) -> Any:
         if not _is_exact(value):
             raise NotTraced("a default argument that is not a plain constant")
@@ -255,7 +256,8 @@ def _by_trace(tx: Any, call: _Call, arg_vts: List[Any], kwarg_vts: Dict[str, Any
         raise NotTraced("keyword arguments that only eager's apply binds")
     _state.speculating = getattr(_state, "speculating", 0) + 1
     try:
-        traced = trace_forward(tx, call.fn_cls, positional, call.slots.index, call.record, call.differentiable)
+        traced = trace_forward(tx, call.fn_cls, fn_cls_vt, positional, call.slots.index, call.record,
+                               call.differentiable)
     finally:
         _state.speculating -= 1
     return call.spec(traced.result, traced.meta, traced.dirty, "traced")
@@ -264,32 +266,13 @@ def _by_trace(tx: Any, call: _Call, arg_vts: List[Any], kwarg_vts: Dict[str, Any
 def _by_real_run(call: _Call) -> Tuple[CallSpec, bool]:
     """The spec, and whether the Function ran now (not found from an earlier trace)."""
     tensor_slots = [i for i, c in enumerate(call.slots.convert) if c is None and call.slots.hints[i] is None]
-    real = real_values([call.slots.vts[i].as_proxy().node for i in tensor_slots]) if tensor_slots else []
-    if real is None:
+    nodes = [call.slots.vts[i].as_proxy().node for i in tensor_slots]
+    done = real_values(nodes, lambda real: _run_for_real(call, real)) if nodes else _run_for_real(call, [])
+    if done is None:
         raise HandOff("dynamo cannot trace its forward and the real values of its arguments are not known "
                       "while capturing (inside a checkpointed region or another higher-order op), so the "
                       "graph cannot learn its outputs without a run of its own")
-    values: List[torch.Tensor] = []
-    it = iter(real)
-    for i, convert in enumerate(call.slots.convert):
-        hint = call.slots.hints[i]
-        if hint is None:
-            values.append(next(it))
-        else:
-            values.append(torch.scalar_tensor(hint, dtype=convert or call.fakes[i].dtype))
-    sig = pending.signature(call.fn_cls, call.args, call.kwargs)
-    found = pending.find(sig, values)
-    if found is not None and found.error is not None:
-        raise _raised(found.error)
-    if found is not None and found.run is not None and (found.run.before is not None or not call.containers):
-        run = found.run
-    else:
-        try:
-            run = run_at_capture(call.fn_cls, call.args, call.kwargs, values, call.differentiable, call.record)
-        except Exception as e:
-            pending.add(sig, values, None, error=e)
-            raise _raised(e) from None
-        found = None
+    sig, values, run, found = done
     described = Describer(run.call_inputs, call.record, real=True)
     try:
         node = described.result(run.result)
@@ -304,6 +287,31 @@ def _by_real_run(call: _Call) -> Tuple[CallSpec, bool]:
     spec = call.spec(node, described.meta, sorted(described.dirty.items()), "real run", writes=writes)
     spec.pending = found if found is not None else pending.add(sig, values, run)
     return spec, found is None
+
+
+def _run_for_real(call: _Call, real: List[torch.Tensor]) -> Tuple[Any, List[torch.Tensor], Run, Any]:
+    """The capturing call's run (or the one an earlier trace of the frame made): signature, input
+    values, run, and the kept run it came from (None when it ran now)."""
+    values: List[torch.Tensor] = []
+    it = iter(real)
+    for i, convert in enumerate(call.slots.convert):
+        hint = call.slots.hints[i]
+        if hint is None:
+            values.append(next(it))
+        else:
+            values.append(torch.scalar_tensor(hint, dtype=convert or call.fakes[i].dtype))
+    sig = pending.signature(call.fn_cls, call.args, call.kwargs)
+    found = pending.find(sig, values)
+    if found is not None and found.error is not None:
+        raise _raised(found.error)
+    if found is not None and found.run is not None and (found.run.before is not None or not call.containers):
+        return sig, values, found.run, found
+    try:
+        run = run_at_capture(call.fn_cls, call.args, call.kwargs, values, call.differentiable, call.record)
+    except Exception as e:
+        pending.add(sig, values, None, error=e)
+        raise _raised(e) from None
+    return sig, values, run, None
 
 
 def _follow_inputs(meta: List[OutputMeta], fakes: Sequence[torch.Tensor]) -> bool:
@@ -355,7 +363,8 @@ def _changed(container: Any, items: Any) -> bool:
     return list(container) != list(items) or any(container[k] is not items[k] for k in items)
 
 
-def _capture(tx: Any, fn_cls: type, args: List[Any], kwargs: Dict[str, Any]) -> Tuple[CallSpec, _Slots, List[Any]]:
+def _capture(tx: Any, fn_cls_vt: Any, args: List[Any], kwargs: Dict[str, Any]) -> Tuple[CallSpec, _Slots, List[Any]]:
+    fn_cls = fn_cls_vt.fn_cls
     slots, containers = _Slots(), []
     arg_nodes = [_argument_node(tx, vt, slots, containers, top=True) for vt in args]
     kw_nodes = {k: _argument_node(tx, vt, slots, containers, top=True) for k, vt in kwargs.items()}
@@ -378,7 +387,7 @@ def _capture(tx: Any, fn_cls: type, args: List[Any], kwargs: Dict[str, Any]) -> 
         except Exception as e:
             logger.info("fxtrain: %s.infer_shape failed (%s: %s); shaping it otherwise", name, type(e).__name__, e)
     try:
-        return _by_trace(tx, call, args, kwargs), slots, containers
+        return _by_trace(tx, call, fn_cls_vt, args, kwargs), slots, containers
     except NotTraced as why:
         logger.info("fxtrain: dynamo cannot trace the forward of %s (%s): it is shaped by its real run on the "
                     "capturing call, for these sizes only", name, why)
@@ -436,7 +445,7 @@ def _call_apply(self: AutogradFunctionVariable, tx: Any, args: list, kwargs: dic
         trace = tx.output.fxtrain_trace = next(_traces)
     pending.set_trace(trace)
     try:
-        spec, slots, containers = _capture(tx, self.fn_cls, list(args), dict(kwargs))
+        spec, slots, containers = _capture(tx, self, list(args), dict(kwargs))
     except HandOff as why:
         if sink(name, str(why)) is not False:
                 logger.warning("fxtrain: %s runs in Python between two graphs (a graph break), not as a PythonOp: "
@@ -445,7 +454,8 @@ def _call_apply(self: AutogradFunctionVariable, tx: Any, args: list, kwargs: dic
                               f"fxtrain runs {name} in Python: {why}")
         raise AssertionError("unreachable")  # dynamo_graph_break raises
     key = register(spec)
-    sink(name)
+    if sink(name) is not False:
+        logger.info("fxtrain: %s is a PythonOp, its outputs shaped by %s", name, spec.shaped_by)
     call = _make_call(key, spec, slots.convert)
     with tp.dynamo_scalar_outputs(tx):
         return tp.build_variable(tx, call).call_function(tx, [*slots.vts, *containers], {})

@@ -56,14 +56,19 @@ class _ShapeCtx:
         self.materialize_grads = value
 
 
-def _shape_run(fn_cls: type, new_style: bool, needs_input_grad: Tuple[bool, ...]) -> Any:
+def _shape_run(new_style: bool, needs_input_grad: Tuple[bool, ...]) -> Any:
     """The function dynamo traces: forward (and setup_context) as apply calls them, under no_grad,
     returning the result and, per returned element, which input it is and whether it was marked
-    dirty or non-differentiable (identity is only known inside the trace)."""
-    forward = fn_cls.forward
-    setup = fn_cls.setup_context
+    dirty or non-differentiable (identity is only known inside the trace).
 
-    def fxtrain_shape_run(*args: Any) -> Any:
+    The Function class comes in as an argument, dynamo's variable for it, which knows where the
+    class comes from: what ``forward`` reaches through its closure (a list it appends to) then has
+    a source too, and dynamo refuses to change it. Reached through a closure of this function, it
+    would be dynamo's copy of the list, which it lets the trace change without a word."""
+
+    def fxtrain_shape_run(fn_cls: Any, *args: Any) -> Any:
+        forward = fn_cls.forward
+        setup = fn_cls.setup_context
         ctx = _ShapeCtx(needs_input_grad)
         with torch.no_grad():
             if new_style:
@@ -128,16 +133,19 @@ def bind(fn_cls: type, args: List[Any], kwargs: Dict[str, Any], default: Any) ->
     return out
 
 
-def trace_forward(tx: Any, fn_cls: type, arg_vts: Sequence[Any], tensor_index: Dict[int, int],
+def trace_forward(tx: Any, fn_cls: type, fn_cls_vt: Any, arg_vts: Sequence[Any], tensor_index: Dict[int, int],
                   record: bool, differentiable: Sequence[bool]) -> Traced:
-    """Outputs of ``fn_cls.apply(*arg_vts)`` from dynamo's trace of its forward.
+    """Outputs of ``fn_cls.apply(*arg_vts)`` from dynamo's trace of its forward (``fn_cls_vt``:
+    dynamo's variable for the class, with its source).
 
     ``tensor_index``: id of a tensor argument's variable -> its index in the op's tensor list."""
+    if getattr(fn_cls_vt, "source", None) is None:
+        raise NotTraced("a Function class dynamo cannot name (what its forward reaches could not be watched)")
     needs = tuple(bool(vt.is_tensor() and differentiable[tensor_index[id(vt)]]) if id(vt) in tensor_index
                   else False for vt in arg_vts)
-    fn_vt = tp.build_variable(tx, _shape_run(fn_cls, tp.setup_context_defined(fn_cls), needs))
+    fn_vt = tp.build_variable(tx, _shape_run(tp.setup_context_defined(fn_cls), needs))
     try:
-        out = tp.speculate(tx, fn_vt, arg_vts)
+        out = tp.speculate(tx, fn_vt, [fn_cls_vt, *arg_vts])
     except tp.dynamo_restart_errors():
         raise
     except Exception as e:
