@@ -859,3 +859,27 @@ def test_random_numbers_drawn_by_a_function_shaped_by_its_real_run():
         return M(), log
     tm = parity(build, _batches(3), reseed=True)
     _clean(tm)
+
+
+def test_untraceable_function_inside_checkpoint_runs_by_python():
+    """Inside a checkpointed region the arguments' real values are not known while capturing: a
+    Function dynamo cannot trace runs in Python there (a graph break), as in eager, and says so."""
+    import torch.utils.checkpoint as cp
+
+    def build():
+        log: List[int] = []
+
+        class Numpy(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                log.append(x.shape[0])
+                return torch.from_numpy(np.tanh(x.detach().numpy()))
+
+            @staticmethod
+            def backward(ctx, g):
+                return g
+        return Scaled(lambda h: cp.checkpoint(lambda t: Numpy.apply(t.sin()) * 2, h, use_reentrant=False)), log
+    tm = parity(build, _batches(2), options={})
+    info = tm.capture_info()
+    assert info.fallback_reason is None and len(info.python_op_handoffs) == 1
+    assert "checkpointed region" in info.python_op_handoffs[0]

@@ -415,14 +415,18 @@ class _Formula(torch.autograd.Function):
         return (None, None, *input_grads)
 
 
-def _apply_eagerly(key: int, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+def _apply_eagerly(keyset: Any, key: int, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
     """python_op under eager autograd on plain tensors: the user's Function itself, on the real inputs.
 
     Its node then is the graph's node, exactly as in eager (retain_graph, create_graph, hooks), with
     no pool entry, no detached copies and no re-entrant backward: the opaque formula exists for
-    tracers (AOTAutograd, the profiler), which must see python_op and python_op_backward.
+    tracers (AOTAutograd, the profiler), which must see python_op and python_op_backward. The
+    capturing call's run (pending.py) is taken by the opaque formula too: its node is not built on
+    these tensors.
     """
     spec = SPECS[key]
+    if spec.pending is not None:
+        return list(_Formula.apply(keyset, key, *tensors))
     if spec.plain:
         outs = _outputs(spec, spec.fn_cls.apply(*spec.arguments(tensors)), tensors)
     else:
@@ -436,11 +440,9 @@ def _apply_eagerly(key: int, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
 def _python_op_autograd(keyset: Any, key: int, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
     traced = (keyset & _TRACED).raw_repr()   # fake or functional tensors, a dispatch mode: keep the op opaque
     if is_grad_enabled() and any_requires_grad(tensors):
-        # The capturing call's run is taken by the opaque formula only (its node is not built on
-        # these tensors).
-        if traced or SPECS[key].pending is not None:
+        if traced:
             return list(_Formula.apply(keyset, key, *tensors))
-        return _apply_eagerly(key, tensors)
+        return _apply_eagerly(keyset, key, tensors)
     if traced or keyset.has(DispatchKey.Meta):   # the Meta kernel is the fake one
         return _redispatch_forward(keyset & _AFTER_AUTOGRAD, key, tensors)
     # Below autograd only fallthrough keys remain before the CompositeExplicitAutograd kernel: call it.

@@ -6,6 +6,13 @@ on numpy, ``.item()`` and the like) and rebuild a backward of its own. While a T
 with ``custom_autograd=True`` we answer ``call_apply`` ourselves, for every Function class, including
 ones defined later or inside functions: the call becomes one ``fxtrain::python_op`` node whose key
 points at a CallSpec (registry.py). Outside fxtrain's captures dynamo behaves exactly as before.
+
+The spec needs what ``apply`` returns (structure, dtypes, sizes) without the user's forward running
+for the capture's sake, in this order: the Function's ``infer_shape``; dynamo's trace of its forward
+(speculate.py), which runs nothing; the capturing call's real run, which is that step's run
+(pending.py). A call none of these can serve (an object the graph cannot carry, a forward that
+raised) is not a PythonOp: dynamo breaks the graph there and Python calls ``apply`` itself, so the
+model sees eager's result or error; the TrainModule's capture_info names it and says why.
 """
 from __future__ import annotations
 
