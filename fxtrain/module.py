@@ -26,7 +26,7 @@ from .capture.scalars import ScalarWatch
 from .capture.settings import dynamo_settings
 from .capture.sizes import SizesPolicy
 from .options import Options, resolve
-from .pythonop import routing
+from .pythonop import forget_runs, routing
 from .runtime.executors import Executor
 from .torch_private import dims_static, dynamo_config_patch, dynamo_recompile_limit_error
 from .runtime.dense_route import SparseBatchError
@@ -206,6 +206,7 @@ class TrainModule(nn.Module):
             logger.warning("fxtrain: %d graph break(s) while capturing %s: %s", len(breaks),
                            type(self.module).__name__, "; ".join(dict.fromkeys(breaks)))
         self._rollback.after_capture()
+        forget_runs(self)   # Functions' capturing runs no graph took (pythonop/pending.py)
         if self._specialize_float:
             self._floats.record(key, args, kwargs)
 
@@ -279,13 +280,19 @@ class TrainModule(nn.Module):
             avoid = "it is stored in the cache for later processes"
         return f"{what} has taken {elapsed:.0f} s so far ({'train' if self.training else 'eval'} mode); {avoid}"
 
-    def _record_python_op(self, name: str) -> None:
-        if name not in self._info.python_ops:
-            self._info.python_ops.append(name)
+    def _record_python_op(self, name: str, handed_off: Optional[str] = None) -> bool:
+        """Whether this is news (a dynamo restart meets the same Function again)."""
+        entries, entry = ((self._info.python_op_handoffs, f"{name}: {handed_off}") if handed_off is not None
+                          else (self._info.python_ops, name))
+        if entry in entries:
+            return False
+        entries.append(entry)
+        return True
 
     def _after_capture_failure(self, exc: Exception, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         """Decide between a user error (eager fails too: raise eager's error) and a capture failure."""
         self._rollback.restore()
+        forget_runs(self)
         try:
             out = self.module(*args, **kwargs)
         except Exception as eager_exc:

@@ -211,6 +211,11 @@ def size_hint(size: Any, overrides: Optional[Dict[Any, int]] = None, fallback: i
     return int(expr.xreplace(values))
 
 
+def size_expr(size: Any) -> Any:
+    """The sympy expression of a symbolic size (``SymInt.node.expr``)."""
+    return size.node.expr
+
+
 def size_symbol(size: Any) -> Any:
     """The sympy symbol a size is, or None (a constant or a compound expression)."""
     if isinstance(size, torch.SymInt):
@@ -398,6 +403,190 @@ def build_variable(tx: Any, value: Any) -> Any:
     """Dynamo's variable for a Python value met during conversion (``VariableTracker.build``)."""
     from torch._dynamo.variables import VariableTracker
     return VariableTracker.build(tx, value)
+
+
+def setup_context_defined(fn_cls: type) -> bool:
+    """Whether a Function is new-style (``forward`` without ctx, a ``setup_context`` static method):
+    ``torch.autograd.function._is_setup_context_defined(fn_cls.setup_context)``."""
+    from torch.autograd.function import _is_setup_context_defined
+    return bool(_is_setup_context_defined(fn_cls.setup_context))
+
+
+def symbolic_scalar_type(vt: Any) -> Optional[type]:
+    """For dynamo's variable of a Python number it only knows symbolically (a size ``x.shape[0]``
+    under dynamic shapes, a float argument that is a graph input), its Python type (int, float,
+    bool); None for anything else. Those are ``SymNodeVariable`` and ``UnspecializedPythonVariable``
+    (a 0-d tensor standing for the number, ``is_tensor()`` true)."""
+    from torch._dynamo.variables.tensor import SymNodeVariable, UnspecializedPythonVariable
+    if isinstance(vt, SymNodeVariable):
+        kind = vt.python_type()
+    elif isinstance(vt, UnspecializedPythonVariable):
+        kind = type(vt.raw_value)
+    else:
+        return None
+    return kind if kind in (bool, int, float) else None
+
+
+def scalar_hint(vt: Any) -> Any:
+    """The capturing call's value of a number ``symbolic_scalar_type`` accepts: the symbol's hint
+    (``SymNodeVariable.sym_num``, ``node.hint``), an unspecialized number's ``raw_value``."""
+    from torch._dynamo.variables.tensor import SymNodeVariable
+    kind = symbolic_scalar_type(vt)
+    if isinstance(vt, SymNodeVariable):
+        num = vt.sym_num
+        if isinstance(num, torch.SymInt):
+            return size_hint(num)
+        hint = num.node.hint if isinstance(num, (torch.SymFloat, torch.SymBool)) else num
+        return kind(hint)
+    return kind(vt.raw_value)
+
+
+def sequence_items(vt: Any) -> Optional[List[Any]]:
+    """The item variables of dynamo's variable of a plain list or tuple (``BaseListVariable.items``),
+    else None (named tuples and other sequences included)."""
+    from torch._dynamo.variables.lists import ListVariable, TupleVariable
+    if type(vt) in (ListVariable, TupleVariable):
+        return list(vt.items)
+    return None
+
+
+def dict_items(vt: Any) -> Optional[List[Any]]:
+    """``[(key, value variable)]`` of dynamo's variable of a plain dict whose keys are Python
+    constants (``ConstDictVariable.items``, keys wrapped in ``HashableTracker.vt``), else None."""
+    from torch._dynamo.variables.dicts import ConstDictVariable
+    if type(vt) is not ConstDictVariable or vt.python_type() is not dict:
+        return None
+    out = []
+    for key, value in vt.items.items():
+        if not key.vt.is_python_constant():
+            return None
+        out.append((key.vt.as_python_constant(), value))
+    return out
+
+
+def dynamo_restart_errors() -> tuple:
+    """Exceptions that are dynamo's own control flow while converting a frame (restart the analysis,
+    skip the frame), never a failure of the code being traced: ``RestartAnalysis``, ``SkipFrame``."""
+    from torch._dynamo.exc import RestartAnalysis, SkipFrame
+    return (RestartAnalysis, SkipFrame)
+
+
+class SideEffectsOutside(Exception):
+    """A traced call changed objects that exist outside it (``speculate``)."""
+
+
+def speculate(tx: Any, fn_vt: Any, args: Sequence[Any]) -> Any:
+    """Trace ``fn_vt(*args)`` (dynamo variables) into a throwaway subgraph and return its output
+    variable: nothing of it reaches the frame's graph, its side effects or its graph-break counts.
+
+    ``speculate_subgraph(..., always_restore=True)`` (what dynamo uses to look at a backward it does
+    not keep), in a subtracer of its own. Dynamo refuses (``Unsupported``) changes to objects the
+    frame knew before the call; one the trace meets first counts as the subgraph's own, and dynamo
+    would let it change and drop the change: that is a side effect all the same (a list outside
+    that forward appends to), so it raises ``SideEffectsOutside``, read from the side effects the
+    trace recorded (``SideEffects.id_to_variable``: a variable tracked during the trace, not new,
+    ``is_modified``), which are then dropped (``track_runahead_tensor_and_symvar_side_effects``
+    keeps what dynamo keeps of them). Dynamo's ``Unsupported`` counts itself in
+    ``counters["unimplemented"]`` when raised, and nested attempts may file graph breaks: both
+    counters are put back as they were, since the frame being converted did not break. The
+    variables dynamo made for objects the trace read (``OutputGraph.variable_tracker_cache``) go
+    too: the objects may have changed by the time the frame reads them (a Function dynamo refused
+    is then run for real). ``capture_scalar_outputs`` is on so that ``.item()`` is a symbol rather
+    than a refusal (and a logged warning). Raises whatever the trace raised, except dynamo's
+    restarts, with the frame's side effects restored, and its guards (``tracing_context.
+    guards_context`` checkpoint): a refused trace decides nothing, while the guards it installed (on
+    fxtrain's own state, met in a TrainModule the forward calls) would recapture at every call.
+    Grad mode and the rest of dynamo's global state (``tracing_context.global_context``) are put
+    back in any case: a trace that stops inside ``with torch.no_grad()`` does not leave it."""
+    from torch._dynamo.utils import counters
+    from torch._dynamo.variables.higher_order_ops import speculate_subgraph
+    before = {k: dict(counters[k]) for k in ("unimplemented", "graph_break")}
+    side_effects = tx.output.side_effects.clone()
+    cache = tx.output.variable_tracker_cache
+    cached = dict(cache)
+    guards = tx.output.tracing_context.guards_context
+    guards_before = guards.copy_graphstate()
+    global_context = tx.output.tracing_context.global_context
+    global_before = global_context.copy_graphstate()
+    grad_before = torch.is_grad_enabled()
+    new_types = dynamo_new_object_mutation_types()
+    try:
+        with dynamo_scalar_outputs(tx):
+            (out, _), _graph, _lifted = speculate_subgraph(
+                tx, fn_vt, list(args), {}, "fxtrain: a Function's forward, for its outputs' shapes",
+                always_restore=True, restore_side_effects=False, set_subgraph_inputs="automatic")
+        traced = tx.output.side_effects
+        changed = [vt for key, vt in traced.id_to_variable.items()
+                   if key not in side_effects.id_to_variable and vt.mutation_type is not None
+                   and not isinstance(vt.mutation_type, new_types) and traced.is_modified(vt)]
+        side_effects.track_runahead_tensor_and_symvar_side_effects(traced)
+        tx.output.side_effects = side_effects
+        if changed:
+            raise SideEffectsOutside(f"it changes {type(changed[0]).__name__} from outside the call")
+        return out
+    except dynamo_restart_errors():
+        raise
+    except BaseException:
+        tx.output.side_effects = side_effects
+        guards.restore_graphstate(guards_before)
+        raise
+    finally:
+        # A trace that failed inside ``with torch.no_grad()`` leaves the mode it entered.
+        global_context.restore_graphstate(global_before)
+        torch.set_grad_enabled(grad_before)
+        for k, v in before.items():
+            counters[k].clear()
+            counters[k].update(v)
+        cache.clear()
+        cache.update(cached)
+
+
+def refused_for_side_effects(error: BaseException) -> bool:
+    """Whether dynamo's refusal to trace was about an effect on state outside the traced call
+    (``Unsupported`` for a "side effect", e.g. "HOP: Unsafe side effect", or ``speculate``'s own)."""
+    from torch._dynamo.exc import Unsupported
+    if isinstance(error, SideEffectsOutside):
+        return True
+    text = f"{getattr(error, 'gb_type', '') or ''} {error}" if isinstance(error, Unsupported) else ""
+    return "side effect" in text.lower()
+
+
+def dynamo_restart(reason: str) -> BaseException:
+    """The exception that makes dynamo convert the current frame again from its start
+    (``torch._dynamo.exc.RestartAnalysis``), for the caller to raise."""
+    from torch._dynamo.exc import RestartAnalysis
+    return RestartAnalysis(reason, restart_reason=reason)
+
+
+@contextlib.contextmanager
+def dynamo_scalar_outputs(tx: Any) -> Any:
+    """Dynamo traces ``Tensor.item()`` as an unbacked symbol within the block: its config says so
+    (``torch._dynamo.config.capture_scalar_outputs``, for the block only) and the frame's shape
+    environment, which read that config when it was made, allows such symbols
+    (``ShapeEnv.settings.allow_scalar_outputs``, a frozen dataclass, replaced). The latter stays:
+    AOTAutograd traces the same ``.item()`` again with this shape environment; it only lets fake
+    tensors answer ``.item()``, while dynamo still breaks the graph at the model's own ``.item()``
+    calls, as its config says outside the block."""
+    import dataclasses
+    shape_env = tx.output.shape_env
+    if not shape_env.settings.allow_scalar_outputs:
+        shape_env.settings = dataclasses.replace(shape_env.settings, allow_scalar_outputs=True)
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        yield
+
+
+def dynamo_graph_break(kind: str, what: str, why: str) -> None:
+    """Make dynamo break the graph at the call it is converting, with ``why`` as the reason it files
+    (``torch._dynamo.exc.unimplemented``): the call then runs in Python between two graphs."""
+    from torch._dynamo.exc import unimplemented
+    unimplemented(gb_type=kind, context=what, explanation=why, hints=[])
+
+
+def free_unbacked_symbols(value: Any) -> set:
+    """Data-dependent size symbols in a fake tensor's metadata
+    (``torch.fx.experimental.symbolic_shapes.free_unbacked_symbols``)."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols as free
+    return set(free(value))
 
 
 # ---------------------------------------------------------------------------- graph targets

@@ -455,7 +455,7 @@ class PureTorch(torch.autograd.Function):
 def test_user_backward_honoured_with_and_without_pythonop(custom_autograd):
     tm = _parity(Host(lambda h: PureTorch.apply(h)), custom_autograd=custom_autograd)
     assert tm.capture_info().python_ops == ([f"{__name__}.PureTorch"] if custom_autograd else [])
-    assert tm.capture_info().graphs == 1  # dynamic batch: shaped by its fake run, no recapture
+    assert tm.capture_info().graphs == 1  # dynamic batch: shaped by dynamo's trace of it, no recapture
 
 
 def test_is_capturing_seen_by_function_during_capture_only():
@@ -511,24 +511,25 @@ class TorchDoubleInPlace(torch.autograd.Function):
 
 
 def test_mark_dirty_keeps_in_place_semantics():
-    """The updated input is used after apply: a functional op would give a wrong answer, so the
-    Function is left to dynamo, which keeps in-place semantics."""
+    """The updated input is used after apply: the op returns its new value and the graph writes it
+    back into the caller's tensor, which apply returns, as eager does."""
     def use(h):
         h = h.clone()
         y = TorchDoubleInPlace.apply(h)
+        assert y is h
         return y * 3 + h  # h was doubled in place
     tm = _parity(Host(use, reduce=lambda o: o.sum()))
-    assert tm.capture_info().python_ops == []
+    assert tm.capture_info().python_ops == [f"{__name__}.TorchDoubleInPlace"]
 
 
 def test_untraceable_mark_dirty_still_matches_eager():
-    """Not a PythonOp (a functional op cannot update its input in place): dynamo's handling, exact."""
+    """In place through numpy (shaped by infer_shape, which returns its input: dirty)."""
     def use(h):
         h = h.clone()
         y = NumpyDoubleInPlace.apply(h)
         return y * 3 + h
     tm = _parity(Host(use, reduce=lambda o: o.sum()))
-    assert tm.capture_info().python_ops == []
+    assert tm.capture_info().python_ops == [f"{__name__}.NumpyDoubleInPlace"]
 
 
 class SideEffect(torch.autograd.Function):
@@ -536,7 +537,7 @@ class SideEffect(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x):
-        if not fxtrain.is_capturing():  # fxtrain's capture runs forward on fake tensors too
+        if not fxtrain.is_capturing():  # false whenever forward really runs (dynamo's trace sees true)
             SideEffect.calls += 1
         return x * 2
 
@@ -717,7 +718,7 @@ def test_inline_error_only_for_fxtrain_captures():
 
 # ------------------------------------------------------------------------------------ shapes
 class TorchRowNorm(torch.autograd.Function):
-    """Pure torch, output shape differs from the input's: shaped by its fake run."""
+    """Pure torch, output shape differs from the input's: shaped by dynamo's trace of its forward."""
 
     @staticmethod
     def forward(ctx, x):
@@ -731,15 +732,15 @@ class TorchRowNorm(torch.autograd.Function):
 
 
 class NumpyRowNorm(torch.autograd.Function):
-    """Leaves torch and has no infer_shape: shaped by its real run on the capturing batch."""
-    real_calls_while_capturing = 0
+    """Counts its calls (a side effect, which dynamo will not trace) and has no infer_shape: shaped
+    by its real run on the capturing batch, which is that step's run."""
+    calls = 0
 
     @staticmethod
     def forward(ctx, x):
         ctx.save_for_backward(x)
-        norms = np.linalg.norm(x.detach().numpy(), axis=-1)  # raises on a fake tensor
-        if fxtrain.is_capturing():
-            NumpyRowNorm.real_calls_while_capturing += 1
+        norms = np.linalg.norm(x.detach().numpy(), axis=-1)
+        NumpyRowNorm.calls += 1
         return torch.from_numpy(norms).to(x.dtype)
 
     @staticmethod
@@ -756,18 +757,41 @@ class NumpyRowNormInferred(NumpyRowNorm):
         return x.new_empty(x.shape[:-1])
 
 
-@pytest.mark.parametrize("fn,graphs", [(TorchRowNorm, 1), (NumpyRowNormInferred, 1), (NumpyRowNorm, 3)],
-                         ids=["fake-run", "infer_shape", "example-run"])
+class NumpyFlatten(torch.autograd.Function):
+    """Output size batch x 4, which no single input size explains: a real run's shapes then hold for
+    its input sizes only."""
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        NumpyFlatten.calls += 1
+        return torch.from_numpy(x.detach().numpy().reshape(-1).copy()).sum(0, keepdim=True) * x.new_ones(x.numel())
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("not differentiated")
+
+
+@pytest.mark.parametrize("fn,graphs", [(TorchRowNorm, 1), (NumpyRowNormInferred, 1), (NumpyRowNorm, 1)],
+                         ids=["traced", "infer_shape", "example-run"])
 def test_shapes_fake_run_infer_shape_or_example_run(fn, graphs):
-    """Batch sizes 3, 5, 3, 2: the first two ways keep one dynamic graph; the example run's shapes
-    hold for its sizes only, so each new size recaptures (and never breaks the graph)."""
-    NumpyRowNorm.real_calls_while_capturing = 0
+    """Batch sizes 3, 5, 3, 2: all three ways keep one dynamic graph (the example run's output size
+    follows the one input size equal to it, and every call is checked against that)."""
+    NumpyRowNorm.calls = 0
     tm = _parity(Host(lambda h: fn.apply(h) * h.sum(-1), reduce=lambda o: o.sum()), batches=(3, 5, 3, 2))
     info = tm.capture_info()
     assert info.python_ops == [f"{__name__}.{fn.__qualname__}"]
     assert (info.graphs, info.graph_breaks) == (graphs, 0)
-    # the example run happened once per capture, and nowhere else while capturing
-    assert NumpyRowNorm.real_calls_while_capturing == (3 if fn is NumpyRowNorm else 0)
+    # once per step in each copy, as in eager: the capturing runs were the steps' runs
+    assert NumpyRowNorm.calls == (8 if fn is not TorchRowNorm else 0)
+
+
+def test_example_run_sizes_no_input_size_explains_recapture_per_size():
+    NumpyFlatten.calls = 0
+    tm = _parity(Host(lambda h: h * NumpyFlatten.apply(h.detach()).sum(), reduce=lambda o: o.sum()),
+                 batches=(3, 5, 3, 2))
+    assert (tm.capture_info().graphs, tm.capture_info().graph_breaks) == (3, 0)
+    assert NumpyFlatten.calls == 8
 
 
 class NumpyPositives(torch.autograd.Function):

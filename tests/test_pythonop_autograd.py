@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxtrain.pythonop import routing
 from fxtrain.pythonop.op import POOL
-from fxtrain.pythonop.registry import TENSOR, CallSpec, register
+from fxtrain.pythonop.registry import CONSTANT, TENSOR, CallSpec, OutputMeta, register
 from utils import assert_grads_equal
 
 PYTHON_OP = torch.ops.fxtrain.python_op.default
@@ -61,7 +61,7 @@ class Compiled(nn.Module):
         return sum(1 for gm in self.graphs for n in gm.graph.nodes if n.target in (PYTHON_OP, torch.ops.fxtrain.python_op))
 
     def forward(self, *args):
-        with routing(lambda name: None):
+        with routing(lambda name, why=None: None):
             return self._compiled(*args)
 
 
@@ -254,9 +254,10 @@ def test_plain_kernel_is_the_users_node_double_backward_included():
 
 # ------------------------------------------------------------------------ handle never on the data's device
 def _scale_spec(device):
-    spec = CallSpec(fn_cls=Scale, template=[(TENSOR, 0), ("constant", 0.5)], outputs=[(TENSOR, 0)], single=True,
-                    differentiable=[True], record=True, shape_fn=lambda ts: [torch.empty_like(ts[0])],
-                    grad_meta=[(2, torch.float32, torch.device(device))])
+    # Output sizes: those of input 0 (dims 0 and 1), on the data's device.
+    spec = CallSpec(fn_cls=Scale, args=[(TENSOR, 0), (CONSTANT, 0.5)], kwargs={}, result=(TENSOR, 0),
+                    differentiable=[True], record=True, grad_meta=[(2, torch.float32, torch.device(device))],
+                    meta=[OutputMeta(torch.float32, torch.device(device), sizes=[(0, 0), (0, 1)])])
     return register(spec)
 
 

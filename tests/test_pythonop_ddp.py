@@ -1,8 +1,8 @@
 """A Function that all-reduces in its forward, under DistributedDataParallel, in 2 gloo processes.
 
-``fxtrain.is_capturing()`` lets the Function skip the collective while the graph is captured (the
-capture runs its forward on fake tensors, on one rank only as far as the other knows); at run time
-the real forward all-reduces. ``DDP(TrainModule(model))`` must match ``DDP(model)`` step by step.
+``fxtrain.is_capturing()`` lets the Function skip the collective in what is not a real run: dynamo's
+trace of its forward, which learns the outputs' shapes without running it, sees it true; every real
+run, the capturing step's included, all-reduces. ``DDP(TrainModule(model))`` must match ``DDP(model)`` step by step.
 """
 import gc
 import os

@@ -352,3 +352,59 @@ def test_attention_with_lse_kernels_match_sdpa() -> None:
     for a, b in zip(kernels[1](grad, q.detach(), k.detach(), v.detach(), out, lse, True, 0.5),
                     torch.autograd.grad(ref, (q, k, v), grad)):
         torch.testing.assert_close(a, b)
+
+
+def test_pythonop_capture_accessors() -> None:
+    """What PythonOp capture reads of dynamo: checked inside dynamo's conversion of a frame, where a
+    Function's ``call_apply`` meets them (a plain accessor check for the rest)."""
+    class NewStyle(torch.autograd.Function):
+        @staticmethod
+        def forward(x):
+            return x
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+    class OldStyle(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x
+
+    assert _check("setup_context_defined", tp.setup_context_defined, NewStyle)
+    assert not tp.setup_context_defined(OldStyle)
+    assert issubclass(_check("dynamo_restart", tp.dynamo_restart, "why").__class__, _check(
+        "dynamo_restart_errors", tp.dynamo_restart_errors)[0])
+    assert tp.refused_for_side_effects(tp.dynamo_unsupported()("HOP: Unsafe side effect"))
+    assert not _check("refused_for_side_effects", tp.refused_for_side_effects, ValueError("side effect"))
+    with tp.FakeTensorMode():
+        assert _check("free_unbacked_symbols", tp.free_unbacked_symbols, torch.empty(3)) == set()
+
+    seen = {}
+    variable = tp.autograd_function_variable()
+    original = variable.call_apply
+
+    def probe(self, tx, args, kwargs):
+        seen["items"] = _check("sequence_items", tp.sequence_items, args[1])
+        seen["dict"] = _check("dict_items", tp.dict_items, args[2])
+        seen["number"] = _check("symbolic_scalar_type", tp.symbolic_scalar_type, args[3])
+        seen["hint"] = _check("scalar_hint", tp.scalar_hint, args[3])
+        seen["expr"] = _check("size_expr", tp.size_expr, args[3].sym_num)
+        with _check("dynamo_scalar_outputs", tp.dynamo_scalar_outputs, tx):
+            fn = tp.build_variable(tx, lambda t: (t * 2).sum().item())
+            seen["speculated"] = _check("speculate", tp.speculate, tx, fn, [args[0]])
+        try:
+            _check("dynamo_graph_break", tp.dynamo_graph_break, "probe", "what", "why")
+        except tp.dynamo_unsupported():
+            seen["break"] = True
+        return args[0]
+
+    variable.call_apply = probe
+    try:
+        fn = torch.compile(lambda x: OldStyle.apply(x, [x], {"k": 1}, x.shape[0]), backend="eager", dynamic=True)
+        fn(torch.ones(3))
+    finally:
+        variable.call_apply = original
+    assert len(seen["items"]) == 1 and seen["dict"][0][0] == "k"
+    assert seen["number"] is int and seen["hint"] == 3 and seen["expr"] is not None
+    assert tp.symbolic_scalar_type(seen["speculated"]) is float and seen["break"]

@@ -9,6 +9,12 @@ both counters across the call, less what the calls of other TrainModules nested 
 The counters only move while dynamo converts a frame, and every conversion bumps
 dynamo's frame counter (``torch_private.dynamo_frame_counter``) first, so a call that converted nothing costs two integer reads:
 the before-image of the counters is copied only after a conversion happened somewhere.
+
+``torch._dynamo.reset()`` sets the frame counter back to 0 but leaves the message counters as they
+are: an image keyed by a count the counter reaches again after a reset would pass for current and
+hand a fresh module the breaks of one that ran before. So every window that saw conversions leaves
+the image as of its end (the tally it computed anyway): after a reset the counter no longer matches
+it, and the next window takes a new image.
 """
 from __future__ import annotations
 
@@ -73,16 +79,19 @@ def close_window(window: Window) -> _TALLY:
     ledger = _ledger
     ledger.depth -= 1
     own: _TALLY = {}
-    if _conversions() != window.conversions:
+    now = _conversions()
+    if now != window.conversions:
         nested: collections.Counter = collections.Counter()
         for claim in ledger.claims[window.claims_at:]:
             nested.update(claim)
-        for message, n in _tally().items():
+        tally = _tally()
+        for message, n in tally.items():
             filed = n - window.before.get(message, 0) - nested.get(message, 0)
             if filed > 0:
                 own[message] = filed
         if own:
             ledger.claims.append(own)
+        ledger.image = (now, tally)
     if ledger.depth == 0:
         ledger.claims.clear()
     return own

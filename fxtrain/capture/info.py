@@ -74,6 +74,9 @@ class CaptureInfo:
     graphs: int = 0
     graph_breaks: int = 0
     python_ops: List[str] = field(default_factory=list)
+    # Custom Functions not kept as PythonOps: "module.Qualname: why"; Python runs each between two
+    # graphs (a graph break, counted in graph_breaks), so it behaves exactly as in eager.
+    python_op_handoffs: List[str] = field(default_factory=list)
     optimizations: Dict[str, str] = field(default_factory=dict)
     fallback_reason: Optional[str] = None
     executor: str = "eager"
@@ -105,6 +108,7 @@ class CaptureInfo:
                  f"executor:        {self.executor}",
                  f"fallback:        {self.fallback_reason or 'no'}",
                  f"python ops:      {', '.join(self.python_ops) or '-'}"]
+        lines.extend(f"  run by Python:  {handoff}" for handoff in self.python_op_handoffs)
         for name, why in self.optimizations.items():
             lines.append(f"  {name:<22} {why}")
         plan = self.memory_plan

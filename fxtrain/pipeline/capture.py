@@ -165,7 +165,8 @@ def capture(model: nn.Module, args: Sequence[Any], kwargs: Dict[str, Any], *,
     try:
         # fxtrain's dynamo settings (logging calls inside forward do not break the graph, ...).
         with dynamo_config_patch(dynamo_settings(Options())), torch.enable_grad(), \
-                routing(lambda name: python_ops.append(name) if name not in python_ops else None):
+                routing(lambda name, why=None: python_ops.append(name) if why is None and name not in python_ops
+                        else None):
             entry(wrapper, (tuple(args), dict(kwargs), target), {})
     except _Captured:
         pass

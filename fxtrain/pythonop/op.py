@@ -12,6 +12,12 @@ entry goes when the backward ran or when the handle tensor is freed (no backward
 The handle always lives on the CPU, whatever device the data is on: reading it back is never a
 device-to-host synchronisation.
 
+A call whose capture ran the Function for real (one dynamo could not trace) takes that run the
+first time the graph runs it (pending.py), so the step's forward runs once. Calls that are more than
+positional tensors and constants in, tensors out (structure.py: keyword arguments, containers,
+Python numbers returned, inputs updated in place) rebuild their arguments and collect their
+outputs from the spec's trees; the plain ones keep the flat per-call path.
+
 Cost. Both ops run once per Function call per step, so their dispatch is kept lean: the ops are
 declared with ``torch.library.custom_op`` (torch then knows them as custom ops: fake kernels, the
 profiler's ``OPDEFS`` lookup), but their CompositeExplicitAutograd and Autograd kernels are replaced
@@ -34,11 +40,15 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .. import torch_private as tp
+from ..capture.state import capturing, real_step
 from ..torch_private import (AFTER_AUTOGRAD_KEYSET, DispatchKey, DispatchKeySet, ForceDispatchKeyGuard,
                              any_requires_grad, current_graph_task_keeps_graph, dispatch_mode_depth,
                              dispatch_tls_exclude_set, dispatch_tls_include_set, is_grad_enabled,
                              set_grad_enabled)
-from .registry import CONSTANT, SPECS
+from . import pending as _pending
+from .pending import Run
+from .registry import CONSTANT, SPECS, CallSpec
+from .structure import Mismatch, collect, rebuild_call
 
 _lock = threading.Lock()
 _handles = itertools.count(1)
@@ -87,6 +97,13 @@ def _forget(handle: int) -> Any:
     return lambda _ref: POOL.pop(handle, None)
 
 
+def _repeated(o: torch.Tensor, outs: Sequence[torch.Tensor], k: int) -> bool:
+    for earlier in outs[:k]:
+        if earlier is o:
+            return True
+    return False
+
+
 def _shares_storage(t: torch.Tensor, inputs: Sequence[torch.Tensor]) -> bool:
     ptr = t.untyped_storage().data_ptr()
     return any(ptr == i.untyped_storage().data_ptr() for i in inputs if i.device == t.device)
@@ -102,7 +119,8 @@ def _new_handle(handle_id: int) -> torch.Tensor:
 
 
 def _outputs(spec: Any, result: Any, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-    """The Function's tensor outputs, refused where a PythonOp cannot reproduce them."""
+    """The Function's tensor outputs (a plain spec: tensors and constants), refused where a PythonOp
+    cannot reproduce them."""
     if spec.single:
         outs = [result] if spec.outputs[0][0] != CONSTANT else []
     else:
@@ -110,36 +128,168 @@ def _outputs(spec: Any, result: Any, inputs: Sequence[torch.Tensor]) -> List[tor
     for o in outs:  # apply hands back an input only when marked dirty
         for i in inputs:
             if o is i:
-                raise RuntimeError(f"fxtrain: {spec.name} modifies an input in place (ctx.mark_dirty), which a "
-                                   f"PythonOp cannot reproduce; make its forward traceable by torch (it then is "
-                                   f"traced with in-place semantics) or use Options(custom_autograd=False)")
-    if spec.seen is not None and [(o.shape, o.dtype) for o in outs] != [(s, d) for s, d, _ in spec.seen]:
-        # Shaped by its run on the capturing batch and guarded on its input sizes: a different output
-        # shape for the same input sizes depends on data, which the graph cannot follow.
-        raise RuntimeError(f"fxtrain: {spec.name} returned {[tuple(o.shape) for o in outs]}, but at capture it "
-                           f"returned {[tuple(s) for s, _, _ in spec.seen]} for inputs of the same sizes; give "
-                           f"it an infer_shape static method or make its output shape depend on sizes only")
+                raise RuntimeError(f"fxtrain: {spec.name} modified an input in place (ctx.mark_dirty), which it did "
+                                   f"not do on the capturing call; a Function must mark the same inputs dirty "
+                                   f"on every call")
+    if spec.checks:
+        _check_sizes(spec, outs, inputs)
     return outs
 
 
-@torch.library.custom_op("fxtrain::python_op", mutates_args=())
-def python_op(key: int, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
-    spec = SPECS[key]
+def expected_sizes(sizes: List[Any], tensors: Sequence[torch.Tensor]) -> List[Any]:
+    return [tensors[s[0]].shape[s[1]] if type(s) is tuple else s for s in sizes]
+
+
+def _check_sizes(spec: Any, outs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> None:
+    """Outputs shaped by the capturing call's real run: each size is a constant or follows an input's
+    size, as that run showed; another relation (a length that depends on data) is one the graph
+    cannot follow, so it is an error rather than a wrong shape downstream."""
+    for j, sizes, dtype in spec.checks:
+        o = outs[j]
+        expected = expected_sizes(sizes, inputs)
+        if list(o.shape) != expected or o.dtype != dtype:
+            raise RuntimeError(f"fxtrain: {spec.name} returned a {o.dtype} tensor of shape {tuple(o.shape)} where "
+                               f"the graph expects {dtype} {tuple(expected)}, as its run on the capturing call "
+                               f"showed; give it an infer_shape static method or make its output shape depend on "
+                               f"its inputs' sizes only")
+
+
+def collect_outputs(spec: CallSpec, run: Run) -> List[torch.Tensor]:
+    """The op's outputs of a call (any spec), in the order the capture numbered them."""
+    if spec.plain:
+        return _outputs(spec, run.result, run.inputs)
+    outs: List[Any] = [None] * spec.n_out
+    for i, j in spec.dirty:
+        outs[j] = run.call_inputs[i]
+    try:
+        collect(spec.result, run.result, outs, run.call_inputs)
+        for k, node in spec.writes:
+            collect(node, run.containers[k], outs, run.call_inputs)
+    except Mismatch as e:
+        raise RuntimeError(f"fxtrain: {spec.name} returned {e}; the graph holds what the capturing call "
+                           f"returned, so a Function must return the same structure on every call") from None
+    if spec.checks:
+        _check_sizes(spec, outs, run.inputs)
+    return outs
+
+
+def _call_inputs(spec: CallSpec, inputs: List[torch.Tensor]) -> List[torch.Tensor]:
+    """What apply receives: an input the Function updates in place (ctx.mark_dirty) is a copy of its
+    own, as eager's is the caller's tensor: the op's inputs belong to the graph (a functional op
+    must not change them), and the graph writes the new value back where eager would see it."""
+    if not spec.dirty_inputs:
+        return inputs
+    return [t.clone() if k in spec.dirty_inputs else t for k, t in enumerate(inputs)]
+
+
+def _apply(spec: CallSpec, call_inputs: List[torch.Tensor]) -> Tuple[Any, Sequence[Any]]:
+    if spec.plain:
+        return spec.fn_cls.apply(*spec.arguments(call_inputs)), ()
+    args, kwargs, containers = rebuild_call(spec.args, spec.kwargs, call_inputs)
+    return spec.fn_cls.apply(*args, **kwargs), containers
+
+
+def _run(spec: CallSpec, tensors: List[torch.Tensor]) -> Run:
+    """One real call of the Function on the op's inputs, with autograd recording when the capture
+    did (torch then builds the Function's node and ctx exactly as in eager)."""
     if spec.record:
         state = _enter_user_autograd()
         try:
             inputs = [t.detach().requires_grad_(d) for t, d in zip(tensors, spec.differentiable)]
-            result = spec.fn_cls.apply(*spec.arguments(inputs))
+            call_inputs = _call_inputs(spec, inputs)
+            result, containers = _apply(spec, call_inputs)
         finally:
             _exit_user_autograd(state)
     else:
         inputs = list(tensors)
         with torch.no_grad():
-            result = spec.fn_cls.apply(*spec.arguments(inputs))
-    outs = _outputs(spec, result, inputs)
-    # A custom op may not return its inputs or views of them: copy only those.
+            call_inputs = _call_inputs(spec, inputs)
+            result, containers = _apply(spec, call_inputs)
+    return Run(inputs, call_inputs, result, containers)
+
+
+def run_at_capture(fn_cls: type, args: List[Any], kwargs: Dict[str, Any], values: List[torch.Tensor],
+                   differentiable: List[bool], record: bool) -> Run:
+    """The capturing call's real run of a Function dynamo cannot trace: the step's own run, made
+    early for its outputs' structure and shapes (pending.py hands it to the graph's first run).
+
+    It runs as at step time, not as a capture: ``fxtrain.is_capturing()`` and
+    ``torch.compiler.is_compiling()`` are false, no fake mode or tracer is active, and a TrainModule
+    the Function calls runs eagerly (it cannot capture while this one does). Every input is a copy of
+    the capturing values, as the Function may update any of them in place (ctx.mark_dirty), which
+    is only known afterwards; differentiable ones are non-leaves, as eager's usually are (an in-place
+    update of a leaf that requires grad is an error). The run keeps, per list or dict built for
+    the call, its items before the call (``Run.before``), and the random generators' states around
+    it if it drew from them (``Run.rng``)."""
+    devices = sorted({v.device for v in values if v.device.type == "cuda"}, key=str)
+    rng_before = _pending.rng_states(devices)
+    with tp.unset_fake_temporarily(), tp.disable_current_modes(), tp.outside_compile(), real_step():
+        state = _enter_user_autograd() if record else None
+        try:
+            with torch.no_grad():
+                leaves = [v.detach().clone() for v in values]
+            if record:
+                inputs = [leaf.requires_grad_(d) for leaf, d in zip(leaves, differentiable)]
+                call_inputs = [i * 1 if d else i for i, d in zip(inputs, differentiable)]
+            else:
+                inputs = call_inputs = leaves
+            pos, kw, containers = rebuild_call(args, kwargs, call_inputs)
+            before = [list(c) if type(c) is list else dict(c) for c in containers]
+            if record:
+                result = fn_cls.apply(*pos, **kw)
+            else:
+                with torch.no_grad():
+                    result = fn_cls.apply(*pos, **kw)
+        finally:
+            if state is not None:
+                _exit_user_autograd(state)
+    run = Run(inputs, call_inputs, result, containers, before)
+    rng_after = _pending.rng_states(devices)
+    if not _pending.same_states(rng_before, rng_after):
+        # The graph has not run yet: put the generators back for it, and let the op move them past
+        # these draws when it takes this run (pending.claim).
+        _pending.set_rng_states(devices, rng_before)
+        run.rng = (rng_before, rng_after)
+    return run
+
+
+@torch.library.custom_op("fxtrain::python_op", mutates_args=())
+def python_op(key: int, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    spec = SPECS[key]
+    if spec.plain and spec.pending is None and not _pending.state.evaluating:
+        # The per-step path (positional tensors and constants in, tensors out): no Run, no tree.
+        if spec.record:
+            state = _enter_user_autograd()
+            try:
+                inputs = [t.detach().requires_grad_(d) for t, d in zip(tensors, spec.differentiable)]
+                result = spec.fn_cls.apply(*spec.arguments(inputs))
+            finally:
+                _exit_user_autograd(state)
+        else:
+            inputs = list(tensors)
+            with torch.no_grad():
+                result = spec.fn_cls.apply(*spec.arguments(inputs))
+        outs = _outputs(spec, result, inputs)
+    else:
+        run = None
+        if spec.pending is None and _pending.state.evaluating:
+            _pending.look_up(spec, tensors)
+        if spec.pending is not None:
+            run = _pending.claim(spec, tensors)
+        if run is None:
+            run = _run(spec, tensors)
+            if _pending.state.evaluating:
+                _pending.keep(spec, tensors, run)
+        inputs = run.inputs
+        outs = collect_outputs(spec, run)
+    # A custom op may not return its inputs or views of them, nor one tensor twice: copy only those.
     shares = _shares_storage
-    returned = [o.detach().clone() if shares(o, tensors) else o.detach() for o in outs]
+    returned = [o.detach().clone() if shares(o, tensors) or _repeated(o, outs, k) else o.detach()
+                for k, o in enumerate(outs)]
+    for j, _, _ in spec.checks:
+        # Shaped by a real run, the graph's fake output is contiguous: a code generator that reads
+        # its layout from there (inductor) must get that layout.
+        returned[j] = returned[j].contiguous()
     if spec.record and any(o.requires_grad for o in outs):
         with _lock:
             handle_id = next(_handles)
@@ -152,11 +302,33 @@ def python_op(key: int, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
     return returned
 
 
+def fake_outputs(spec: CallSpec, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    """The op's outputs' metadata, without running the Function: ``infer_shape`` (the user's own
+    shape function), or what the capture learnt from dynamo's trace or the real run."""
+    if spec.infer is not None:
+        args, kwargs, _ = rebuild_call(spec.args, spec.kwargs, tensors)
+        with capturing():
+            result = spec.infer(*args, **kwargs)
+        outs: List[Any] = [None] * spec.n_out
+        for i, j in spec.dirty:
+            outs[j] = tensors[i]
+        try:
+            collect(spec.result, result, outs, tensors)
+        except Mismatch as e:
+            raise RuntimeError(f"fxtrain: {spec.name}.infer_shape returned {e}") from None
+        return [torch.empty_like(o) for o in outs]
+    out = []
+    for m in spec.meta:
+        if m.fake is not None:
+            out.append(torch.empty_strided(m.fake.shape, m.fake.stride(), dtype=m.dtype, device=m.device))
+        else:
+            out.append(torch.empty(expected_sizes(m.sizes, tensors), dtype=m.dtype, device=m.device))
+    return out
+
+
 @python_op.register_fake
 def _python_op_fake(key: int, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
-    spec = SPECS[key]
-    outs = spec.shape_fn(tensors)
-    return [torch.empty_like(o) for o in outs] + [torch.empty((), dtype=torch.int64, device=_CPU)]
+    return fake_outputs(SPECS[key], tensors) + [torch.empty((), dtype=torch.int64, device=_CPU)]
 
 
 @torch.library.custom_op("fxtrain::python_op_backward", mutates_args=())
@@ -243,16 +415,24 @@ class _Formula(torch.autograd.Function):
         return (None, None, *input_grads)
 
 
-def _apply_eagerly(key: int, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+def _apply_eagerly(keyset: Any, key: int, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
     """python_op under eager autograd on plain tensors: the user's Function itself, on the real inputs.
 
     Its node then is the graph's node, exactly as in eager (retain_graph, create_graph, hooks), with
     no pool entry, no detached copies and no re-entrant backward: the opaque formula exists for
-    tracers (AOTAutograd, the profiler), which must see python_op and python_op_backward.
+    tracers (AOTAutograd, the profiler), which must see python_op and python_op_backward. The
+    capturing call's run (pending.py) is taken by the opaque formula too: its node is not built on
+    these tensors.
     """
     spec = SPECS[key]
-    result = spec.fn_cls.apply(*spec.arguments(tensors))
-    outs = _outputs(spec, result, tensors)
+    if spec.pending is not None:
+        return list(_Formula.apply(keyset, key, *tensors))
+    if spec.plain:
+        outs = _outputs(spec, spec.fn_cls.apply(*spec.arguments(tensors)), tensors)
+    else:
+        call_inputs = _call_inputs(spec, list(tensors))
+        result, containers = _apply(spec, call_inputs)
+        outs = collect_outputs(spec, Run(list(tensors), call_inputs, result, containers))
     outs.append(_new_handle(0))
     return outs
 
@@ -262,7 +442,7 @@ def _python_op_autograd(keyset: Any, key: int, tensors: List[torch.Tensor]) -> L
     if is_grad_enabled() and any_requires_grad(tensors):
         if traced:
             return list(_Formula.apply(keyset, key, *tensors))
-        return _apply_eagerly(key, tensors)
+        return _apply_eagerly(keyset, key, tensors)
     if traced or keyset.has(DispatchKey.Meta):   # the Meta kernel is the fake one
         return _redispatch_forward(keyset & _AFTER_AUTOGRAD, key, tensors)
     # Below autograd only fallthrough keys remain before the CompositeExplicitAutograd kernel: call it.

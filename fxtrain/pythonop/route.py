@@ -6,31 +6,42 @@ on numpy, ``.item()`` and the like) and rebuild a backward of its own. While a T
 with ``custom_autograd=True`` we answer ``call_apply`` ourselves, for every Function class, including
 ones defined later or inside functions: the call becomes one ``fxtrain::python_op`` node whose key
 points at a CallSpec (registry.py). Outside fxtrain's captures dynamo behaves exactly as before.
+
+The spec needs what ``apply`` returns (structure, dtypes, sizes) without the user's forward running
+for the capture's sake, in this order: the Function's ``infer_shape``; dynamo's trace of its forward
+(speculate.py), which runs nothing; the capturing call's real run, which is that step's run
+(pending.py). A call none of these can serve (an object the graph cannot carry, a forward that
+raised) is not a PythonOp: dynamo breaks the graph there and Python calls ``apply`` itself, so the
+model sees eager's result or error; the TrainModule's capture_info names it and says why.
 """
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import threading
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from . import op as _op  # noqa: F401  (registers the torch.library ops)
+from . import pending
 from .. import torch_private as tp
 from ..capture.state import capturing
 from .example import real_values
-from .registry import CONSTANT, DETACHED, TENSOR, CallSpec, qualified_name, register
+from .op import run_at_capture
+from .pending import Run
+from .registry import (CONSTANT, DETACHED, DICT, LIST, SCALAR, SCALAR_DTYPES, TENSOR, TUPLE, CallSpec, Node,
+                       OutputMeta, qualified_name, register)
+from .speculate import NotTraced, bind, trace_forward
+from .structure import Describer, Unrepresentable, build, rebuild_call
 
 logger = logging.getLogger("fxtrain")
 
 _state = threading.local()
+_traces = itertools.count(1)
 AutogradFunctionVariable = tp.autograd_function_variable()
 _original_call_apply = AutogradFunctionVariable.call_apply
-
-
-class _Unsupported(Exception):
-    """This call cannot be a PythonOp; dynamo's own handling takes it (and says why if it fails)."""
 
 
 class InlineError(RuntimeError):
@@ -75,14 +86,24 @@ def _inline(self: AutogradFunctionVariable, tx: Any, args: list, kwargs: dict) -
 
 
 @contextlib.contextmanager
-def routing(on_python_op: Callable[[str], None]) -> Iterator[None]:
-    """Route Function.apply to PythonOps for dynamo traces started inside this block."""
+def routing(on_python_op: Callable[..., None]) -> Iterator[None]:
+    """Route Function.apply to PythonOps for dynamo traces started inside this block.
+
+    ``on_python_op(name)`` for each Function kept as a PythonOp, ``on_python_op(name, why)`` for
+    one handed to a graph break, run by Python between two graphs."""
     previous = getattr(_state, "sink", None)
     _state.sink = on_python_op
+    owner = getattr(on_python_op, "__self__", on_python_op)
     try:
-        yield
+        with pending.session(owner):
+            yield
     finally:
         _state.sink = previous
+
+
+class HandOff(Exception):
+    """The call is not a PythonOp: dynamo breaks the graph there and Python runs ``apply`` itself,
+    so the model sees exactly eager's result, or eager's error (the message says why)."""
 
 
 def _is_exact(value: Any) -> bool:
@@ -91,13 +112,44 @@ def _is_exact(value: Any) -> bool:
     return type(value) is tuple and all(_is_exact(v) for v in value)
 
 
-def _argument(tx: Any, vt: Any) -> Any:
-    """The Python value of a non-tensor argument: exact scalars by value, anything else by reference.
+class _Slots:
+    """The op's tensor list as dynamo variables: tensor arguments, and Python numbers the trace only
+    knows symbolically (a size under dynamic shapes, a float that is a graph input), which the graph
+    turns into 0-d tensors and the op back into numbers of the call."""
 
-    A reference must be the user's very object (not dynamo's reconstruction of it), so it is read
-    from its source and the capture is guarded on its identity: replacing ``model.cfg`` after
-    capture recaptures instead of silently running with the old object.
-    """
+    def __init__(self) -> None:
+        self.vts: List[Any] = []
+        self.convert: List[Optional[torch.dtype]] = []   # per slot: the dtype a SymInt/SymFloat becomes
+        self.hints: List[Any] = []                       # per slot: a number's capturing value, or None
+        self.index: Dict[int, int] = {}                  # id(variable) -> slot, for tensors
+
+    def tensor(self, vt: Any) -> int:
+        if id(vt) in self.index:       # the same tensor twice: one input, as apply would see it
+            return self.index[id(vt)]
+        self.index[id(vt)] = len(self.vts)
+        self.vts.append(vt)
+        self.convert.append(None)
+        self.hints.append(None)
+        return len(self.vts) - 1
+
+    def number(self, vt: Any, kind: type) -> int:
+        self.vts.append(vt)
+        # An unspecialized float or int is a 0-d tensor in the graph already.
+        self.convert.append(None if vt.is_tensor() else SCALAR_DTYPES[kind])
+        self.hints.append(tp.scalar_hint(vt))
+        return len(self.vts) - 1
+
+
+def _argument_node(tx: Any, vt: Any, slots: _Slots, containers: List[Any], top: bool) -> Node:
+    """An argument of apply as a node: tensors and symbolic numbers by slot, exact scalars by
+    value, objects from outside the traced code by reference (guarded on their identity), and
+    lists, tuples and dicts the traced code built, rebuilt per call from their own nodes."""
+    kind = tp.symbolic_scalar_type(vt)
+    if kind is not None:
+        i = slots.number(vt, kind)
+        return (SCALAR, (i, kind, slots.hints[i]))
+    if vt.is_tensor():
+        return (TENSOR, slots.tensor(vt))
     if vt.is_python_constant():
         try:
             value = vt.as_python_constant()
@@ -105,68 +157,33 @@ def _argument(tx: Any, vt: Any) -> Any:
             value = None
         else:
             if _is_exact(value):
-                return value
+                return (CONSTANT, value)
     source = getattr(vt, "source", None)
-    if source is None:
-        raise _Unsupported(f"a {type(vt).__name__} argument created inside the traced code has no "
-                           f"object to pass by reference")
-    value = tx.output.resolve_source_value(source)
-    tp.install_id_match_guard(source)
-    return value
+    if source is not None:
+        # The user's very object (not dynamo's reconstruction of it), read from its source; replacing
+        # ``model.cfg`` after capture recaptures instead of silently running with the old object.
+        value = tx.output.resolve_source_value(source)
+        tp.install_id_match_guard(source)
+        return (CONSTANT, value)
+    items = tp.sequence_items(vt)
+    if items is not None:
+        container = LIST if vt.python_type() is list else TUPLE
+        node = (container, [_argument_node(tx, c, slots, containers, top=False) for c in items])
+        if container == LIST and top:
+            containers.append(vt)
+        return node
+    entries = tp.dict_items(vt)
+    if entries is not None:
+        node = (DICT, [(k, _argument_node(tx, c, slots, containers, top=False)) for k, c in entries])
+        if top:
+            containers.append(vt)
+        return node
+    raise HandOff(f"an argument ({vt.python_type().__name__}) is an object made inside the traced code, "
+                  f"which the graph cannot pass to it")
 
 
 def _example(vt: Any) -> torch.Tensor:
     return vt.as_proxy().node.meta["example_value"]
-
-
-def _shape_fn(fn_cls: type, template: List[Any], out_kinds: List[Any], single: bool,
-              seen: Optional[List[Tuple[torch.Size, torch.dtype, torch.device]]]):
-    """Fake outputs for given fake inputs: ``infer_shape`` if the Function has one, else its fake run,
-    else the outputs its real run on the capturing call produced (sizes fixed by a guard)."""
-    infer = getattr(fn_cls, "infer_shape", None)
-
-    def run(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-        if seen is not None:
-            return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype, device in seen]
-        args = [tensors[v] if kind == TENSOR else v for kind, v in template]
-        with capturing(), _real_tensors_as_constants(tp.detect_fake_mode(tensors)):
-            if infer is not None:
-                result = infer(*args)
-            else:
-                with torch.no_grad():
-                    result = fn_cls.apply(*args)
-        results = (result,) if single or isinstance(result, torch.Tensor) else tuple(result)
-        return [results[i] for i, (kind, _) in enumerate(out_kinds) if kind in (TENSOR, DETACHED)]
-
-    return run
-
-
-def _trial(fn_cls: type, template: List[Any], values: Sequence[torch.Tensor],
-           differentiable: Sequence[bool]) -> Tuple[List[torch.Tensor], Any]:
-    """One call of the Function (or its infer_shape) to learn its output structure."""
-    infer = getattr(fn_cls, "infer_shape", None)
-    with torch.enable_grad(), capturing():
-        # Non-leaf copies, as eager's inputs usually are: an in-place Function (ctx.mark_dirty)
-        # may not modify a leaf that requires grad.
-        inputs = [f.detach().requires_grad_(d) * 1 if d else f.detach() for f, d in zip(values, differentiable)]
-        call_args = [inputs[v] if kind == TENSOR else v for kind, v in template]
-        result = infer(*call_args) if infer is not None else fn_cls.apply(*call_args)
-    return inputs, result
-
-
-@contextlib.contextmanager
-def _real_tensors_as_constants(mode: Any) -> Iterator[None]:
-    """Let a fake run read real tensors the Function reaches on its own (a module's parameters,
-    a nested TrainModule, a global table) as constants; dynamo's fake mode refuses them otherwise."""
-    if mode is None:
-        yield
-        return
-    previous = mode.allow_non_fake_inputs
-    mode.allow_non_fake_inputs = True
-    try:
-        yield
-    finally:
-        mode.allow_non_fake_inputs = previous
 
 
 def _specialise(fakes: Sequence[torch.Tensor]) -> None:
@@ -179,98 +196,276 @@ def _specialise(fakes: Sequence[torch.Tensor]) -> None:
                 guard_int(s)
 
 
-def _build_spec(tx: Any, fn_cls: type, args: List[Any]) -> tuple:
-    template, tensor_vts = [], []
-    for vt in args:
-        if vt.is_tensor():
-            template.append((TENSOR, len(tensor_vts)))
-            tensor_vts.append(vt)
-        else:
-            template.append((CONSTANT, _argument(tx, vt)))
-    if not tensor_vts:
-        raise _Unsupported("no tensor argument")
-    fakes = [_example(vt) for vt in tensor_vts]
-    record = torch.is_grad_enabled() and any(f.requires_grad for f in fakes)
-    differentiable = [bool(record and f.requires_grad and (f.is_floating_point() or f.is_complex())) for f in fakes]
-    # Output structure from a fake run, infer_shape, or else one real run on the capturing batch.
-    infer = getattr(fn_cls, "infer_shape", None)
-    seen = None
+@contextlib.contextmanager
+def _real_tensors_as_constants(mode: Any) -> Iterator[None]:
+    """Let infer_shape read real tensors it reaches on its own (a module's parameters, a global
+    table) as constants; dynamo's fake mode refuses them otherwise."""
+    if mode is None:
+        yield
+        return
+    previous = mode.allow_non_fake_inputs
+    mode.allow_non_fake_inputs = True
     try:
-        with tx.output.fake_mode, _real_tensors_as_constants(tx.output.fake_mode):
-            inputs, result = _trial(fn_cls, template, fakes, differentiable)
-    except Exception as e:
-        if infer is not None:
-            raise _Unsupported(f"its infer_shape failed ({type(e).__name__}: {e})") from e
-        real = real_values([vt.as_proxy().node for vt in tensor_vts])
-        if real is None:
-            raise _Unsupported(f"its forward cannot run on fake tensors ({type(e).__name__}: {e}), it has "
-                               f"no infer_shape static method, and its arguments' real values are not "
-                               f"known at capture") from e
-        logger.info("fxtrain: %s cannot run on fake tensors (%s: %s): shaped by a real run on the "
-                    "capturing batch, for these sizes only", qualified_name(fn_cls), type(e).__name__, e)
-        _specialise(fakes)
-        try:
-            inputs, result = _trial(fn_cls, template, real, differentiable)
-        except Exception as real_error:
-            raise _Unsupported(f"its forward failed on the capturing batch ({type(real_error).__name__}: "
-                               f"{real_error})") from real_error
-        seen = [(r.shape, r.dtype, r.device) for r in ((result,) if not isinstance(result, tuple) else result)
-                if isinstance(r, torch.Tensor)]
-    single = not isinstance(result, tuple)
-    for r in ((result,) if single else result):
-        # apply returns the very input object only for inputs marked dirty (ctx.mark_dirty).
-        if isinstance(r, torch.Tensor) and any(r is i for i in inputs):
-            # Eager updates the caller's tensor in place; an opaque functional op cannot, so leave
-            # the Function to dynamo, which keeps in-place semantics.
-            raise _Unsupported("it modifies an input in place (ctx.mark_dirty)")
-    results = (result,) if single else result
-    outputs, n = [], 0
-    for r in results:
-        if isinstance(r, torch.Tensor):
-            # ctx.mark_non_differentiable (or an integer output): detached in the graph, as in eager.
-            detach = record and infer is None and not r.requires_grad
-            outputs.append((DETACHED if detach else TENSOR, n)); n += 1
-        elif r is None or isinstance(r, (bool, int, float, str)):
-            outputs.append((CONSTANT, r))
+        yield
+    finally:
+        mode.allow_non_fake_inputs = previous
+
+
+class _Call:
+    """What the capture of one call learns, whichever way the outputs were shaped."""
+
+    def __init__(self, fn_cls: type, args: List[Node], kwargs: Dict[str, Node], slots: _Slots,
+                 containers: List[Any], fakes: List[torch.Tensor], record: bool,
+                 differentiable: List[bool]) -> None:
+        self.fn_cls, self.args, self.kwargs = fn_cls, args, kwargs
+        self.slots, self.containers, self.fakes = slots, containers, fakes
+        self.record, self.differentiable = record, differentiable
+
+    def spec(self, result: Node, meta: List[OutputMeta], dirty: List[Tuple[int, int]],
+             shaped_by: str, writes: Optional[List[Tuple[int, Node]]] = None, infer: Any = None) -> CallSpec:
+        grad_meta = [(f.dim(), f.dtype, f.device) for f, d in zip(self.fakes, self.differentiable) if d]
+        return CallSpec(fn_cls=self.fn_cls, args=self.args, kwargs=self.kwargs, result=result,
+                        differentiable=self.differentiable, record=self.record, grad_meta=grad_meta, meta=meta,
+                        dirty=dirty, writes=writes or [], infer=infer, shaped_by=shaped_by)
+
+
+def _by_infer_shape(tx: Any, call: _Call, infer: Any) -> CallSpec:
+    mode = tx.output.fake_mode
+    with mode, _real_tensors_as_constants(mode), capturing():
+        args, kwargs, _ = rebuild_call(call.args, call.kwargs, call.fakes)
+        result = infer(*args, **kwargs)
+    described = Describer(call.fakes, call.record, real=False)
+    node = described.result(result)
+    if not any(k in (TENSOR, DETACHED) for k, _ in _leaves(node)) and not described.dirty:
+        raise Unrepresentable("no tensor")
+    return call.spec(node, described.meta, sorted(described.dirty.items()), "infer_shape", infer=infer)
+
+
+def _leaves(node: Node) -> Iterator[Node]:
+    kind, payload = node
+    if kind in (TUPLE, LIST):
+        for c in payload:
+            yield from _leaves(c)
+    else:
+        yield node
+
+
+def _by_trace(tx: Any, call: _Call, fn_cls_vt: Any, arg_vts: List[Any], kwarg_vts: Dict[str, Any]) -> CallSpec:
+    def default(value: Any) -> Any:
+        if not _is_exact(value):
+            raise NotTraced("a default argument that is not a plain constant")
+        return tp.build_variable(tx, value)
+    try:
+        positional = bind(call.fn_cls, arg_vts, kwarg_vts, default)
+    except NotTraced:
+        positional = None
+    if positional is None:
+        raise NotTraced("keyword arguments that only eager's apply binds")
+    _state.speculating = getattr(_state, "speculating", 0) + 1
+    try:
+        traced = trace_forward(tx, call.fn_cls, fn_cls_vt, positional, call.slots.index, call.record,
+                               call.differentiable)
+    finally:
+        _state.speculating -= 1
+    return call.spec(traced.result, traced.meta, traced.dirty, "traced")
+
+
+def _by_real_run(call: _Call) -> Tuple[CallSpec, bool]:
+    """The spec, and whether the Function ran now (not found from an earlier trace)."""
+    tensor_slots = [i for i, c in enumerate(call.slots.convert) if c is None and call.slots.hints[i] is None]
+    nodes = [call.slots.vts[i].as_proxy().node for i in tensor_slots]
+    done = real_values(nodes, lambda real: _run_for_real(call, real)) if nodes else _run_for_real(call, [])
+    if done is None:
+        raise HandOff("dynamo cannot trace its forward and the real values of its arguments are not known "
+                      "while capturing (inside a checkpointed region or another higher-order op), so the "
+                      "graph cannot learn its outputs without a run of its own")
+    sig, values, run, found = done
+    described = Describer(run.call_inputs, call.record, real=True)
+    try:
+        node = described.result(run.result)
+        writes = []
+        for k, (container, items) in enumerate(zip(run.containers, run.before or [])):
+            if _changed(container, items):
+                writes.append((k, described.container(container)))
+    except Unrepresentable as e:
+        raise HandOff(f"it returns {e}, which a graph cannot carry") from None
+    if not _follow_inputs(described.meta, call.fakes):
+        _specialise(call.fakes)
+    spec = call.spec(node, described.meta, sorted(described.dirty.items()), "real run", writes=writes)
+    spec.pending = found if found is not None else pending.add(sig, values, run)
+    return spec, found is None
+
+
+def _run_for_real(call: _Call, real: List[torch.Tensor]) -> Tuple[Any, List[torch.Tensor], Run, Any]:
+    """The capturing call's run (or the one an earlier trace of the frame made): signature, input
+    values, run, and the kept run it came from (None when it ran now)."""
+    values: List[torch.Tensor] = []
+    it = iter(real)
+    for i, convert in enumerate(call.slots.convert):
+        hint = call.slots.hints[i]
+        if hint is None:
+            values.append(next(it))
         else:
-            raise _Unsupported(f"output of type {type(r).__name__}")
-    if n == 0:
-        raise _Unsupported("no tensor output")
-    grad_meta = [(f.dim(), f.dtype, f.device) for f, d in zip(fakes, differentiable) if d]
-    spec = CallSpec(fn_cls=fn_cls, template=template, outputs=outputs, single=single,
-                    differentiable=differentiable, record=record,
-                    shape_fn=_shape_fn(fn_cls, template, outputs, single, seen), grad_meta=grad_meta,
-                    seen=seen)
-    return spec, tensor_vts
+            values.append(torch.scalar_tensor(hint, dtype=convert or call.fakes[i].dtype))
+    sig = pending.signature(call.fn_cls, call.args, call.kwargs)
+    found = pending.find(sig, values)
+    if found is not None and found.error is not None:
+        raise _raised(found.error)
+    if found is not None and found.run is not None and (found.run.before is not None or not call.containers):
+        return sig, values, found.run, found
+    try:
+        run = run_at_capture(call.fn_cls, call.args, call.kwargs, values, call.differentiable, call.record)
+    except Exception as e:
+        pending.add(sig, values, None, error=e)
+        raise _raised(e) from None
+    return sig, values, run, None
 
 
-def _make_call(key: int, outputs: List[Any], single: bool) -> Callable[..., Any]:
-    def fxtrain_python_op(*tensors: torch.Tensor) -> Any:
-        outs = torch.ops.fxtrain.python_op(key, list(tensors))
-        values = tuple(outs[v] if kind == TENSOR else outs[v].detach() if kind == DETACHED else v
-                       for kind, v in outputs)
-        return values[0] if single else values
+def _follow_inputs(meta: List[OutputMeta], fakes: Sequence[torch.Tensor]) -> bool:
+    """Express the sizes a real run showed in the inputs' sizes where that is unambiguous: a size
+    equal to exactly one symbolic input size (and to no constant one) follows it; one equal to a
+    constant input size only, or any size when no input size is symbolic, stays constant. Then one
+    graph serves other sizes too, and the op checks every call's outputs against the rule. False,
+    leaving the sizes constant, when some size is explained by no input size or by several (a
+    product of sizes, a length that depends on data, a batch of 4 next to a width of 4): the caller
+    then guards the capture on the input sizes."""
+    dims = [(i, d, s) for i, f in enumerate(fakes) for d, s in enumerate(f.shape)]
+    symbolic = any(isinstance(s, torch.SymInt) for _, _, s in dims)
+    plans = []
+    for m in meta:
+        if not m.sizes:
+            plans.append(m.sizes)
+            continue
+        plan: List[Any] = []
+        for v in m.sizes:
+            follows: Dict[Any, Tuple[int, int]] = {}
+            constant = False
+            for i, d, s in dims:
+                if isinstance(s, torch.SymInt):
+                    if tp.size_hint(s) == v:
+                        follows.setdefault(tp.size_expr(s), (i, d))
+                elif s == v:
+                    constant = True
+            if len(follows) == 1 and not constant:
+                plan.append(next(iter(follows.values())))
+            elif not follows and (constant or not symbolic):
+                plan.append(int(v))
+            else:
+                return False
+        plans.append(plan)
+    for m, plan in zip(meta, plans):
+        m.sizes = plan
+    return True
+
+
+def _raised(error: BaseException) -> HandOff:
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return HandOff(f"its apply raised {type(error).__name__} ({first}) on the capturing call; Python calls it, "
+                   f"so that the model's code gets the error as in eager")
+
+
+def _changed(container: Any, items: Any) -> bool:
+    if type(container) is list:
+        return len(container) != len(items) or any(a is not b for a, b in zip(container, items))
+    return list(container) != list(items) or any(container[k] is not items[k] for k in items)
+
+
+def _capture(tx: Any, fn_cls_vt: Any, args: List[Any], kwargs: Dict[str, Any]) -> Tuple[CallSpec, _Slots, List[Any]]:
+    fn_cls = fn_cls_vt.fn_cls
+    slots, containers = _Slots(), []
+    arg_nodes = [_argument_node(tx, vt, slots, containers, top=True) for vt in args]
+    kw_nodes = {k: _argument_node(tx, vt, slots, containers, top=True) for k, vt in kwargs.items()}
+    fakes = []
+    with tx.output.fake_mode:
+        for vt, convert in zip(slots.vts, slots.convert):
+            fakes.append(_example(vt) if convert is None else torch.empty((), dtype=convert))
+    numbers = {i for i, h in enumerate(slots.hints) if h is not None}
+    record = torch.is_grad_enabled() and any(f.requires_grad for i, f in enumerate(fakes) if i not in numbers)
+    differentiable = [bool(record and i not in numbers and f.requires_grad and (f.is_floating_point() or f.is_complex()))
+                      for i, f in enumerate(fakes)]
+    call = _Call(fn_cls, arg_nodes, kw_nodes, slots, containers, fakes, record, differentiable)
+    name = qualified_name(fn_cls)
+    infer = getattr(fn_cls, "infer_shape", None)
+    if infer is not None and not containers:
+        try:
+            return _by_infer_shape(tx, call, infer), slots, containers
+        except tp.dynamo_restart_errors():
+            raise
+        except Exception as e:
+            logger.info("fxtrain: %s.infer_shape failed (%s: %s); shaping it otherwise", name, type(e).__name__, e)
+    try:
+        return _by_trace(tx, call, fn_cls_vt, args, kwargs), slots, containers
+    except NotTraced as why:
+        logger.info("fxtrain: dynamo cannot trace the forward of %s (%s): it is shaped by its real run on the "
+                    "capturing call, for these sizes only", name, why)
+        side_effects = why.side_effects
+    spec, ran = _by_real_run(call)
+    if ran and side_effects:
+        # The run changed Python state the trace may have read already (dynamo's variables for a
+        # list the forward appended to, made while it traced the forward, hold the old contents,
+        # and guards on them): convert the frame again, now that the state is the step's. The
+        # restarted trace finds this run and does not run the Function again.
+        raise tp.dynamo_restart(f"fxtrain: {name} changed Python state while capturing")
+    return spec, slots, containers
+
+
+def _make_call(key: int, spec: CallSpec, convert: List[Optional[torch.dtype]]) -> Callable[..., Any]:
+    """The function dynamo traces in place of ``apply``: the op, then what eager's apply leaves
+    behind (an input updated in place, a list the Function appended to), then the result the
+    model's code receives, built from the op's outputs."""
+    result, dirty, writes, n = spec.result, spec.dirty, spec.writes, len(convert)
+
+    def fxtrain_python_op(*values: Any) -> Any:
+        tensors = []
+        for v, dtype in zip(values[:n], convert):
+            tensors.append(v if dtype is None else torch.scalar_tensor(v, dtype=dtype))
+        containers = values[n:]
+        outs = torch.ops.fxtrain.python_op(key, tensors)
+        for i, j in dirty:
+            tensors[i].copy_(outs[j])
+        for k, node in writes:
+            new = build(node, outs, tensors)
+            target = containers[k]
+            target.clear()
+            if type(new) is dict:
+                target.update(new)
+            else:
+                target.extend(new)
+        return build(result, outs, tensors)
     return fxtrain_python_op
 
 
 def _call_apply(self: AutogradFunctionVariable, tx: Any, args: list, kwargs: dict) -> Any:
-    sink: Optional[Callable[[str], None]] = getattr(_state, "sink", None)
+    sink: Optional[Callable[..., None]] = getattr(_state, "sink", None)
     if sink is None:
         options = _fxtrain_options(tx)
         if options is not None and not options.custom_autograd:
             return _inline(self, tx, args, kwargs)
-    if sink is None or kwargs:
         return _original_call_apply(self, tx, args, kwargs)
+    if getattr(_state, "speculating", 0):
+        # A Function that a forward traced for its shapes calls: under no_grad, where dynamo's own
+        # handling just traces its forward, which is all that trace needs.
+        return _original_call_apply(self, tx, args, kwargs)
+    name = qualified_name(self.fn_cls)
+    trace = getattr(tx.output, "fxtrain_trace", None)
+    if trace is None:
+        trace = tx.output.fxtrain_trace = next(_traces)
+    pending.set_trace(trace)
     try:
-        spec, tensor_vts = _build_spec(tx, self.fn_cls, list(args))
-    except _Unsupported as why:
-        logger.warning("fxtrain: %s is traced by dynamo, not kept as a PythonOp: %s",
-                       qualified_name(self.fn_cls), why)
-        return _original_call_apply(self, tx, args, kwargs)
+        spec, slots, containers = _capture(tx, self, list(args), dict(kwargs))
+    except HandOff as why:
+        if sink(name, str(why)) is not False:
+                logger.warning("fxtrain: %s runs in Python between two graphs (a graph break), not as a PythonOp: "
+                           "%s", name, why)
+        tp.dynamo_graph_break("fxtrain: custom Function run by Python", name,
+                              f"fxtrain runs {name} in Python: {why}")
+        raise AssertionError("unreachable")  # dynamo_graph_break raises
     key = register(spec)
-    sink(spec.name)
-    call = _make_call(key, spec.outputs, spec.single)
-    return tp.build_variable(tx, call).call_function(tx, tensor_vts, {})
+    if sink(name) is not False:
+        logger.info("fxtrain: %s is a PythonOp, its outputs shaped by %s", name, spec.shaped_by)
+    call = _make_call(key, spec, slots.convert)
+    with tp.dynamo_scalar_outputs(tx):
+        return tp.build_variable(tx, call).call_function(tx, [*slots.vts, *containers], {})
 
 
 def install() -> None:
