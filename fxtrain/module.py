@@ -28,16 +28,17 @@ from .pythonop import routing
 from .runtime.executors import Executor
 from .torch_private import dynamo_config_patch, dynamo_recompile_limit_error
 from .runtime.dense_route import SparseBatchError
+from .errors import Error, FxtrainWarning
 
 logger = logging.getLogger("fxtrain")
 _instances = itertools.count()
 
 
-class CaptureError(RuntimeError):
+class CaptureError(Error, RuntimeError):
     """Capture failed for a reason fxtrain does not support (raised when ``fallback="raise"``)."""
 
 
-class FallbackWarning(UserWarning):
+class FallbackWarning(FxtrainWarning):
     """Capture failed and the module now runs eagerly (``fallback="eager"``)."""
 
 

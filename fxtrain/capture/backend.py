@@ -22,6 +22,7 @@ from .budget import BudgetRequest, BudgetState, MemoryBudgetWarning, plan_step
 from .dump import dump_capture
 from .info import CaptureInfo, GraphRecord
 from .step import CapturedStep
+from ..errors import Error
 
 logger = logging.getLogger("fxtrain")
 
@@ -37,7 +38,7 @@ def dynamo_recompile_reason() -> str:
     return re.sub(r"^\d+/\d+: ", "", first.split("#", 1)[0].strip())  # "0/3: L['t'] == 1.5  # source"
 
 
-class RecompileLimitReached(RuntimeError):
+class RecompileLimitReached(Error, RuntimeError):
     """This TrainModule captured in ``Options.recompile_limit`` calls already: another is a failure.
 
     Dynamo's own limit counts per code object, and a TrainModule compiles through two entries

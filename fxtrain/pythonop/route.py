@@ -21,6 +21,7 @@ from .. import torch_private as tp
 from ..capture.state import capturing
 from .example import real_values
 from .registry import CONSTANT, DETACHED, TENSOR, CallSpec, qualified_name, register
+from ..errors import Error
 
 logger = logging.getLogger("fxtrain")
 
@@ -29,11 +30,11 @@ AutogradFunctionVariable = tp.autograd_function_variable()
 _original_call_apply = AutogradFunctionVariable.call_apply
 
 
-class _Unsupported(Exception):
+class _Unsupported(Error):
     """This call cannot be a PythonOp; dynamo's own handling takes it (and says why if it fails)."""
 
 
-class InlineError(RuntimeError):
+class InlineError(Error, RuntimeError):
     """``Options.custom_autograd=False`` and dynamo cannot trace this Function whole.
 
     Dynamo would otherwise break the graph around the Function and run it eagerly: correct, but
