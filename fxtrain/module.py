@@ -24,6 +24,7 @@ from .capture.rollback import Rollback
 from .capture.scalars import ScalarWatch
 from .capture.settings import dynamo_settings
 from .options import Options, resolve
+from .passes import ExampleSource
 from .pythonop import routing
 from .runtime.executors import Executor
 from .torch_private import dynamo_config_patch, dynamo_recompile_limit_error
@@ -74,9 +75,11 @@ class TrainModule(nn.Module):
     """
 
     def __init__(self, module: nn.Module, options: Optional[Options] = None, *,
-                 executor: Optional[Executor] = None) -> None:
+                 executor: Optional[Executor] = None, examples: Optional[ExampleSource] = None) -> None:
         """``executor``: an Executor object to compile the captured graphs with, instead of the one
-        ``options.executor`` names (the profiler passes one that runs marked copies)."""
+        ``options.executor`` names (the profiler passes one that runs marked copies). ``examples``:
+        where the passes read the capturing batch, instead of dynamo's placeholders (the profiler's
+        inputs are fake; it passes their values)."""
         if not isinstance(module, nn.Module):
             raise TypeError(f"fxtrain.TrainModule wraps a torch.nn.Module, got {type(module).__name__}")
         if isinstance(module, TrainModule):
@@ -94,7 +97,8 @@ class TrainModule(nn.Module):
         me = weakref.ref(self)
         self._backend = Backend(self._info, self._options, lambda: _alive(me).training,
                                f"{type(module).__name__}-{next(_instances)}",
-                               on_graph=lambda: _alive(me)._rollback.on_graph(), executor=executor)
+                               on_graph=lambda: _alive(me)._rollback.on_graph(), executor=executor,
+                               examples=examples)
         # One entry (so one dynamo cache) per mode: train and eval are captured separately even
         # for models whose code never reads `self.training`.
         self._compiled = {mode: make_entry(self._backend, self._options.dynamic, self._options.fullgraph,
