@@ -1,5 +1,6 @@
 """fxtrain: capture a PyTorch model's training step as a graph, then run, cost and split it."""
 from .capture.state import is_capturing
+from .errors import Error, FxtrainWarning
 from .module import CaptureError, FallbackWarning, TrainModule
 from .module_with_loss import ModuleWithLoss
 from .options import Options
@@ -11,5 +12,5 @@ from .runtime.dense_route import SparseBatchError
 __version__ = "0.1.0"
 
 __all__ = ["TrainModule", "ModuleWithLoss", "Options", "is_capturing", "profile", "ProfileReport", "fake_inputs",
-           "shapes_only", "CaptureError", "FallbackWarning", "__version__",
+           "shapes_only", "Error", "FxtrainWarning", "CaptureError", "FallbackWarning", "__version__",
            "split", "pipe_split", "Pipe", "PipelineError", "SplitError", "SparseBatchError", "StaleDeferredOutput"]

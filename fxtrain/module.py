@@ -26,20 +26,22 @@ from .capture.scalars import ScalarWatch
 from .capture.settings import dynamo_settings
 from .capture.sizes import SizesPolicy
 from .options import Options, resolve
+from .passes import ExampleSource
 from .pythonop import forget_runs, routing
 from .runtime.executors import Executor
 from .torch_private import dims_static, dynamo_config_patch, dynamo_recompile_limit_error
 from .runtime.dense_route import SparseBatchError
+from .errors import Error, FxtrainWarning
 
 logger = logging.getLogger("fxtrain")
 _instances = itertools.count()
 
 
-class CaptureError(RuntimeError):
+class CaptureError(Error, RuntimeError):
     """Capture failed for a reason fxtrain does not support (raised when ``fallback="raise"``)."""
 
 
-class FallbackWarning(UserWarning):
+class FallbackWarning(FxtrainWarning):
     """Capture failed and the module now runs eagerly (``fallback="eager"``)."""
 
 
@@ -75,9 +77,11 @@ class TrainModule(nn.Module):
     """
 
     def __init__(self, module: nn.Module, options: Optional[Options] = None, *,
-                 executor: Optional[Executor] = None) -> None:
+                 executor: Optional[Executor] = None, examples: Optional[ExampleSource] = None) -> None:
         """``executor``: an Executor object to compile the captured graphs with, instead of the one
-        ``options.executor`` names (the profiler passes one that runs marked copies)."""
+        ``options.executor`` names (the profiler passes one that runs marked copies). ``examples``:
+        where the passes read the capturing batch, instead of dynamo's placeholders (the profiler's
+        inputs are fake; it passes their values)."""
         if not isinstance(module, nn.Module):
             raise TypeError(f"fxtrain.TrainModule wraps a torch.nn.Module, got {type(module).__name__}")
         if isinstance(module, TrainModule):
@@ -95,7 +99,8 @@ class TrainModule(nn.Module):
         me = weakref.ref(self)
         self._backend = Backend(self._info, self._options, lambda: _alive(me).training,
                                f"{type(module).__name__}-{next(_instances)}",
-                               on_graph=lambda: _alive(me)._rollback.on_graph(), executor=executor)
+                               on_graph=lambda: _alive(me)._rollback.on_graph(), executor=executor,
+                               examples=examples)
         # One entry (so one dynamo cache) per mode: train and eval are captured separately even
         # for models whose code never reads `self.training`.
         self._compiled = {mode: make_entry(self._backend, self._options.dynamic, self._options.fullgraph,

@@ -17,6 +17,8 @@ import contextlib
 from typing import Any, Callable, ContextManager, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+
+from .errors import Error
 import torch.fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import (DynamicOutputShapeException, FakeTensor, FakeTensorMode,
@@ -471,7 +473,7 @@ def dynamo_restart_errors() -> tuple:
     return (RestartAnalysis, SkipFrame)
 
 
-class SideEffectsOutside(Exception):
+class SideEffectsOutside(Error):
     """A traced call changed objects that exist outside it (``speculate``)."""
 
 

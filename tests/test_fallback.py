@@ -183,11 +183,11 @@ def _failing_passes(monkeypatch, fail_on_call):
     """run_passes raises on its ``fail_on_call``-th invocation (1-based) and after."""
     real, calls = backend.run_passes, []
 
-    def flaky(gm, example_inputs, options, plans):
+    def flaky(gm, examples, options, plans):
         calls.append(1)
         if len(calls) >= fail_on_call:
             raise NotImplementedError("pass cannot handle aten.frobnicate")
-        return real(gm, example_inputs, options, plans)
+        return real(gm, examples, options, plans)
 
     monkeypatch.setattr(backend, "run_passes", flaky)
 

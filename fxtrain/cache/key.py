@@ -25,13 +25,14 @@ from torch import nn
 
 from ..capture.inputs import autocast_state
 from ..options import Options
+from ..errors import Error
 
 # Options that do not change a captured graph: where files go, logging, what happens on failure.
 _NOT_IN_KEY = {"cache_dir", "save_graphs_dir", "log_density", "fallback", "recompile_limit", "sparsity_guard"}
 _PLAIN = (bool, int, float, complex, str, bytes, type(None))
 
 
-class Unkeyable(Exception):
+class Unkeyable(Error):
     """The call cannot be described by a key that means the same in another process."""
 
 

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Set, Tuple
 
+from ..errors import Error
+
 logger = logging.getLogger("fxtrain")
 
 MAGIC = b"FXTRAIN-CACHE 1\n"
@@ -27,7 +29,7 @@ _warned: Set[str] = set()
 _warn_lock = threading.Lock()
 
 
-class CorruptEntry(Exception):
+class CorruptEntry(Error):
     """The file for a key exists but is not a complete entry written by this format."""
 
 

@@ -12,7 +12,7 @@ import torch.fx
 from .. import torch_private as tp
 from ..cache import recipe as cache_recipe
 from ..options import Options
-from ..passes import Plans, run_passes
+from ..passes import DynamoExamples, ExampleSource, Plans, run_passes
 from ..runtime import runner
 from ..runtime.executors import Executor, executor_named
 from ..runtime.replay import NotReplayable, check_graph_arity, replay_spec
@@ -22,6 +22,7 @@ from .budget import BudgetRequest, BudgetState, MemoryBudgetWarning, plan_step
 from .dump import dump_capture
 from .info import CaptureInfo, GraphRecord
 from .step import CapturedStep
+from ..errors import Error
 
 logger = logging.getLogger("fxtrain")
 
@@ -37,7 +38,7 @@ def dynamo_recompile_reason() -> str:
     return re.sub(r"^\d+/\d+: ", "", first.split("#", 1)[0].strip())  # "0/3: L['t'] == 1.5  # source"
 
 
-class RecompileLimitReached(RuntimeError):
+class RecompileLimitReached(Error, RuntimeError):
     """This TrainModule captured in ``Options.recompile_limit`` calls already: another is a failure.
 
     Dynamo's own limit counts per code object, and a TrainModule compiles through two entries
@@ -57,16 +58,19 @@ class Backend:
 
     Each graph dynamo hands over becomes a ``CapturedStep`` (passes, plans, AOTAutograd's split)
     and then the runtime's callable for it. ``executor`` compiles the aten graphs and says what it
-    supports (the profiler passes its own, which runs marked copies on fake tensors).
+    supports (the profiler passes its own, which runs marked copies on fake tensors). ``examples``
+    is where the passes read the capturing batch: dynamo's placeholders unless the caller knows
+    better (the profiler, whose inputs are fake, knows their values).
     """
 
     def __init__(self, info: CaptureInfo, options: Options, training: Callable[[], bool],
                  owner: str = "model", on_graph: Optional[Callable[[], None]] = None,
-                 executor: Optional[Executor] = None) -> None:
+                 executor: Optional[Executor] = None, examples: Optional[ExampleSource] = None) -> None:
         self.info = info
         self.owner = owner
         self.options = options
         self.executor = executor if executor is not None else executor_named(options.executor)
+        self.examples = examples if examples is not None else DynamoExamples()
         self.context = runner.RunContext(info.density, options.log_density, info.dense_batches,
                                          options.sparsity_guard, owner)
         self.training = training
@@ -109,7 +113,7 @@ class Backend:
         recipe = cache_recipe.start(gm) if self.options.cache_dir else None
         dense = torch.fx.GraphModule(gm, _copy_graph(gm.graph))
         plans = Plans()
-        record.optimizations = run_passes(gm, example_inputs, self.options, plans)
+        record.optimizations = run_passes(gm, self.examples, self.options, plans)
         if plans.guard is None:
             dense = None  # no batch can need the graph without the passes
         step = capture_step(gm, dense, plans, example_inputs, self.executor, self.budget_request(), self.optimizer)

@@ -50,6 +50,7 @@ import torch
 import torch.fx
 
 from .. import torch_private as tp
+from ..errors import Error, FxtrainWarning
 
 logger = logging.getLogger("fxtrain")
 aten = torch.ops.aten
@@ -65,11 +66,11 @@ _NORM = {"native_layer_norm", "native_batch_norm", "_native_batch_norm_legit", "
          "_fused_rms_norm", "rms_norm"}
 
 
-class MemoryBudgetError(RuntimeError):
+class MemoryBudgetError(Error, RuntimeError):
     """The memory budget is below the smallest peak any plan achieves (raised under fallback="raise")."""
 
 
-class MemoryBudgetWarning(UserWarning):
+class MemoryBudgetWarning(FxtrainWarning):
     """The memory budget is below the smallest peak any plan achieves: the smallest plan runs."""
 
 

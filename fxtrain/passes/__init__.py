@@ -1,9 +1,11 @@
 """Graph passes.
 
-Forward passes are functions ``(GraphModule, example_inputs, Options, Plans) -> PassReport``: they
+Forward passes are functions ``(GraphModule, ExampleSource, Options, Plans) -> PassReport``: they
 rewrite the dynamo-level graph before AOTAutograd (so their rewrites are differentiated like any
 other torch code and the backward shrinks with the forward) and put what the runtime needs besides
-the graph (deferred outputs, density probes, the batch guard) into the capture's ``Plans``.
+the graph (deferred outputs, density probes, the batch guard) into the capture's ``Plans``. What
+they read of the capturing batch comes from the ``ExampleSource`` alone (``density.py``), so a pass
+runs the same on dynamo's graph, the profiler's fake capture and a hand-built ``GraphModule``.
 Backward passes are ``GraphModule -> PassReport`` on the aten backward graph after partitioning;
 forward graph passes the same on the aten forward graph (what the graph runtime replays).
 Ordering needs are declared in ``RUNS_AFTER`` and checked, not left to a list's order.
@@ -18,6 +20,7 @@ from ..options import Options
 from .base import Pass, PassReport
 from . import cross_entropy_grad as _ce_grad, embedding_grad as _emb_grad
 from .cross_entropy_grad import cross_entropy_grad
+from .density import DynamoExamples, ExampleSource
 from .documents import packed_attention
 from .embedding_grad import tied_embedding_grad
 from .label_sparsity import label_sparsity
@@ -76,12 +79,12 @@ def backward_pass_ops(executor: object) -> List[object]:
     return [op for name, ops in BACKWARD_PASS_OPS.items() if name not in skips for op in ops]
 
 
-def run_passes(gm: torch.fx.GraphModule, example_inputs: Sequence[object], options: Options,
+def run_passes(gm: torch.fx.GraphModule, examples: ExampleSource, options: Options,
                plans: Plans) -> Dict[str, str]:
     reports: Dict[str, str] = {}
     changed = False
     for p in PASSES:
-        report = p(gm, example_inputs, options, plans)
+        report = p(gm, examples, options, plans)
         reports[report.name] = str(report)
         changed |= report.applied
     plans.guard_builder = None  # plans.guard is final: the builder (and the graph it copies from) can go
@@ -91,4 +94,5 @@ def run_passes(gm: torch.fx.GraphModule, example_inputs: Sequence[object], optio
     return reports
 
 
-__all__ = ["BACKWARD_PASSES", "BACKWARD_PASS_OPS", "backward_pass_ops", "run_backward_passes", "FORWARD_GRAPH_PASSES", "PASSES", "Pass", "PassReport", "Plans", "RUNS_AFTER", "ordered", "run_passes"]
+__all__ = ["BACKWARD_PASSES", "BACKWARD_PASS_OPS", "backward_pass_ops", "run_backward_passes", "DynamoExamples", "ExampleSource",
+           "FORWARD_GRAPH_PASSES", "PASSES", "Pass", "PassReport", "Plans", "RUNS_AFTER", "ordered", "run_passes"]

@@ -8,6 +8,8 @@ import torch
 import torch.fx
 
 from ..options import Options
+from .density import ExampleSource
+from .plans import Plans
 
 
 @dataclass
@@ -33,4 +35,4 @@ def bytes_of(shape: Sequence[object], dtype: torch.dtype) -> int:
     return n * dtype.itemsize
 
 
-Pass = Callable[[torch.fx.GraphModule, Sequence[object], Options, "Plans"], PassReport]
+Pass = Callable[[torch.fx.GraphModule, ExampleSource, Options, Plans], PassReport]

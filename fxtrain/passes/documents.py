@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import logging
 import operator
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.fx
@@ -46,8 +46,7 @@ from ..runtime.varlen_attention import VARLEN_ATTENTION
 from ..torch_private import NN_SDPA, size_hint
 from .base import PassReport
 from .batch_guard import GuardBuilder, document_lengths
-from .density import density_reason, source_example
-from .padding_elimination import evaluate_on_capturing_batch
+from .density import ExampleSource, density_reason
 from .plans import Plans
 from .rows import ancestors, value
 from .varlen import erase_replaced, sdpa_arguments
@@ -145,14 +144,15 @@ def _check_call(sdpa: Node) -> Tuple[Optional[Tuple[int, int, int, int, int]], s
     return (b, h, s, d, kh), ""
 
 
-def _documents_of(mask: Any, sdpa_mask: Node, b: int, s: int) -> Tuple[Optional[Tuple[Node, bool]], str]:
+def _documents_of(mask: Any, sdpa_mask: Node, b: int, s: int,
+                  examples: ExampleSource) -> Tuple[Optional[Tuple[Node, bool]], str]:
     """The ``[batch, seq]`` integer input whose runs are the documents of ``mask`` (the capturing
     batch's value of ``sdpa_mask``), and whether it is causal."""
     if not isinstance(mask, torch.Tensor):
         return None, "its mask cannot be evaluated on the capturing batch"
     candidates = []
     for node in ancestors(sdpa_mask):
-        real = source_example(node)
+        real = examples.value(node)
         if real is not None and real.dim() == 2 and not real.is_floating_point() and not real.is_complex() \
                 and real.dtype != torch.bool and tuple(real.shape) == (b, s):
             candidates.append((node, real))
@@ -165,7 +165,7 @@ def _documents_of(mask: Any, sdpa_mask: Node, b: int, s: int) -> Tuple[Optional[
     return None, "its mask is not 'same document' (and causal) over the runs of position_ids"
 
 
-def packed_attention(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: Options,
+def packed_attention(gm: torch.fx.GraphModule, examples: ExampleSource, options: Options,
                      plans: Plans) -> PassReport:
     if options.packed_attention == "off":
         return PassReport(NAME, False, "off by option")
@@ -183,8 +183,8 @@ def packed_attention(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], op
             continue
         mask = sdpa_arguments(sdpa)["attn_mask"]
         if mask not in evaluated:
-            evaluated[mask] = evaluate_on_capturing_batch(gm, mask)
-        docs, reason = _documents_of(evaluated[mask], mask, dims[0], dims[2])
+            evaluated[mask] = examples.evaluate(gm, mask)
+        docs, reason = _documents_of(evaluated[mask], mask, dims[0], dims[2], examples)
         if docs is None:
             why.append(f"{sdpa.name}: {reason}")
             continue
@@ -195,9 +195,9 @@ def packed_attention(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], op
     positions = {p for _, p, _ in found.values()}
     work = whole = 0
     for p in positions:
-        lengths = _lengths(source_example(p))
-        work += sum(n * n for n in lengths)
-        whole += source_example(p).numel() * source_example(p).shape[1]
+        real = examples.value(p)
+        work += sum(n * n for n in _lengths(real))
+        whole += real.numel() * real.shape[1]
     on, reason = density_reason("attention density", work / whole if whole else None,
                                 options.packed_attention, options.sparsity_threshold)
     if not on:

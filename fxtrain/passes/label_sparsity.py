@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import inspect
 import operator
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.fx
@@ -26,7 +26,7 @@ from ..torch_private import NN_PAD
 from .base import PassReport
 from .plans import Plans
 from .batch_guard import counted_index
-from .density import add_probe, density_reason, source_example
+from .density import ExampleSource, add_probe, density_reason
 from .defer import can_defer, defer_outputs
 from .rows import erase_dead, find_region, index_rows, replay_on_rows, value
 
@@ -75,7 +75,7 @@ def _label_placeholder(node: Any) -> Optional[torch.fx.Node]:
     return node if isinstance(node, torch.fx.Node) else None
 
 
-def label_sparsity(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: Options,
+def label_sparsity(gm: torch.fx.GraphModule, examples: ExampleSource, options: Options,
                    plans: Plans) -> PassReport:
     if options.label_sparsity == "off":
         return PassReport(NAME, False, "off by option")
@@ -85,20 +85,20 @@ def label_sparsity(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opti
     reasons: List[str] = []
     applied = False
     for node, bound in losses:
-        ok, why = _rewrite(gm, node, bound, options, plans)
+        ok, why = _rewrite(gm, node, bound, options, plans, examples)
         applied |= ok
         reasons.append(why)
     return PassReport(NAME, applied, "; ".join(reasons))
 
 
 def _rewrite(gm: torch.fx.GraphModule, ce: torch.fx.Node, bound: inspect.BoundArguments,
-             options: Options, plans: Plans) -> Tuple[bool, str]:
+             options: Options, plans: Plans, examples: ExampleSource) -> Tuple[bool, str]:
     blocked = unsupported_cross_entropy(bound)
     if blocked:
         return False, blocked
     x, target, ignore = bound.arguments["input"], bound.arguments["target"], bound.arguments["ignore_index"]
     source = _label_placeholder(target)
-    labels = source_example(source)
+    labels = examples.value(source)
     add_probe(gm, plans, "label density", source, ignore)
     density = None if labels is None else float((labels != ignore).float().mean()) if labels.numel() else 0.0
     decision = density_reason("label density", density, options.label_sparsity, options.sparsity_threshold)

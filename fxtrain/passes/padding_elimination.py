@@ -41,7 +41,7 @@ from .plans import Plans
 from .batch_guard import GuardBuilder, counted_index
 from .defer import defer_dense, feeds_resumed_code
 from .label_sparsity import cross_entropy_args, unsupported_cross_entropy
-from .density import add_probe, density_reason, source_example
+from .density import ExampleSource, add_probe, density_reason
 from .row_ops import put_rows, row_selection, take_rows
 from .varlen import attention_on_real_tokens, mask_kind, per_position_op, sdpa_arguments
 from .rows import Node, _same, ancestors, descendants, run_node, _same_shape, same_shape_guarded, copy_on_rows, heavy, is_regroup, op_name, row_inputs, value
@@ -52,32 +52,6 @@ _SDPA = {NN_SDPA, F.scaled_dot_product_attention}
 _LAYOUT_METHODS = {"view", "reshape", "transpose", "permute", "contiguous", "split", "chunk", "unflatten", "expand"}
 _ASSERT = "fxtrain padding_elimination: a label or a kept row sits on a padding position " \
           "(attention_mask == 0), which this rewrite does not compute; use Options(padding_elimination='off')"
-
-
-def evaluate_on_capturing_batch(gm: torch.fx.GraphModule, target: Node) -> Optional[Any]:
-    """``target``'s value on the capturing batch, computing only its ancestors (None if unknown)."""
-    needed = ancestors(target)
-    env: Dict[Node, Any] = {}
-    for node in gm.graph.nodes:
-        if node not in needed:
-            continue
-        if node.op == "placeholder":
-            v = value(node)
-            if isinstance(v, torch.SymInt):
-                if v.node.hint is None:
-                    return None
-                env[node] = int(v.node.hint)
-                continue
-            real = source_example(node)
-            if real is None:
-                return None
-            env[node] = real
-            continue
-        try:
-            env[node] = run_node(node, env)
-        except Exception:
-            return None
-    return env.get(target)
 
 
 def _masks_padding_keys(attn_mask: Any, tokens: torch.Tensor) -> bool:
@@ -95,7 +69,8 @@ def _masks_padding_keys(attn_mask: Any, tokens: torch.Tensor) -> bool:
     return not bool((allowed & real_q & pad_k).any())
 
 
-def _token_mask(gm: torch.fx.GraphModule, sdpas: List[Node], embeddings: List[Node]) -> Tuple[Optional[Node], Optional[Any], str]:
+def _token_mask(gm: torch.fx.GraphModule, sdpas: List[Node], embeddings: List[Node],
+                examples: ExampleSource) -> Tuple[Optional[Node], Optional[Any], str]:
     """The placeholder that marks real tokens, and how to read it: ``(node, padding_idx or None, why)``."""
     id_shapes = [value(e.args[0]).shape for e in embeddings]
     if sdpas:
@@ -106,7 +81,7 @@ def _token_mask(gm: torch.fx.GraphModule, sdpas: List[Node], embeddings: List[No
         candidates = [n for n in common if n.op == "placeholder" and isinstance(value(n), torch.Tensor)
                       and value(n).dim() == 2 and not value(n).is_floating_point()
                       and any(same_shape_guarded(value(n).shape, s) for s in id_shapes)]
-        candidates = [n for n in candidates if not _holds_more_than_a_mask(n)]
+        candidates = [n for n in candidates if not _holds_more_than_a_mask(n, examples)]
         if len(candidates) != 1:
             return None, None, "no single [batch, seq] attention mask input gates every attention"
         return candidates[0], None, ""
@@ -117,10 +92,10 @@ def _token_mask(gm: torch.fx.GraphModule, sdpas: List[Node], embeddings: List[No
     return None, None, "no attention mask and no embedding padding_idx marks the padding"
 
 
-def _holds_more_than_a_mask(node: Node) -> bool:
+def _holds_more_than_a_mask(node: Node, examples: ExampleSource) -> bool:
     """A [batch, seq] integer input whose capturing values are not all 0/1 (``position_ids`` of a
     packed batch, which the document mask is built from) does not mark real tokens."""
-    real = source_example(node)
+    real = examples.value(node)
     return isinstance(real, torch.Tensor) and bool(((real != 0) & (real != 1)).any())
 
 
@@ -181,7 +156,8 @@ class _Chain:
         return isinstance(node, Node) and node in self.padded
 
 
-def _features_last(gm: torch.fx.GraphModule, start: Node, lead: int, entries: Set[Node]) -> bool:
+def _features_last(gm: torch.fx.GraphModule, start: Node, lead: int, entries: Set[Node],
+                   examples: ExampleSource) -> bool:
     """On the capturing batch's shapes, every ``entry`` (a layout of ``start``'s rows) keeps each
     row's features in its last dim, so that slicing that dim never mixes positions. Checked by
     running the layout ops on a probe whose values name their own row."""
@@ -203,7 +179,7 @@ def _features_last(gm: torch.fx.GraphModule, start: Node, lead: int, entries: Se
         try:
             for a in node.all_input_nodes:
                 if a not in env:
-                    env[a] = evaluate_on_capturing_batch(gm, a)
+                    env[a] = examples.evaluate(gm, a)
             env[node] = run_node(node, env)
         except Exception:
             return False
@@ -215,8 +191,8 @@ def _features_last(gm: torch.fx.GraphModule, start: Node, lead: int, entries: Se
 
 
 class _Plan:
-    def __init__(self, gm: torch.fx.GraphModule) -> None:
-        self.gm = gm
+    def __init__(self, gm: torch.fx.GraphModule, examples: ExampleSource) -> None:
+        self.gm, self.examples = gm, examples
         self._reached: Optional[Set[Node]] = None
         self.region: Dict[Node, int] = {}
         self.frontier: Dict[Node, int] = {}
@@ -232,8 +208,8 @@ class _Plan:
         return self._reached
 
 
-def _plan(gm: torch.fx.GraphModule, lead_shape: Sequence[Any]) -> Tuple[Optional[_Plan], str]:
-    plan = _Plan(gm)
+def _plan(gm: torch.fx.GraphModule, lead_shape: Sequence[Any], examples: ExampleSource) -> Tuple[Optional[_Plan], str]:
+    plan = _Plan(gm, examples)
     flat = 1
     for s in lead_shape:
         flat = flat * s
@@ -351,10 +327,10 @@ def _layout_to_attention_from(node: Node, user: Node, plan: "_Plan") -> bool:
     chain = _Chain(plan.reached())
     if not _layout_to_attention(user, None, chain):
         return False
-    return not chain.entries or _features_last(plan.gm, node, plan.region[node], chain.entries)
+    return not chain.entries or _features_last(plan.gm, node, plan.region[node], chain.entries, plan.examples)
 
 
-def padding_elimination(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: Options,
+def padding_elimination(gm: torch.fx.GraphModule, examples: ExampleSource, options: Options,
                         plans: Plans) -> PassReport:
     if options.padding_elimination == "off":
         return PassReport(NAME, False, "off by option")
@@ -364,10 +340,10 @@ def padding_elimination(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     if not embeddings:
         return PassReport(NAME, False, "no [batch, seq] embedding lookup")
     sdpas = [n for n in graph.nodes if n.op == "call_function" and n.target in _SDPA]
-    mask_node, pad_id, why = _token_mask(gm, sdpas, embeddings)
+    mask_node, pad_id, why = _token_mask(gm, sdpas, embeddings, examples)
     if mask_node is None:
         return PassReport(NAME, False, why)
-    real = source_example(mask_node)
+    real = examples.value(mask_node)
     add_probe(gm, plans, "token density", mask_node, pad_id if pad_id is not None else 0)
     tokens = None if real is None else (real != (pad_id if pad_id is not None else 0))
     density = None if tokens is None else float(tokens.float().mean())
@@ -379,12 +355,12 @@ def padding_elimination(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     kinds: Dict[Node, Optional[bool]] = {}   # attention -> causal (None: neither kind, stays padded)
     for sdpa in sdpas:
         attn_mask = sdpa_arguments(sdpa)["attn_mask"]
-        evaluated = evaluate_on_capturing_batch(gm, attn_mask)
+        evaluated = examples.evaluate(gm, attn_mask)
         if not _masks_padding_keys(evaluated, tokens):
             return PassReport(NAME, False, f"the mask of {sdpa.name} lets real tokens attend to padding")
         kinds[sdpa] = mask_kind(evaluated, tokens)
     lead_shape = value(mask_node).shape
-    plan, why = _plan(gm, lead_shape)
+    plan, why = _plan(gm, lead_shape, examples)
     if plan is None:
         return PassReport(NAME, False, why)
     matmuls = sum(1 for n in plan.region if heavy(n))
@@ -403,7 +379,7 @@ def padding_elimination(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     index, packed_row = _rewrite(gm, plan, mask_node, pad_id, plans)
     kinds = {n: k for n, k in kinds.items() if n in gm.graph.nodes}
     varlen, kept = attention_on_real_tokens(gm, plans, kinds, index, packed_row, set(plan.row_cuts), mask_node,
-                                            pad_id or 0, tokens, evaluate_on_capturing_batch)
+                                            pad_id or 0, tokens, examples.evaluate)
     note = f"; {deferred} returned tensor(s) that hold padding positions are computed on first use" if deferred else ""
     if kinds:
         note += f"; attention on real tokens, sequence by sequence: {varlen} of {len(kinds)}"
@@ -473,13 +449,13 @@ def _loss_on_real_rows(graph: torch.fx.Graph, ce: Node, rows: Node, index: Node,
 def _check_capturing_batch(gm: torch.fx.GraphModule, plan: _Plan, tokens: torch.Tensor) -> str:
     flat = tokens.flatten()
     for sel in plan.row_cuts:
-        index = evaluate_on_capturing_batch(gm, row_selection(sel)[1])
+        index = plan.examples.evaluate(gm, row_selection(sel)[1])
         if index is None or not bool(flat[index].all()):
             return "the loss reads padding positions (labels on padding tokens)"
     for node, user, kind in plan.consumers:
         if kind == "loss":
             bound = cross_entropy_args(user)
-            target = evaluate_on_capturing_batch(gm, bound.arguments["target"])
+            target = plan.examples.evaluate(gm, bound.arguments["target"])
             if target is None or not bool(((target == bound.arguments["ignore_index"]) | flat).all()):
                 return "the loss has labels on padding positions"
         elif kind == "select":

@@ -8,7 +8,7 @@ every op that computes a row from the same row alone (``rows.find_region``), so 
 from __future__ import annotations
 
 import operator
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.fx
@@ -17,7 +17,7 @@ from ..options import Options
 from .base import PassReport
 from .plans import Plans
 from .defer import can_defer, defer_outputs
-from .density import density_reason
+from .density import ExampleSource, density_reason
 from .rows import erase_dead, find_region, replay_on_rows, value
 
 NAME = "upstream_slicing"
@@ -44,7 +44,7 @@ def _kept_fraction(x: torch.Tensor, d: int) -> Optional[float]:
     return None if hint is None else 1.0 / max(int(hint), 1)
 
 
-def upstream_slicing(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: Options,
+def upstream_slicing(gm: torch.fx.GraphModule, examples: ExampleSource, options: Options,
                      plans: Plans) -> PassReport:
     if options.upstream_slicing == "off":
         return PassReport(NAME, False, "off by option")

@@ -28,6 +28,7 @@ from ..options import Options
 from ..pythonop import routing
 from ..torch_private import dynamo_config_patch, dynamo_unsupported
 from .errors import SplitError
+from ..errors import Error
 
 logger = logging.getLogger("fxtrain")
 
@@ -62,7 +63,7 @@ class CapturedGraph:
         return [i for i in self.inputs if i.kind == INPUT]
 
 
-class _Captured(Exception):
+class _Captured(Error):
     """Raised by our backend's compiled function: the graph is all we wanted, not a run."""
 
 

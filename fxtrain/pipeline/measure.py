@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from .partition import min_max_partition
+from ..errors import Error
 
 logger = logging.getLogger("fxtrain")
 
@@ -316,7 +317,7 @@ def calibrate(costs: Sequence[float], k: int, measure: Callable[[List[int]], Sta
     return list(best), timed[best], len(timed)
 
 
-class PlanningFailed(RuntimeError):
+class PlanningFailed(Error, RuntimeError):
     """The first rank of the group failed to make the measured plan (its error in the message)."""
 
 

@@ -19,8 +19,10 @@ import torch.fx
 
 from ..module import TrainModule
 from ..options import Options
+from ..passes import DynamoExamples, ExampleSource
 from ..runtime.executors import EagerExecutor, Executor, executor_named
 from ..torch_private import boxed_copy
+from .shadows import Shadows
 
 logger = logging.getLogger("fxtrain")
 
@@ -128,11 +130,26 @@ class MarkedExecutor(EagerExecutor):
         return mark(graph, "forward").forward
 
 
-def profiling_module(model: torch.nn.Module, optimizations: bool, options: Optional[Options] = None) -> TrainModule:
+class ShadowExamples(DynamoExamples):
+    """The profiler captures on fake inputs, so dynamo's examples are fake too: the passes read the
+    values the session keeps behind them (its shadows) and measure the batch a real capture would."""
+
+    def __init__(self, shadows: Shadows) -> None:
+        super().__init__()
+        self.shadows = shadows
+
+    def value(self, node: Any) -> Optional[torch.Tensor]:
+        example = self.example(node)
+        real = self.shadows.get(example) if isinstance(example, torch.Tensor) else None
+        return real if real is not None else super().value(node)
+
+
+def profiling_module(model: torch.nn.Module, optimizations: bool, options: Optional[Options] = None,
+                     examples: Optional[ExampleSource] = None) -> TrainModule:
     """A TrainModule around ``model`` that captures as fxtrain does, for the profiler's fake runs.
 
     ``optimizations=False`` turns the FLOP-reduction passes off: the graph is then the model's own
-    computation, what eager PyTorch runs.
+    computation, what eager PyTorch runs. ``examples``: where the passes read the batch's values.
     """
     base = options or Options()
     # One capture costs every batch size: symbolic sizes unless the caller asked for static ones.
@@ -143,4 +160,5 @@ def profiling_module(model: torch.nn.Module, optimizations: bool, options: Optio
     import dataclasses
     # A graph loaded from Options.cache_dir runs marked too: no capture, same attribution.
     return TrainModule(model, dataclasses.replace(base, **updates),
-                       executor=MarkedExecutor(executor_named(base.executor), budget_fallback=base.fallback))
+                       executor=MarkedExecutor(executor_named(base.executor), budget_fallback=base.fallback),
+                       examples=examples)

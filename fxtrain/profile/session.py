@@ -19,11 +19,10 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 from unittest import mock
 
 import torch
-import torch.fx
 
 from ..module import CaptureError
 from ..torch_private import FakeTensorMode, reparametrize_module
-from .capture import profiling_module
+from .capture import ShadowExamples, profiling_module
 from .eager_modules import ModuleAttribution
 from .inputs import fake_values, target_device, to_fake
 from .step import OptimizerSpec, _rebuild, held_by_outputs, loss_of, optimizer_factory
@@ -79,7 +78,7 @@ class Session:
         self.capture_seconds = 0.0
 
     def _profiling_module(self, optimizations: bool) -> Any:
-        tm = profiling_module(self.model, optimizations, self.options)
+        tm = profiling_module(self.model, optimizations, self.options, ShadowExamples(self.shadows))
         # A memory budget (Options.memory_budget) counts the optimizer the profile costs.
         tm.attach_optimizer(self.optimizer_spec)
         return tm
@@ -145,7 +144,6 @@ class Session:
                 tracker.module_source = self.modules.current
             stack.enter_context(reparametrize_module(self.model, self.fakes, tie_weights=False, strict=False))
             stack.enter_context(mock.patch.object(pythonop_op, "_shares_storage", _storage_aware_shares))
-            stack.enter_context(_passes_read_shadows(self.shadows))
             stack.enter_context(self.mode)
             stack.enter_context(tracker)
             yield
@@ -326,32 +324,3 @@ class Session:
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
-
-
-@contextlib.contextmanager
-def _passes_read_shadows(shadows: Shadows) -> Iterator[None]:
-    """Let the passes measure densities on the values behind fake inputs, as they do on real ones.
-
-    Passes read the capturing batch through ``source_example`` (dynamo keeps each graph input's
-    example); ours are fake, so the patched reader answers with their shadow.
-    """
-    import sys
-    from ..passes import density
-    original = density.source_example
-
-    def source_example(node: Any) -> Optional[torch.Tensor]:
-        grapharg = node.meta.get("grapharg") if isinstance(node, torch.fx.Node) and node.op == "placeholder" else None
-        try:
-            example = grapharg.example if grapharg is not None else None
-        except Exception:
-            return None
-        if isinstance(example, torch.Tensor) and example in shadows:
-            return shadows[example]
-        return original(node)
-
-    patches = [mock.patch.object(m, "source_example", source_example) for name, m in list(sys.modules.items())
-               if name.startswith("fxtrain.passes") and getattr(m, "source_example", None) is original]
-    with contextlib.ExitStack() as stack:
-        for p in patches:
-            stack.enter_context(p)
-        yield

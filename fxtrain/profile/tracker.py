@@ -33,6 +33,7 @@ from .shadows import Shadows
 
 from .capture import current_node
 from .flops import depends_on_values, op_flops
+from ..errors import Error
 
 logger = logging.getLogger("fxtrain")
 
@@ -44,7 +45,7 @@ _CONTROL = {"setup", "start"}
 _MADE_BY_STEP = frozenset(PHASES) | {"setup"}   # not "parameters", "inputs", "optimizer state"
 
 
-class ProfileError(RuntimeError):
+class ProfileError(Error, RuntimeError):
     """The step cannot be costed on fake tensors (and why, in terms the user can act on)."""
 
 

@@ -35,6 +35,7 @@ from .registry import (CONSTANT, DETACHED, DICT, LIST, SCALAR, SCALAR_DTYPES, TE
                        OutputMeta, qualified_name, register)
 from .speculate import NotTraced, bind, trace_forward
 from .structure import Describer, Unrepresentable, build, rebuild_call
+from ..errors import Error
 
 logger = logging.getLogger("fxtrain")
 
@@ -44,7 +45,7 @@ AutogradFunctionVariable = tp.autograd_function_variable()
 _original_call_apply = AutogradFunctionVariable.call_apply
 
 
-class InlineError(RuntimeError):
+class InlineError(Error, RuntimeError):
     """``Options.custom_autograd=False`` and dynamo cannot trace this Function whole.
 
     Dynamo would otherwise break the graph around the Function and run it eagerly: correct, but
@@ -101,7 +102,7 @@ def routing(on_python_op: Callable[..., None]) -> Iterator[None]:
         _state.sink = previous
 
 
-class HandOff(Exception):
+class HandOff(Error):
     """The call is not a PythonOp: dynamo breaks the graph there and Python runs ``apply`` itself,
     so the model sees exactly eager's result, or eager's error (the message says why)."""
 

@@ -20,11 +20,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..errors import Error
 from .. import torch_private as tp
 from .registry import CONSTANT, DETACHED, INPUT, SCALAR, SCALAR_DTYPES, TENSOR, TUPLE, Node, OutputMeta
 
 
-class NotTraced(Exception):
+class NotTraced(Error):
     """Dynamo's trace of the forward cannot give the outputs (the reason is the message);
     ``side_effects``: it refused because the forward changes state outside the call."""
 

@@ -23,12 +23,13 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..errors import Error
 from ..torch_private import is_fake
 from .registry import (CONSTANT, DATACLASS, DETACHED, DICT, INPUT, LIST, NAMEDTUPLE, SCALAR, SCALAR_DTYPES,
                        TENSOR, TUPLE, Node, OutputMeta)
 
 
-class Unrepresentable(Exception):
+class Unrepresentable(Error):
     """A value the op pair cannot carry from one call to the model's code (a str, an arbitrary object)."""
 
 
@@ -96,7 +97,7 @@ def rebuild_call(args: List[Node], kwargs: Dict[str, Node],
     return pos, kw, containers
 
 
-class Mismatch(RuntimeError):
+class Mismatch(Error, RuntimeError):
     pass
 
 

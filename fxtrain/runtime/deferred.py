@@ -24,6 +24,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from ..torch_private import DisableTorchFunctionSubclass, FakeTensor, make_wrapper_subclass, tree_map_only
 from .absent_grads import ShapeSolver
 from .direct import direct
+from ..errors import Error
 
 # Read from the wrapper itself: metadata a deferred tensor has without computing anything.
 _METADATA = {
@@ -35,7 +36,7 @@ _METADATA = {
 }
 
 
-class StaleDeferredOutput(RuntimeError):
+class StaleDeferredOutput(Error, RuntimeError):
     """A deferred output read after a tensor it is computed from was changed in place, other than by
     a ``torch.optim`` optimizer's step (whose updates fxtrain sees coming and keeps values for)."""
 

@@ -14,11 +14,12 @@ import logging
 from typing import Any, Callable, Dict
 
 from ..passes.batch_guard import BatchGuard
+from ..errors import Error
 
 logger = logging.getLogger("fxtrain")
 
 
-class SparseBatchError(RuntimeError):
+class SparseBatchError(Error, RuntimeError):
     """A batch breaks a sparsity pass's per-batch condition and ``sparsity_guard="raise"``."""
 
 

@@ -21,9 +21,10 @@ from torch.autograd.function import once_differentiable
 from ..torch_private import release_saved_tensors
 from . import weight_split
 from .absent_grads import AbsentGradBackward
+from ..errors import Error
 
 
-class NotReplayable(Exception):
+class NotReplayable(Error):
     """The captured graph needs AOTAutograd's full runtime; it is not cached (the reason says why)."""
 
 

@@ -38,6 +38,8 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 import torch
 import torch.fx
 
+from ..errors import Error
+
 
 @dataclass
 class BackwardSplit:
@@ -60,7 +62,7 @@ class BackwardSplit:
     weight_nodes: int
 
 
-class NotSplittable(Exception):
+class NotSplittable(Error):
     """The graph updates a value in place across the cut: it runs whole (exact, not split)."""
 
 

@@ -1,0 +1,253 @@
+"""The sparsity passes and the batch guard on hand-built FX graphs: no dynamo, no TrainModule.
+
+What a pass reads of the capturing batch comes from the ``ExampleSource`` it is handed, so each test
+names the batch's values, runs one pass, and checks what it decided, what it rewrote, and that the
+rewritten graph computes what the original does (loss and gradients) on real inputs.
+"""
+import copy
+
+import pytest
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+import fxtrain
+from fxtrain.graph_walk import ancestors
+from fxtrain.passes import ExampleSource, Plans, run_passes
+from fxtrain.passes.batch_guard import GuardBuilder, counted_index
+from fxtrain.passes.label_sparsity import label_sparsity
+from fxtrain.passes.padding_elimination import padding_elimination
+from fxtrain.passes.row_ops import row_selection
+
+B, S, H, HEADS, V = 3, 8, 16, 2, 50
+
+
+def lm_head(hidden, labels, w1, b1, ln_w, ln_b, decoder, bias):
+    """An MLM head as dynamo records it: torch functions, weights as graph inputs."""
+    h = F.layer_norm(F.gelu(F.linear(hidden, w1, b1)), (H,), ln_w, ln_b)
+    logits = F.linear(h, decoder, bias)
+    return (F.cross_entropy(logits.view(-1, V), labels.view(-1), ignore_index=-100),)
+
+
+def encoder(input_ids, attention_mask, labels, emb, wq, wk, wv, wo, ln_w, ln_b, decoder):
+    """One attention layer over [batch, seq] tokens whose padding the mask marks, then an LM loss."""
+    b, s = input_ids.size(0), input_ids.size(1)
+    h = F.embedding(input_ids, emb)
+
+    def heads(w):
+        return F.linear(h, w).view(b, s, HEADS, H // HEADS).transpose(1, 2)
+
+    mask = attention_mask[:, None, None, :].bool()
+    a = F.scaled_dot_product_attention(heads(wq), heads(wk), heads(wv), attn_mask=mask)
+    h = F.layer_norm(h + F.linear(a.transpose(1, 2).reshape(b, s, H), wo), (H,), ln_w, ln_b)
+    logits = F.linear(h, decoder)
+    return (F.cross_entropy(logits.view(-1, V), labels.view(-1), ignore_index=-100),)
+
+
+def _traced(fn, inputs):
+    """``fn`` as a GraphModule whose nodes carry fake values (``meta["val"]``), as dynamo's do."""
+    gm = torch.fx.symbolic_trace(fn)
+    FakeTensorProp(gm).propagate(*inputs.values())
+    return gm
+
+
+def _run(pass_fn, gm, examples, **options):
+    plans = Plans()
+    report = pass_fn(gm, examples, fxtrain.Options(**options), plans)
+    gm.graph.lint()
+    gm.recompile()
+    return report, plans
+
+
+def _loss_and_grads(gm, inputs, weights):
+    args = {k: (v.detach().requires_grad_() if k in weights else v) for k, v in inputs.items()}
+    (loss,) = gm(*args.values())
+    return loss, torch.autograd.grad(loss, [args[k] for k in weights])
+
+
+def _same_step(rewritten, original, inputs, weights):
+    loss, grads = _loss_and_grads(rewritten, inputs, weights)
+    ref_loss, ref_grads = _loss_and_grads(original, inputs, weights)
+    torch.testing.assert_close(loss, ref_loss)
+    for name, g, ref in zip(weights, grads, ref_grads):
+        torch.testing.assert_close(g, ref, msg=lambda m: f"{name}: {m}")
+
+
+def _targets(gm):
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+# ---------------------------------------------------------------------------------- label sparsity
+def _head_inputs(labelled, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, V, (B, S), generator=g)
+    labels[torch.rand(B, S, generator=g) >= labelled] = -100
+    labels[0, 0] = 3   # at least one labelled row
+    return {"hidden": torch.randn(B, S, H, generator=g), "labels": labels,
+            "w1": torch.randn(H, H, generator=g) / 4, "b1": torch.randn(H, generator=g),
+            "ln_w": torch.rand(H, generator=g) + 0.5, "ln_b": torch.randn(H, generator=g),
+            "decoder": torch.randn(V, H, generator=g) / 4, "bias": torch.randn(V, generator=g)}
+
+
+HEAD_WEIGHTS = ("hidden", "w1", "b1", "ln_w", "ln_b", "decoder", "bias")
+
+
+def test_label_sparsity_computes_the_head_on_labelled_rows_only():
+    inputs = _head_inputs(labelled=0.2)
+    gm = _traced(lm_head, inputs)
+    original = copy.deepcopy(gm)
+    report, plans = _run(label_sparsity, gm, ExampleSource({"labels": inputs["labels"]}))
+    density = float((inputs["labels"] != -100).float().mean())
+    assert report.applied and report.reason.startswith(f"label density {density:.2f} < 0.9"), report
+    assert "2 matmul(s) run on labelled rows only" in report.reason
+    # The labelled rows of the hidden states are picked before the head's first linear, and the loss
+    # reads the decoder's output on them directly.
+    (select,) = [n for n in gm.graph.nodes if n.target is torch.nonzero_static]
+    first, decoder = [n for n in gm.graph.nodes if n.target is F.linear]
+    rows, index = row_selection(first.args[0])
+    assert rows.args[0].name == "hidden" and select in ancestors(index)
+    (loss,) = [n for n in gm.graph.nodes if n.target is F.cross_entropy]
+    assert loss.kwargs["input"] is decoder
+    # Later batches are measured by the runtime (a probe on the labels input), and sized by the guard.
+    assert plans.probes == [("label density", 1, -100)]
+    assert plans.guard is not None and plans.guard.slots
+    _same_step(gm, original, inputs, HEAD_WEIGHTS)
+    # Another batch of other label positions, sized by the guard's count as the runtime does it.
+    other = _head_inputs(labelled=0.5, seed=1)
+    assert plans.guard.failed(tuple(other.values())) == []
+    _same_step(gm, original, other, HEAD_WEIGHTS)
+
+
+def test_label_sparsity_decides_on_the_batch_the_source_gives():
+    inputs = _head_inputs(labelled=1.0)   # every row labelled: nothing to skip
+    gm = _traced(lm_head, inputs)
+    report, plans = _run(label_sparsity, gm, ExampleSource({"labels": inputs["labels"]}))
+    assert not report.applied and report.reason == "label density 1.00 >= 0.9: nothing worth skipping", report
+    assert torch.nonzero_static not in _targets(gm) and plans.guard is None
+    # Without the batch's values the density is unknown: the pass runs, exact either way.
+    report, _ = _run(label_sparsity, _traced(lm_head, inputs), ExampleSource())
+    assert report.applied and "label density unknown at capture" in report.reason, report
+
+
+# ---------------------------------------------------------------------------- padding elimination
+def _encoder_inputs(seed=0, lengths=(8, 5, 3), label_on_padding=False):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.zeros(B, S, dtype=torch.int64)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+    ids = torch.randint(1, V, (B, S), generator=g) * mask
+    labels = torch.where(mask.bool(), torch.randint(0, V, (B, S), generator=g), torch.full((B, S), -100))
+    if label_on_padding:
+        labels[2, S - 1] = 7
+    w = {name: torch.randn(*shape, generator=g) / 4 for name, shape in
+         [("emb", (V, H)), ("wq", (H, H)), ("wk", (H, H)), ("wv", (H, H)), ("wo", (H, H))]}
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels, **w,
+            "ln_w": torch.rand(H, generator=g) + 0.5, "ln_b": torch.randn(H, generator=g),
+            "decoder": torch.randn(V, H, generator=g) / 4}
+
+
+ENCODER_WEIGHTS = ("emb", "wq", "wk", "wv", "wo", "ln_w", "ln_b", "decoder")
+
+
+def _batch(inputs):
+    return {k: inputs[k] for k in ("input_ids", "attention_mask", "labels")}
+
+
+def test_padding_elimination_runs_token_wise_ops_on_real_tokens_only():
+    inputs = _encoder_inputs()
+    gm = _traced(encoder, inputs)
+    original = copy.deepcopy(gm)
+    report, plans = _run(padding_elimination, gm, ExampleSource(_batch(inputs)))
+    assert report.applied, report
+    assert report.reason.startswith("token density 0.67 < 0.9: 5 matmul(s) on real tokens only"), report
+    assert "attention on real tokens, sequence by sequence: 1 of 1" in report.reason, report
+    assert plans.probes == [("token density", 1, 0)]
+    assert torch.nonzero_static in _targets(gm)
+    assert F.scaled_dot_product_attention not in _targets(gm)   # attention runs per sequence
+    assert plans.guard is not None and plans.guard.failed(tuple(inputs.values())) == []
+    _same_step(gm, original, inputs, ENCODER_WEIGHTS)
+    other = _encoder_inputs(seed=1, lengths=(2, 8, 6))
+    left = {k: v.flip(1) if k in ("input_ids", "attention_mask", "labels") else v for k, v in other.items()}
+    for batch in (other, left):   # other lengths; the same batch padded on the left
+        assert plans.guard.failed(tuple(batch.values())) == []
+        _same_step(gm, original, batch, ENCODER_WEIGHTS)
+
+
+def test_padding_elimination_checks_the_capturing_batch_it_is_given():
+    # A label on a padding position: the rewritten loss would miss it, so the pass stays off.
+    inputs = _encoder_inputs(label_on_padding=True)
+    report, _ = _run(padding_elimination, _traced(encoder, inputs), ExampleSource(_batch(inputs)))
+    assert not report.applied and report.reason == "the loss has labels on padding positions", report
+    # No padding: nothing to skip.
+    inputs = _encoder_inputs(lengths=(8, 8, 8))
+    report, _ = _run(padding_elimination, _traced(encoder, inputs), ExampleSource(_batch(inputs)))
+    assert report.reason == "token density 1.00 >= 0.9: nothing worth skipping", report
+    # Without the batch the model's mask cannot be evaluated: the pass cannot prove itself exact.
+    inputs = _encoder_inputs()
+    report, _ = _run(padding_elimination, _traced(encoder, inputs), ExampleSource())
+    assert not report.applied and report.reason == "the token mask of the capturing batch is not readable", report
+
+
+# ------------------------------------------------------------------------------------- batch guard
+def test_the_batch_guard_sends_a_label_on_padding_to_the_dense_graph():
+    inputs = _encoder_inputs()
+    gm = _traced(encoder, inputs)
+    report, plans = _run(padding_elimination, gm, ExampleSource(_batch(inputs)))
+    assert report.applied, report
+    bad = _encoder_inputs(seed=2, label_on_padding=True)
+    assert plans.guard.failed(tuple(bad.values())) == ["a label sits on a padding position"]
+    assert plans.guard.failed(tuple(_encoder_inputs(seed=3).values())) == []
+
+
+def _kept_rows_sum(x, keep):
+    return ((x * (keep != 0)[:, None]).sum(),)
+
+
+def test_the_batch_guard_counts_a_selection_and_checks_conditions_before_the_step():
+    inputs = {"x": torch.arange(12.0).view(6, 2), "keep": torch.tensor([1, 0, 1, 1, 0, 0])}
+    gm = _traced(_kept_rows_sum, inputs)
+    plans = Plans()
+    x, keep = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    graph = gm.graph
+    with graph.inserting_before(output):
+        valid = graph.call_function(torch.ne, (keep, 0))
+        index = counted_index(gm, plans, valid)
+        total = graph.call_method("sum", (graph.call_function(torch.index_select, (x, 0, index)),))
+    output.args = ((total,),)
+    builder = GuardBuilder.of(gm, plans)
+    assert builder is plans.guard_builder   # a later pass adds to the same guard
+    builder.require(builder.call("all", builder.call(torch.ge, builder.node(keep), 0), method=True),
+                    "keep is negative somewhere")
+    builder.store(plans)
+    graph.eliminate_dead_code()
+    gm.recompile()
+    guard = plans.guard
+    assert guard.reasons == ["keep is negative somewhere"] and len(guard.slots) == 1
+    assert guard.check(*inputs.values()).tolist() == [1, 3]   # condition holds; 3 rows kept
+    assert guard.failed(tuple(inputs.values())) == []
+    torch.testing.assert_close(gm(*inputs.values())[0], _kept_rows_sum(*inputs.values())[0])
+    bad = dict(inputs, keep=torch.tensor([1, -1, 0, 0, 0, 0]))
+    assert guard.failed(tuple(bad.values())) == ["keep is negative somewhere"]
+
+
+def test_run_passes_measures_the_batch_its_source_gives():
+    for labelled, on in ((0.2, True), (1.0, False)):
+        inputs = _head_inputs(labelled)
+        plans = Plans()
+        reports = run_passes(_traced(lm_head, inputs), ExampleSource({"labels": inputs["labels"]}),
+                             fxtrain.Options(), plans)
+        assert reports["label_sparsity"].startswith("on: label density" if on else "off: label density"), reports
+        assert reports["padding_elimination"] == "off: no [batch, seq] embedding lookup"
+        assert plans.guard_builder is None and (plans.guard is not None) == on
+
+
+@pytest.mark.parametrize("name", ["label_sparsity", "padding_elimination"])
+def test_a_pass_turned_off_rewrites_nothing(name):
+    pass_fn, fn, inputs = {"label_sparsity": (label_sparsity, lm_head, _head_inputs(0.2)),
+                           "padding_elimination": (padding_elimination, encoder, _encoder_inputs())}[name]
+    gm = _traced(fn, inputs)
+    before = gm.code
+    report, plans = _run(pass_fn, gm, ExampleSource(inputs), **{name: "off"})
+    assert (report.applied, report.reason) == (False, "off by option") and gm.code == before and plans == Plans()
