@@ -17,13 +17,13 @@ import contextlib
 from typing import Any, Callable, ContextManager, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-
-from .errors import Error
 import torch.fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import (DynamicOutputShapeException, FakeTensor, FakeTensorMode,
                                            unset_fake_temporarily)
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from .errors import Error
 
 CHECKED_ON = "2.13.0"
 
