@@ -103,9 +103,9 @@ class SizesPolicy:
             batch = ", and the leading (batch) dimension of every input" if new - changed else ""
             self.switch = (f"{'sizes changed' if not before else 'more sizes changed'}: symbolic "
                            f"{shown}{batch}; every other input size static")
-        if expensive:
+        if expensive & changed:
             kept = ("static, their symbolic reasoning proved expensive: "
-                    f"{describe_dims(expensive, paths, first, shapes)}")
+                    f"{describe_dims(expensive & changed, paths, first, shapes)}")
             self.switch = f"{self.switch}; {kept}" if self.switch else f"sizes changed; {kept}"
         return [(t, [d for d in range(t.dim()) if (i, d) not in dims])
                 for i, (_, t) in enumerate(call_tensors(args, kwargs))]

@@ -1,40 +1,47 @@
 """A watchdog over each dynamo compile: a slow capture is never silent, and a symbolic capture that
 sinks into sympy is stopped so that TrainModule can capture those sizes statically instead.
 
-Why a sampling thread: dynamo gives no progress hook, and the one way a capture stalls that we have
-seen (HF Swin's window partition on a symbolic image size: ``FloorDiv.eval`` calling
-``sympy.simplify`` on ever larger expressions, minutes per recapture, torch.compile too) is visible
-from outside as the compiling thread's stack sitting in sympy. Sampling that stack every few tens of
-milliseconds costs nothing measurable and measures the symbolic reasoning itself, not the capture's
-total time, which legitimately grows with the model.
+Why sampling: dynamo gives no progress hook, and the one way a capture stalls that we have seen
+(HF Swin's window partition on a symbolic image size: ``FloorDiv.eval`` calling ``sympy.simplify``
+on ever larger expressions, minutes per recapture, torch.compile too) shows as the compiling
+thread's stack sitting in sympy. The share of samples in sympy measures the symbolic reasoning
+itself, not the capture's total time, which legitimately grows with the model.
 
-Why stop it with an asynchronous exception: the compile runs on the caller's thread inside dynamo,
-which has no cancellation. ``PyThreadState_SetAsyncExc`` raises ``ExpensiveSymbolicSizes`` at the
-compiling thread's next bytecode, which is sympy's pure-Python code; dynamo unwinds as for any error
-in a compile, and TrainModule retries the call with those sizes static. It is only used while the
-entry frame compiles (nothing of the call has run, so the retry runs it exactly once); a later frame
-that is slow only warns. A pending exception is taken back if the compile finishes first.
+Why a SIGPROF handler, not a thread reading the compiling thread's frames: walking another running
+thread's frames (``sys._current_frames()`` then ``f_back``) crashed the interpreter on CPython 3.11
+(a segfault in a test worker); a signal handler runs on the compiling thread itself, between
+bytecodes, and reads its own stack safely. ``ITIMER_PROF`` (process CPU time) leaves ``SIGALRM`` and
+``ITIMER_REAL`` to others (pytest-timeout uses them). Signal handlers can only be installed from the
+main thread: a compile on another thread is not sampled (never stopped; still warned about). A
+handler the process had is put back after the compile.
+
+Why stop it with an exception raised from the handler: the compile runs inside dynamo, which has no
+cancellation. ``ExpensiveSymbolicSizes`` is raised at the compiling thread's current bytecode,
+which is sympy's pure-Python code; dynamo unwinds as for any error in a compile, and TrainModule
+retries the call with those sizes static. It is only armed while the entry frame compiles (nothing
+of the call has run, so the retry runs it exactly once); a later frame that is slow only warns.
+
+The warning comes from a plain timer thread that reads no frames.
 """
 from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import logging
 import os
-import sys
+import signal
 import threading
 import time
-from typing import Callable, Deque, Iterator, Optional, Tuple
+from typing import Any, Callable, Deque, Iterator, Optional, Tuple
 
 logger = logging.getLogger("fxtrain")
 
 _SYMPY = f"{os.sep}sympy{os.sep}"
-_INTERVAL = 0.05   # seconds between samples
+_INTERVAL = 0.05   # seconds of process CPU time between samples
 # Expensive: past its budget, and sympy most of the time lately. Symbolic captures that end well spend
-# 7-20% of their time in sympy (HF Swin with a symbolic batch, ResNet and ViT with symbolic image
-# sizes); Swin with symbolic image sizes spends ~80%, for minutes.
-WINDOW = 2.0      # seconds
+# 7-25% of their time in sympy (HF Swin with a symbolic batch, ResNet and ViT with symbolic image
+# sizes, T5); Swin with symbolic image sizes spends ~80%, for minutes.
+WINDOW = 2.0       # seconds
 _SHARE = 0.6
 
 
@@ -45,12 +52,7 @@ class ExpensiveSymbolicSizes(BaseException):
     fake-tensor call into an "unsupported" graph break or a TorchRuntimeError) let it through."""
 
 
-def _set_async_exc(thread_id: int, exc: Optional[type]) -> None:
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id),
-                                               ctypes.py_object(exc) if exc is not None else None)
-
-
-def _in_sympy(frame) -> bool:
+def _in_sympy(frame: Any) -> bool:
     while frame is not None:
         if _SYMPY in frame.f_code.co_filename:
             return True
@@ -70,60 +72,62 @@ class CompileWatch:
         self.sympy_seconds = 0.0
         self.peak_share = 0.0      # the largest share of sympy in any window of WINDOW seconds
         self.stopped = False
-        self._thread_id = threading.get_ident()
+        self.sampled = False
+        self._started = self._last = time.perf_counter()
+        self._recent: Deque[Tuple[float, float]] = collections.deque()   # (when, seconds in sympy)
+        self._recent_sympy = 0.0
         self._done = threading.Event()
-        self._lock = threading.Lock()
-        self._started = time.perf_counter()
 
-    def _run(self) -> None:
-        warned = False
-        last = time.perf_counter()
-        recent: Deque[Tuple[float, float]] = collections.deque()   # (when, seconds in sympy) per sample
-        recent_sympy = 0.0
-        while not self._done.wait(_INTERVAL):
-            now = time.perf_counter()
-            frame = sys._current_frames().get(self._thread_id)
-            in_sympy = frame is not None and _in_sympy(frame)
-            del frame
-            spent = now - last if in_sympy else 0.0
-            self.sympy_seconds += spent
-            recent.append((now, spent))
-            recent_sympy += spent
-            while recent and recent[0][0] < now - WINDOW:
-                recent_sympy -= recent.popleft()[1]
-            if now - self._started >= WINDOW:
-                self.peak_share = max(self.peak_share, recent_sympy / WINDOW)
-            last = now
-            elapsed = now - self._started
-            if not warned and elapsed >= self.warn_after:
-                warned = True
-                logger.warning("fxtrain: %s", self.describe(elapsed))
-            if (self.sympy_budget is not None and self.sympy_seconds > self.sympy_budget
-                    and recent_sympy > _SHARE * WINDOW):
-                with self._lock:
-                    if not self._done.is_set() and not self.stopped:
-                        self.stopped = True
-                        logger.debug("fxtrain: compile stopped after %.1f s, %.1f s of it in sympy",
-                                     elapsed, self.sympy_seconds)
-                        _set_async_exc(self._thread_id, ExpensiveSymbolicSizes)
-                return
+    def warn_when_slow(self) -> None:
+        if not self._done.wait(self.warn_after):
+            logger.warning("fxtrain: %s", self.describe(time.perf_counter() - self._started))
 
-    def finish(self) -> None:
-        with self._lock:
-            self._done.set()
-            if self.stopped:
-                # The compile ended before the exception was delivered: take it back.
-                _set_async_exc(self._thread_id, None)
+    def sample(self, signum: int, frame: Any) -> None:
+        """SIGPROF handler: runs on the compiling thread, ``frame`` is where it was interrupted."""
+        if self._done.is_set() or self.stopped:
+            return
+        now = time.perf_counter()
+        spent = now - self._last if _in_sympy(frame) else 0.0
+        self._last = now
+        self.sympy_seconds += spent
+        self._recent.append((now, spent))
+        self._recent_sympy += spent
+        while self._recent and self._recent[0][0] < now - WINDOW:
+            self._recent_sympy -= self._recent.popleft()[1]
+        if now - self._started >= WINDOW:
+            self.peak_share = max(self.peak_share, self._recent_sympy / WINDOW)
+        if (self.sympy_budget is not None and self.sympy_seconds > self.sympy_budget
+                and self._recent_sympy > _SHARE * WINDOW):
+            self.stopped = True
+            logger.debug("fxtrain: compile stopped after %.1f s, %.1f s of it in sympy",
+                         now - self._started, self.sympy_seconds)
+            raise ExpensiveSymbolicSizes()
+
+
+@contextlib.contextmanager
+def _sampling(watch: CompileWatch) -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGPROF"):
+        yield
+        return
+    previous = signal.signal(signal.SIGPROF, watch.sample)
+    old_timer = signal.setitimer(signal.ITIMER_PROF, _INTERVAL, _INTERVAL)
+    watch.sampled = True
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_PROF, *old_timer)
+        signal.signal(signal.SIGPROF, previous)
 
 
 @contextlib.contextmanager
 def watched(describe: Callable[[float], str], warn_after: float,
             sympy_budget: Optional[float]) -> Iterator[CompileWatch]:
     watch = CompileWatch(describe, warn_after, sympy_budget)
-    thread = threading.Thread(target=watch._run, name="fxtrain-compile-watch", daemon=True)
-    thread.start()
+    warner = threading.Thread(target=watch.warn_when_slow, name="fxtrain-compile-watch", daemon=True)
+    warner.start()
     try:
-        yield watch
+        with _sampling(watch):
+            yield watch
     finally:
-        watch.finish()
-        thread.join()
+        watch._done.set()
+        warner.join()
