@@ -720,8 +720,10 @@ def set_custom_op_kernels(opdef: Any, kernel: Callable[..., Any], autograd_kerne
     """Register plain kernels for a ``torch.library.custom_op`` in its own library, replacing its
     Python wrappers: ``kernel`` as CompositeExplicitAutograd, ``autograd_kernel(keyset, *args)`` as
     Autograd (``CustomOpDef._lib.impl(CustomOpDef._name, ...)``)."""
-    opdef._lib.impl(opdef._name, kernel, "CompositeExplicitAutograd")
-    opdef._lib.impl(opdef._name, autograd_kernel, "Autograd", with_keyset=True)
+    # allow_override: custom_op registered its wrappers first; torch before 2.13 refuses to replace
+    # them unless asked (the GPU machines lent here carry 2.11).
+    opdef._lib.impl(opdef._name, kernel, "CompositeExplicitAutograd", allow_override=True)
+    opdef._lib.impl(opdef._name, autograd_kernel, "Autograd", with_keyset=True, allow_override=True)
 
 
 # ------------------------------------------------------------------------- distributed tools

@@ -79,3 +79,12 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "cpu_only(reason): runs on the CPU whatever FXTRAIN_TEST_DEVICE says (gloo process groups, "
                    "fresh processes that build their own CPU models); the reason says why")
+    config.addinivalue_line(
+        "markers", "long: one of the suite's longest tests (minutes on 2 cores); started first, so that the "
+                   "pytest-xdist workers do not end on it while the other worker idles")
+
+
+def pytest_collection_modifyitems(config, items):
+    # Stable sort: long tests first, the rest in collection order. With `-n 2` the wall time is at
+    # least the longest test; started last, it would also add to the time the other worker waits.
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)

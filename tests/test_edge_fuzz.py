@@ -1,6 +1,8 @@
 """The differential edge-batch fuzzer (fxtrain/fuzz.py), CI mode: every model and loss of the fuzzer,
 one seed, a few hundred batches in all, against eager PyTorch. The long mode is
 `python -m fxtrain.fuzz --seeds 20 --batches 100` (docs/sparsity.md, "Edge batches")."""
+import pytest
+
 from fxtrain import fuzz
 from utils import DEVICE
 
@@ -11,14 +13,17 @@ TEXT = [name for name, (_, kind, _) in fuzz.MODELS.items() if kind != "image"]
 IMAGE_BATCHES = 14   # HF Swin captures slowly (4-9 s a capture): one loss, fewer batches
 
 
-def test_no_batch_differs_from_eager():
-    results = fuzz.run(fuzz.cases([0], TEXT), CI_BATCHES, progress=False, device=DEVICE)
+@pytest.mark.parametrize("model", TEXT)
+def test_no_batch_differs_from_eager(model):
+    """One test per model (its losses together), so that pytest-xdist spreads the fuzzer's minutes
+    over the workers instead of one test bounding the suite's wall time."""
+    results = fuzz.run(fuzz.cases([0], [model]), CI_BATCHES, progress=False, device=DEVICE)
     report = fuzz.summary(results)
     print(report)
     assert not [f for r in results for f in r.findings], report
     assert sum(r.batches for r in results) == len(results) * CI_BATCHES
     # Not vacuous: the passes fired (checked per case on the capturing batch, a finding otherwise),
-    # some batches took the dense route, and every model recaptured on new schemas/sizes.
+    # some batches took the dense route, and every case recaptured on new schemas/sizes.
     assert sum(sum(r.dense_batches.values()) for r in results) > 0, report
     assert all(r.captures >= 2 for r in results), report
 
