@@ -28,6 +28,7 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from ..torch_private import is_fake
+from . import python_call
 
 
 class Run:
@@ -79,6 +80,8 @@ class PendingRun:
         self.run: Optional[Run] = run
         self.traces = {trace}             # the traces (dynamo output graphs) that use it
         self.error: Optional[BaseException] = None   # what the run raised (no graph takes it then)
+        self.key: Optional[int] = None    # the spec a Python call of apply takes it through (python_call.py)
+        self.offered: Any = None          # python_call.py's record while a Python call may take it
 
     def matches(self, tensors: Sequence[torch.Tensor]) -> bool:
         values = self.values
@@ -89,6 +92,8 @@ class PendingRun:
         self.values = None
         self.run = None
         self.error = None
+        if self.offered is not None:
+            python_call.withdraw(self)
 
 
 class _State(threading.local):
@@ -134,6 +139,7 @@ def forget(owner: Any) -> None:
     """``owner``'s call ended: runs no graph took are dropped (with their tensors)."""
     for run in _by_owner.pop(owner, []):
         run.drop()
+    python_call.forget_raised()
 
 
 def set_trace(trace: int) -> None:
@@ -215,6 +221,8 @@ def look_up(spec: Any, tensors: Sequence[torch.Tensor]) -> None:
     spec.pending = find(signature(spec.fn_cls, spec.args, spec.kwargs), tensors)
 
 
-def keep(spec: Any, tensors: Sequence[torch.Tensor], run: Run) -> None:
-    """An evaluation ran ``spec``'s op for real: the graph's first run of it takes this run."""
+def keep(spec: Any, key: int, tensors: Sequence[torch.Tensor], run: Run) -> None:
+    """An evaluation ran ``spec``'s op for real: the graph's first run of it takes this run (or a
+    Python call of the same call, should the graph never run it)."""
     spec.pending = add(signature(spec.fn_cls, spec.args, spec.kwargs), [t.detach() for t in tensors], run)
+    python_call.offer(spec.pending, key)
