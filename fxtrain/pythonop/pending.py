@@ -13,6 +13,9 @@ forward runs exactly once per step, on real tensors, as in eager, and its side e
   let go of then, so it never stands in for a later call.
 - ``evaluating``: computing a later Function's real arguments (example.py) may evaluate an earlier
   PythonOp of the same graph; that evaluation is this call's run of it too, and is kept the same way.
+- ``python_call.offer``: while a run waits, Python's own call of ``apply`` with the same arguments takes
+  the run (or raises the error it kept) where the graph does not run the call: a call handed to
+  Python, a frame dynamo gave up, the eager rerun of a failed capture.
 - ``forget``: runs a capture made but no graph took (the capture failed) are dropped when the
   TrainModule's call ends, so they hold no memory for long. (Not when it next enters a capture:
   dynamo's frame converter, where fxtrain enters its capture settings, is also called for frames it

@@ -12,7 +12,8 @@ for the capture's sake, in this order: the Function's ``infer_shape``; dynamo's 
 (speculate.py), which runs nothing; the capturing call's real run, which is that step's run
 (pending.py). A call none of these can serve (an object the graph cannot carry, a forward that
 raised) is not a PythonOp: dynamo breaks the graph there and Python calls ``apply`` itself, so the
-model sees eager's result or error; the TrainModule's capture_info names it and says why.
+model sees eager's result or error; the TrainModule's capture_info names it and says why. Where the
+capture ran the Function to find that out, that Python call takes the run (python_call.py).
 """
 from __future__ import annotations
 
