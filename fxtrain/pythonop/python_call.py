@@ -23,7 +23,9 @@ and constants, same tensor values, as the graph's op checks with ``PendingRun.ma
   traced code passed get what the forward put in them.
 
 Anything else (another thread, other values, a class that defines its own ``apply``) goes to
-torch's ``Function.apply`` unchanged. The class attribute exists only while an outcome is offered:
+torch's ``Function.apply`` unchanged. The graph's op calls ``apply`` too, but it takes its own kept
+run before (pending.claim); should it call it with the values of another call's kept run (two calls
+of the Function on equal values), that run is of an identical call, so each call still runs once. The class attribute exists only while an outcome is offered:
 dynamo never reads it (it routes ``.apply`` by name to ``call_apply``, route.py), and every other
 call in that window pays one dictionary lookup.
 """
