@@ -27,7 +27,7 @@ from .capture.settings import dynamo_settings
 from .capture.sizes import SizesPolicy
 from .options import Options, resolve
 from .passes import ExampleSource
-from .pythonop import forget_runs, routing
+from .pythonop import forget_runs, raised_as_eager, routing
 from .runtime.executors import Executor
 from .torch_private import dims_static, dynamo_config_patch, dynamo_recompile_limit_error
 from .runtime.dense_route import SparseBatchError
@@ -296,12 +296,21 @@ class TrainModule(nn.Module):
 
     def _after_capture_failure(self, exc: Exception, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         """Decide between a user error (eager fails too: raise eager's error) and a capture failure."""
+        if raised_as_eager(exc):
+            # A Function's forward raised on the capturing call and the model let it through: its
+            # Python call of apply raised that run's error again, where eager's raises it. A rerun
+            # would only run the step's side effects a second time.
+            forget_runs(self)
+            raise exc
         self._rollback.restore()
-        forget_runs(self)
         try:
+            # A Function the failed capture ran for real, and no graph ran since, is not run again:
+            # the rerun's own call of its apply takes that run (pythonop/python_call.py).
             out = self.module(*args, **kwargs)
         except Exception as eager_exc:
             raise eager_exc from None
+        finally:
+            forget_runs(self)
         reason = self._failure_reason(exc)
         if self._options.fallback == "raise":
             raise CaptureError(f"fxtrain could not capture {type(self.module).__name__}: {reason}") from exc

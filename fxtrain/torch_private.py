@@ -178,6 +178,13 @@ def is_size_node(node: torch.fx.Node) -> bool:
     return bool(is_sym_node(node))
 
 
+def dynamo_skip_frames(fn: Any) -> Any:
+    """``fn`` with dynamo's frame converter leaving its own frames alone while still converting the
+    frames it calls (``torch._dynamo.decorators.skip``: the code is marked to be skipped)."""
+    from torch._dynamo.decorators import skip
+    return skip(fn)
+
+
 @contextlib.contextmanager
 def outside_compile() -> Any:
     """``torch.compiler.is_compiling()`` false within the block (``torch.compiler._is_compiling_flag``).

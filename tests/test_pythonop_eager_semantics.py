@@ -883,3 +883,198 @@ def test_untraceable_function_inside_checkpoint_runs_by_python():
     info = tm.capture_info()
     assert info.fallback_reason is None and len(info.python_op_handoffs) == 1
     assert "checkpointed region" in info.python_op_handoffs[0]
+
+
+# ------------------------------------- the capture's real run is the step's run, even when Python calls apply
+# A Function dynamo cannot trace runs for real on the capturing call; when that run shows the graph
+# cannot hold the call (a str returned, an error raised), or the frame ends up running as plain
+# Python, or the capture fails and the step reruns eagerly, Python calls apply again on that step.
+# That call takes the capture's run: the forward runs once per call, as the Python state shows.
+def _counting_label(calls: Dict[str, Any]) -> Any:
+    class CountingLabel(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, out):
+            calls["n"] += 1
+            out.append(x * 2)
+            ctx.save_for_backward(x)
+            # The label tells the calls apart: a second run of the first call would say "call 2".
+            return x.sin(), f"call {calls['n']}: {'pos' if float(x.sum()) > 0 else 'neg'}"
+
+        @staticmethod
+        def backward(ctx, g, _):
+            (x,) = ctx.saved_tensors
+            calls["grads"] += 1
+            return g * x.cos(), None
+    return CountingLabel
+
+
+def test_str_output_handed_to_python_runs_once_per_call():
+    """The str goes to Python: its call on the capturing step takes the capture's run (its label,
+    the list the traced code passed filled, a gradient through the user's backward once)."""
+    def build():
+        calls = {"n": 0, "grads": 0}
+        F = _counting_label(calls)
+
+        def use(h):
+            z = []
+            y, label = F.apply(h * 2, z)
+            return y * 3 + z[0], label, len(z)
+        return Scaled(use), calls
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randn(3, 4, generator=g) + 5, torch.randn(3, 4, generator=g) - 5, torch.randn(3, 4, generator=g)]
+    tm = parity(build, batches)
+    info = tm.capture_info()
+    assert info.fallback_reason is None and len(info.python_op_handoffs) == 1
+    assert "CountingLabel" in info.python_op_handoffs[0] and "str" in info.python_op_handoffs[0]
+
+
+def test_object_output_after_a_python_op_runs_once_per_call():
+    """A PythonOp shaped by its real run, then a Function returning an object of the model's own
+    class: both run once on the capturing step, the object is the one that run made."""
+    class Token:
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def __eq__(self, other: Any) -> bool:
+            return type(other) is Token and other.n == self.n
+
+    def build():
+        seen: List[Any] = []
+
+        class Log(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                seen.append(("log", x.shape[0]))
+                return torch.from_numpy(np.tanh(x.detach().numpy()))
+
+            @staticmethod
+            def backward(ctx, g):
+                return g
+
+        class Tag(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                seen.append(("tag", len(seen)))
+                return x * 2, Token(len(seen))
+
+            @staticmethod
+            def backward(ctx, g, _):
+                return g * 2
+
+        def use(h):
+            y, token = Tag.apply(Log.apply(h))
+            return y + 1, token
+        return Scaled(use), seen
+    tm = parity(build, _batches(3))
+    assert tm.capture_info().fallback_reason is None
+
+
+@pytest.mark.parametrize("where", ["same_frame", "helper"])
+def test_forward_raising_on_the_capturing_call_runs_once(where):
+    """The forward raised on the capturing call: the model's except gets that run's error (dynamo
+    gives up a frame that breaks inside a try block, which then runs as plain Python), and the
+    forward does not run a second time on that step."""
+    def build():
+        # The Function's record and the model's are two lists: on the capturing step the Function
+        # ran when the capture reached it, before the model's append above it (see "Limits").
+        calls: Dict[str, List[Any]] = {"forward": [], "model": []}
+
+        class Picky(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x, mode):
+                calls["forward"].append((mode, x.shape[0]))
+                if mode != "double":
+                    raise ValueError(f"unknown mode {mode} (call {len(calls['forward'])})")
+                return x * 2
+
+            @staticmethod
+            def backward(ctx, g):
+                return g * 2, None
+
+        def helper(h, mode):
+            return Picky.apply(h, mode)
+
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.w = nn.Parameter(torch.randn(4))
+                self.mode = "quadruple"
+
+            def forward(self, x):
+                h = x * self.w
+                calls["model"].append("before")
+                try:
+                    y = Picky.apply(h, self.mode) if where == "same_frame" else helper(h, self.mode)
+                except ValueError as e:
+                    calls["model"].append(str(e))
+                    y = h * 4
+                calls["model"].append("after")
+                return y
+        return M(), calls
+    tm = parity(build, _batches(3), options={})
+    info = tm.capture_info()
+    assert info.fallback_reason is None
+    assert any("Picky" in h and "ValueError" in h for h in info.python_op_handoffs), info.python_op_handoffs
+
+
+def test_forward_raising_uncaught_is_eagers_error_once():
+    """Not caught: the step ends with the capture's run's error, as eager's ends with its own, and
+    the forward ran once (no eager rerun to tell a capture failure from the model's error)."""
+    calls = {"n": 0}
+
+    class Strict(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            calls["n"] += 1
+            if x.shape[-1] != 5:
+                raise ValueError("Strict wants 5 columns")
+            return x
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+    for fallback in ("raise", "eager"):
+        calls["n"] = 0
+        tm = fxtrain.TrainModule(Scaled(lambda h: Strict.apply(h)), fxtrain.Options(fallback=fallback))
+        with pytest.raises(ValueError, match="Strict wants 5 columns"):
+            tm(torch.randn(3, 4))
+        assert calls["n"] == 1, (fallback, calls)
+        # A later step's error comes from eager's own call; TrainModule reruns that step eagerly to
+        # tell it from a capture failure (see "Limits"), and raises eager's error.
+        with pytest.raises(ValueError, match="Strict wants 5 columns"):
+            tm(torch.randn(3, 4))
+        assert tm.capture_info().fallback_reason is None
+
+
+@pytest.mark.parametrize("kind", ["counter", "str"])
+def test_failed_capture_rerun_eagerly_runs_each_forward_once(kind):
+    """The capture fails after the Function ran for real (fullgraph=True and a graph break below
+    it): the eager rerun's call takes that run, so on that step the forward ran once, as in eager;
+    later steps run eagerly, as fallback="eager" says."""
+    def build():
+        calls = {"n": 0, "grads": 0, "sizes": []}
+
+        class Counted(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                calls["n"] += 1
+                calls["sizes"].append(tuple(x.shape))
+                ctx.n = calls["n"]
+                return torch.from_numpy(np.tanh(x.detach().numpy())) * calls["n"]
+
+            @staticmethod
+            def backward(ctx, g):
+                calls["grads"] += 1
+                return g * ctx.n
+
+        F = Counted if kind == "counter" else _counting_label(calls)
+
+        def use(h):
+            out = F.apply(h) if kind == "counter" else F.apply(h, [])
+            y = out if kind == "counter" else out[0]
+            torch._dynamo.graph_break()
+            return y * 2, out
+        return Scaled(use), calls
+    with pytest.warns(fxtrain.FallbackWarning):
+        tm = parity(build, _batches(3), options={"fullgraph": True})
+    assert tm.capture_info().fallback_reason is not None

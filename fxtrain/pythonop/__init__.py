@@ -1,8 +1,9 @@
 """PythonOp: custom ``torch.autograd.Function``s kept intact, as opaque nodes, inside one graph."""
 from .pending import forget as forget_runs
+from .python_call import raised_as_eager
 from .registry import CallSpec, qualified_name
 from .route import install, routing
 
 install()
 
-__all__ = ["CallSpec", "forget_runs", "qualified_name", "routing"]
+__all__ = ["CallSpec", "forget_runs", "qualified_name", "raised_as_eager", "routing"]

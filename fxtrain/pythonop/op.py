@@ -279,7 +279,7 @@ def python_op(key: int, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
         if run is None:
             run = _run(spec, tensors)
             if _pending.state.evaluating:
-                _pending.keep(spec, tensors, run)
+                _pending.keep(spec, key, tensors, run)
         inputs = run.inputs
         outs = collect_outputs(spec, run)
     # A custom op may not return its inputs or views of them, nor one tensor twice: copy only those.

@@ -13,6 +13,9 @@ forward runs exactly once per step, on real tensors, as in eager, and its side e
   let go of then, so it never stands in for a later call.
 - ``evaluating``: computing a later Function's real arguments (example.py) may evaluate an earlier
   PythonOp of the same graph; that evaluation is this call's run of it too, and is kept the same way.
+- ``python_call.offer``: while a run waits, Python's own call of ``apply`` with the same arguments takes
+  the run (or raises the error it kept) where the graph does not run the call: a call handed to
+  Python, a frame dynamo gave up, the eager rerun of a failed capture.
 - ``forget``: runs a capture made but no graph took (the capture failed) are dropped when the
   TrainModule's call ends, so they hold no memory for long. (Not when it next enters a capture:
   dynamo's frame converter, where fxtrain enters its capture settings, is also called for frames it
@@ -28,6 +31,7 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from ..torch_private import is_fake
+from . import python_call
 
 
 class Run:
@@ -79,6 +83,8 @@ class PendingRun:
         self.run: Optional[Run] = run
         self.traces = {trace}             # the traces (dynamo output graphs) that use it
         self.error: Optional[BaseException] = None   # what the run raised (no graph takes it then)
+        self.key: Optional[int] = None    # the spec a Python call of apply takes it through (python_call.py)
+        self.offered: Any = None          # python_call.py's record while a Python call may take it
 
     def matches(self, tensors: Sequence[torch.Tensor]) -> bool:
         values = self.values
@@ -89,6 +95,8 @@ class PendingRun:
         self.values = None
         self.run = None
         self.error = None
+        if self.offered is not None:
+            python_call.withdraw(self)
 
 
 class _State(threading.local):
@@ -134,6 +142,7 @@ def forget(owner: Any) -> None:
     """``owner``'s call ended: runs no graph took are dropped (with their tensors)."""
     for run in _by_owner.pop(owner, []):
         run.drop()
+    python_call.forget_raised()
 
 
 def set_trace(trace: int) -> None:
@@ -215,6 +224,8 @@ def look_up(spec: Any, tensors: Sequence[torch.Tensor]) -> None:
     spec.pending = find(signature(spec.fn_cls, spec.args, spec.kwargs), tensors)
 
 
-def keep(spec: Any, tensors: Sequence[torch.Tensor], run: Run) -> None:
-    """An evaluation ran ``spec``'s op for real: the graph's first run of it takes this run."""
+def keep(spec: Any, key: int, tensors: Sequence[torch.Tensor], run: Run) -> None:
+    """An evaluation ran ``spec``'s op for real: the graph's first run of it takes this run (or a
+    Python call of the same call, should the graph never run it)."""
     spec.pending = add(signature(spec.fn_cls, spec.args, spec.kwargs), [t.detach() for t in tensors], run)
+    python_call.offer(spec.pending, key)

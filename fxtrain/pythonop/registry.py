@@ -82,6 +82,8 @@ class CallSpec:
     shaped_by: str = ""
     # The real run of the capturing call, waiting for the graph's first run of this call (pending.py).
     pending: Any = None
+    # Per op tensor: None for a tensor, or the dtype a Python number argument travels in (route.py).
+    convert: List[Optional[torch.dtype]] = field(default_factory=list)
     name: str = field(init=False)
     # Fast path: positional tensors and constants in; a tensor or a flat tuple of tensor, detached
     # and constant results out. Then ``template``/``outputs``/``single`` are read instead of the trees.

@@ -12,7 +12,8 @@ for the capture's sake, in this order: the Function's ``infer_shape``; dynamo's 
 (speculate.py), which runs nothing; the capturing call's real run, which is that step's run
 (pending.py). A call none of these can serve (an object the graph cannot carry, a forward that
 raised) is not a PythonOp: dynamo breaks the graph there and Python calls ``apply`` itself, so the
-model sees eager's result or error; the TrainModule's capture_info names it and says why.
+model sees eager's result or error; the TrainModule's capture_info names it and says why. Where the
+capture ran the Function to find that out, that Python call takes the run (python_call.py).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 
 from . import op as _op  # noqa: F401  (registers the torch.library ops)
-from . import pending
+from . import pending, python_call
 from .. import torch_private as tp
 from ..capture.state import capturing
 from .example import real_values
@@ -227,7 +228,8 @@ class _Call:
         grad_meta = [(f.dim(), f.dtype, f.device) for f, d in zip(self.fakes, self.differentiable) if d]
         return CallSpec(fn_cls=self.fn_cls, args=self.args, kwargs=self.kwargs, result=result,
                         differentiable=self.differentiable, record=self.record, grad_meta=grad_meta, meta=meta,
-                        dirty=dirty, writes=writes or [], infer=infer, shaped_by=shaped_by)
+                        dirty=dirty, writes=writes or [], infer=infer, shaped_by=shaped_by,
+                        convert=list(self.slots.convert))
 
 
 def _by_infer_shape(tx: Any, call: _Call, infer: Any) -> CallSpec:
@@ -281,20 +283,37 @@ def _by_real_run(call: _Call) -> Tuple[CallSpec, bool]:
                       "while capturing (inside a checkpointed region or another higher-order op), so the "
                       "graph cannot learn its outputs without a run of its own")
     sig, values, run, found = done
-    described = Describer(run.call_inputs, call.record, real=True)
     try:
-        node = described.result(run.result)
-        writes = []
-        for k, (container, items) in enumerate(zip(run.containers, run.before or [])):
-            if _changed(container, items):
-                writes.append((k, described.container(container)))
+        described, node, writes = _describe(call, run, objects=False)
     except Unrepresentable as e:
+        # Python calls apply for this call, after the graph above it ran: that call takes this run
+        # (python_call.py), through a spec of its own holding the objects the graph could not.
+        kept = found if found is not None else pending.add(sig, values, run)
+        described, node, writes = _describe(call, run, objects=True)
+        _offer(call.spec(node, described.meta, sorted(described.dirty.items()), "real run", writes=writes), kept)
         raise HandOff(f"it returns {e}, which a graph cannot carry") from None
     if not _follow_inputs(described.meta, call.fakes):
         _specialise(call.fakes)
     spec = call.spec(node, described.meta, sorted(described.dirty.items()), "real run", writes=writes)
     spec.pending = found if found is not None else pending.add(sig, values, run)
     return spec, found is None
+
+
+def _describe(call: _Call, run: Run, objects: bool) -> Tuple[Describer, Node, List[Tuple[int, Node]]]:
+    """What the run returned, and wrote into the lists and dicts the traced code passed, as nodes."""
+    described = Describer(run.call_inputs, call.record, real=True, objects=objects)
+    node = described.result(run.result)
+    writes = []
+    for k, (container, items) in enumerate(zip(run.containers, run.before or [])):
+        if _changed(container, items):
+            writes.append((k, described.container(container)))
+    return described, node, writes
+
+
+def _offer(spec: CallSpec, kept: Any) -> None:
+    """The call is handed to Python: its own call of apply takes ``kept``, through ``spec``."""
+    spec.pending = kept
+    python_call.offer(kept, register(spec))
 
 
 def _run_for_real(call: _Call, real: List[torch.Tensor]) -> Tuple[Any, List[torch.Tensor], Run, Any]:
@@ -317,7 +336,7 @@ def _run_for_real(call: _Call, real: List[torch.Tensor]) -> Tuple[Any, List[torc
     try:
         run = run_at_capture(call.fn_cls, call.args, call.kwargs, values, call.differentiable, call.record)
     except Exception as e:
-        pending.add(sig, values, None, error=e)
+        _offer(call.spec((CONSTANT, None), [], [], "raised"), pending.add(sig, values, None, error=e))
         raise _raised(e) from None
     return sig, values, run, None
 
@@ -410,10 +429,11 @@ def _capture(tx: Any, fn_cls_vt: Any, args: List[Any], kwargs: Dict[str, Any]) -
     return spec, slots, containers
 
 
-def _make_call(key: int, spec: CallSpec, convert: List[Optional[torch.dtype]]) -> Callable[..., Any]:
+def make_call(key: int, spec: CallSpec, convert: List[Optional[torch.dtype]]) -> Callable[..., Any]:
     """The function dynamo traces in place of ``apply``: the op, then what eager's apply leaves
     behind (an input updated in place, a list the Function appended to), then the result the
-    model's code receives, built from the op's outputs."""
+    model's code receives, built from the op's outputs. (Python runs it itself where its own call
+    of apply takes a capture's run, python_call.py.)"""
     result, dirty, writes, n = spec.result, spec.dirty, spec.writes, len(convert)
 
     def fxtrain_python_op(*values: Any) -> Any:
@@ -462,9 +482,13 @@ def _call_apply(self: AutogradFunctionVariable, tx: Any, args: list, kwargs: dic
                               f"fxtrain runs {name} in Python: {why}")
         raise AssertionError("unreachable")  # dynamo_graph_break raises
     key = register(spec)
+    if spec.pending is not None:
+        # Should the graph never run this call (dynamo gives the frame up, the capture fails and the
+        # step reruns eagerly), Python's own call of apply takes the run instead.
+        python_call.offer(spec.pending, key)
     if sink(name) is not False:
         logger.info("fxtrain: %s is a PythonOp, its outputs shaped by %s", name, spec.shaped_by)
-    call = _make_call(key, spec, slots.convert)
+    call = make_call(key, spec, slots.convert)
     with tp.dynamo_scalar_outputs(tx):
         return tp.build_variable(tx, call).call_function(tx, [*slots.vts, *containers], {})
 

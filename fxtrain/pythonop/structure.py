@@ -203,10 +203,13 @@ class Describer:
     """Turns one observed result (real tensors, fakes from infer_shape) into nodes, numbering the
     op's outputs and recording how the fake kernel shapes each."""
 
-    def __init__(self, call_inputs: Sequence[Any], record: bool, real: bool) -> None:
+    def __init__(self, call_inputs: Sequence[Any], record: bool, real: bool, objects: bool = False) -> None:
         self.call_inputs = list(call_inputs)
         self.record = record
         self.real = real                      # sizes from a real run: fixed (the capture is guarded on them)
+        # Keep what a graph cannot carry as constants, the very objects: for a spec that serves one
+        # call only (the Python call that takes a capture's run, python_call.py).
+        self.objects = objects
         self.meta: List[OutputMeta] = []
         self.dirty: Dict[int, int] = {}       # input index -> op output
         self.seen: Dict[int, Node] = {}       # id(tensor) -> its node, for identity
@@ -269,11 +272,20 @@ class Describer:
             return (LIST, [self.leaf(v, top=False) for v in value])
         if type(value) is dict:
             if not all(type(k) in (str, int) for k in value):
+                if self.objects:
+                    return (CONSTANT, value)
                 raise Unrepresentable("a dict whose keys are not str or int")
             return (DICT, [(k, self.leaf(v, top=False)) for k, v in value.items()])
         if is_namedtuple(value):
             return (NAMEDTUPLE, (class_key(type(value)), [self.leaf(v, top=False) for v in value]))
         if is_dataclass_instance(value):
-            names = dataclass_attributes(value)
+            try:
+                names = dataclass_attributes(value)
+            except Unrepresentable:
+                if self.objects:
+                    return (CONSTANT, value)
+                raise
             return (DATACLASS, (class_key(type(value)), [(n, self.leaf(getattr(value, n), top=False)) for n in names]))
+        if self.objects:
+            return (CONSTANT, value)
         raise Unrepresentable(f"a {type(value).__name__}")
