@@ -28,6 +28,21 @@ from .inputs import call_sizes, call_tensors, changed_dims, describe_dims, leadi
 
 Dims = FrozenSet[Tuple[int, int]]   # (input tensor index in call_schema order, dimension)
 
+# Image height and width (every dimension after the channels of a floating input of rank 4 or more)
+# stay static for this many distinct sizes: a capture per image size until then. Why: training
+# changes image sizes rarely and among few values (multi-scale augmentation, a last odd
+# resolution), while symbolic reasoning about them is the costly kind: HF ViT's position-embedding
+# interpolation made symbolic took 3.5x its first capture where a static capture at the new size
+# took 1.5x, and HF Swin's window partition stalled in sympy. Past this many sizes one symbolic
+# capture beats a capture per size (and keeps clear of Options.recompile_limit).
+IMAGE_SIZES_STATIC = 3
+
+
+def image_dims(tensors: Sequence[Tuple[str, torch.Tensor]]) -> Dims:
+    """(tensor index, dimension) of the spatial dimensions of image-like inputs (N, C, H, W[, ...])."""
+    return frozenset((i, d) for i, (_, t) in enumerate(tensors)
+                     if t.dim() >= 4 and t.is_floating_point() for d in range(2, t.dim()))
+
 
 def _entry_frame(code_name: Optional[str]) -> bool:
     return bool(code_name and code_name.startswith(ENTRY_NAME + "_"))
@@ -42,6 +57,7 @@ class SizesPolicy:
         self.first: Dict[Hashable, Tuple[Tuple[Any, ...], Hashable]] = {}   # key -> (shapes, call_sizes)
         self.symbolic: Dict[Hashable, Dims] = {}     # keys on the symbolic entry -> their symbolic dims
         self.expensive: Dict[Hashable, Dims] = {}    # key -> dims whose symbolic reasoning proved expensive
+        self.image_sizes: Dict[Hashable, Dict[Tuple[int, int], set]] = {}   # key -> image dim -> sizes captured
         self.first_compile_seconds: Optional[float] = None
         self.switch: Optional[str] = None
         self.call: Optional[Tuple[Hashable, Tuple[Any, ...], Tuple[Any, ...], Dict[str, Any]]] = None
@@ -95,7 +111,9 @@ class SizesPolicy:
         before = self.symbolic[key]
         expensive = self.expensive.get(key, frozenset())
         changed = changed_dims(first, shapes)
-        dims = (before | changed | leading_dims(first)) - expensive
+        tensors = call_tensors(args, kwargs)
+        waiting = self._image_dims_static(key, tensors, first, shapes, changed | before)
+        dims = (before | changed | leading_dims(first)) - expensive - waiting
         if dims != before:
             self.symbolic[key] = dims
             new = dims - before
@@ -107,8 +125,25 @@ class SizesPolicy:
             kept = ("static, their symbolic reasoning proved expensive: "
                     f"{describe_dims(expensive & changed, paths, first, shapes)}")
             self.switch = f"{self.switch}; {kept}" if self.switch else f"sizes changed; {kept}"
-        return [(t, [d for d in range(t.dim()) if (i, d) not in dims])
-                for i, (_, t) in enumerate(call_tensors(args, kwargs))]
+        if waiting & changed:
+            kept = (f"image sizes static (a capture per size, symbolic from the {IMAGE_SIZES_STATIC + 1}th distinct "
+                    f"size): {describe_dims(waiting & changed, paths, first, shapes)}")
+            self.switch = f"{self.switch}; {kept}" if self.switch else f"sizes changed; {kept}"
+        return [(t, [d for d in range(t.dim()) if (i, d) not in dims]) for i, (_, t) in enumerate(tensors)]
+
+    def _image_dims_static(self, key: Hashable, tensors: Sequence[Tuple[str, torch.Tensor]],
+                           first: Sequence[Sequence[int]], shapes: Sequence[Sequence[int]], seen: Dims) -> Dims:
+        """The image dimensions among ``seen`` (changed now or before) that stay static for this
+        capture: those captured at no more than IMAGE_SIZES_STATIC distinct sizes, this one included."""
+        sizes = self.image_sizes.setdefault(key, {})
+        waiting = set()
+        for dim in image_dims(tensors) & seen:
+            i, d = dim
+            values = sizes.setdefault(dim, {first[i][d]})
+            values.add(shapes[i][d])
+            if len(values) <= IMAGE_SIZES_STATIC:
+                waiting.add(dim)
+        return frozenset(waiting)
 
     def sympy_budget(self, code_name: Optional[str]) -> Optional[float]:
         """Seconds of sympy work this compile may spend before its symbolic sizes can count as
