@@ -32,9 +32,12 @@ from .runtime.executors import Executor
 from .torch_private import dims_static, dynamo_config_patch, dynamo_recompile_limit_error
 from .runtime.dense_route import SparseBatchError
 from .errors import Error, FxtrainWarning
+from .signature import forward_signature, present
+from .state_dicts import wrapped_state_dict
 
 logger = logging.getLogger("fxtrain")
 _instances = itertools.count()
+_cache_hint_logged = False   # TrainModule._hint_cache
 
 
 class CaptureError(Error, RuntimeError):
@@ -74,6 +77,8 @@ class TrainModule(nn.Module):
     The wrapped module's parameters and buffers are used in place (nothing is copied), so
     optimizers, ``state_dict()``, ``to()``, ``train()``/``eval()`` and hooks act on the same
     tensors as without the wrapper. Parameter and state-dict names are the wrapped module's own.
+    ``forward`` presents the wrapped module's signature and docstring (fxtrain/signature.py), since
+    HF ``Trainer`` and other tools choose what to pass a model by reading them.
     """
 
     def __init__(self, module: nn.Module, options: Optional[Options] = None, *,
@@ -117,6 +122,16 @@ class TrainModule(nn.Module):
         # Floats are graph constants until a float argument changes value (capture/scalars.py).
         self._floats = ScalarWatch((float,))
         self._specialize_float = True
+        self._present()
+
+    def _present(self) -> None:
+        module = self.__dict__["_wrapped"]
+        present(self, TrainModule, forward_signature(module), getattr(module.forward, "__doc__", None),
+                type(module).__name__)
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._present()   # copies reduce to TrainModule itself (fxtrain/signature.py)
 
     # ----------------------------------------------------------------------------------- running
     @property
@@ -273,7 +288,20 @@ class TrainModule(nn.Module):
         seconds = time.perf_counter() - started
         logger.debug("fxtrain: compiled %s in %.2f s (%.2f s in sympy, at most %.0f%% of %.0f s)", code_name,
                      seconds, watch.sympy_seconds, 100 * watch.peak_share, WINDOW)
+        self._hint_cache(seconds)
         self._sizes.compiled(code_name, seconds)
+
+    def _hint_cache(self, seconds: float) -> None:
+        """Once per process, at INFO: where the on-disk cache would save this capture time. Training
+        loops such as HF Trainer start a new process per run and capture again each time (seconds per
+        capture, several with dynamic padding), and nothing else points there."""
+        global _cache_hint_logged
+        if _cache_hint_logged or self._options.cache_dir is not None:
+            return
+        _cache_hint_logged = True
+        logger.info("fxtrain: captured %s in %.1f s; Options(cache_dir=...) or FXTRAIN_CACHE_DIR=<dir> stores "
+                    "captures on disk so that the next process (a new Trainer run) loads them instead "
+                    "(docs/caching.md)", type(self.module).__name__, seconds)
 
     def _describe_compile(self, elapsed: float) -> str:
         what, symbolic = self._sizes.describe_compile(type(self.module).__name__)
@@ -344,7 +372,7 @@ class TrainModule(nn.Module):
 
     # ------------------------------------------------------ the wrapped module's names and state
     def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
-        return self.module.state_dict(*args, **kwargs)
+        return wrapped_state_dict(self.module, args, kwargs)   # tied entries copied: fxtrain/state_dicts.py
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         self._device_known = False
@@ -354,6 +382,18 @@ class TrainModule(nn.Module):
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
         return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def named_modules(self, memo: Optional[Set[nn.Module]] = None, prefix: str = "",
+                      remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Module]]:
+        """This module at ``prefix``, then the wrapped module's own names (the wrapped module itself at
+        ``prefix`` too), so that module names agree with ``named_parameters``: peft finds its adapter
+        layers by module name and keeps trainable the parameters of those names."""
+        memo = set() if memo is None else memo
+        if self not in memo or not remove_duplicate:
+            if remove_duplicate:
+                memo.add(self)
+            yield prefix, self
+        yield from self.module.named_modules(memo, prefix, remove_duplicate)
 
     def named_buffers(self, prefix: str = "", recurse: bool = True,
                       remove_duplicate: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import re
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -114,6 +115,32 @@ def is_document_mask(mask: torch.Tensor, positions: torch.Tensor, causal: bool) 
                      mask, positions))
 
 
+_NO_MASK = "no mask (plain or causal attention over whole rows)"
+
+
+def _packed_without_mask(gm: torch.fx.GraphModule, examples: ExampleSource) -> Optional[str]:
+    """Where no attention has a mask but the capturing batch is packed (a ``[batch, seq]`` integer
+    input restarting within rows: ``position_ids`` of ``DataCollatorWithFlattening``), what the
+    user sees and how to get attention within documents: HF builds that mask only without a cache."""
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        real = examples.value(node)
+        if not isinstance(real, torch.Tensor) or real.dim() != 2 or real.dtype in (torch.bool,) \
+                or real.is_floating_point() or real.is_complex() or real.shape[1] < 2:
+            continue
+        if not bool((real[:, 0] == 0).all()) or not bool(((real[:, 1:] - real[:, :-1]) != 1).any()):
+            continue   # not positions, or positions that never restart
+        documents = len(_lengths(real))
+        name = re.sub(r"^l_(kwargs_)?|_$", "", node.name)   # dynamo's placeholder name of the input
+        return (f"a packed batch ({documents} documents in {real.shape[0]} row(s): {name} restarts) "
+                "with no attention mask: each token attends (the earlier) tokens of its whole row, across "
+                "documents, as eager computes it. For attention within documents pass use_cache=False "
+                "(or set model.config.use_cache = False), as HF's packing guide says: HF then builds the "
+                "per-document mask, which this pass runs document by document")
+    return None
+
+
 def _hint_shape(node: Any) -> Optional[Tuple[int, ...]]:
     v = value(node)
     if not isinstance(v, torch.Tensor):
@@ -126,7 +153,7 @@ def _check_call(sdpa: Node) -> Tuple[Optional[Tuple[int, int, int, int, int]], s
     whatever its mask, or why not."""
     args = sdpa_arguments(sdpa)
     if not isinstance(args["attn_mask"], Node):
-        return None, "no mask (plain or causal attention over whole rows)"
+        return None, _NO_MASK
     if not isinstance(args["dropout_p"], (int, float)) or args["dropout_p"] != 0:
         return None, "attention dropout is on (its mask over whole rows has no per-document form)"
     if args["is_causal"] is not False:
@@ -190,7 +217,9 @@ def packed_attention(gm: torch.fx.GraphModule, examples: ExampleSource, options:
             continue
         found[sdpa] = (dims, *docs)
     if not found:
-        return PassReport(NAME, False, "; ".join(sorted({w.split(": ", 1)[1] for w in why})))
+        reasons = sorted({w.split(": ", 1)[1] for w in why})
+        packed = _packed_without_mask(gm, examples) if reasons == [_NO_MASK] else None
+        return PassReport(NAME, False, packed or "; ".join(reasons))
     # The capturing batch's attention work, documents over whole rows: what 'auto' weighs.
     positions = {p for _, p, _ in found.values()}
     work = whole = 0

@@ -76,7 +76,8 @@ def _token_mask(gm: torch.fx.GraphModule, sdpas: List[Node], embeddings: List[No
     if sdpas:
         masks = [n.kwargs.get("attn_mask", n.args[3] if len(n.args) > 3 else None) for n in sdpas]
         if any(m is None for m in masks):
-            return None, None, "attention without a mask reads the padding tokens"
+            return None, None, ("an attention has no mask: nothing marks padding tokens (each token attends "
+                                "every token, or every earlier one, of its row)")
         common = set.intersection(*(ancestors(m) for m in masks))
         candidates = [n for n in common if n.op == "placeholder" and isinstance(value(n), torch.Tensor)
                       and value(n).dim() == 2 and not value(n).is_floating_point()
