@@ -1,5 +1,5 @@
 """fxtrain: capture a PyTorch model's training step as a graph, then run, cost and split it."""
-from .capture.state import is_capturing
+from .capture_state import is_capturing
 from .errors import Error, FxtrainWarning
 from .module import CaptureError, FallbackWarning, TrainModule
 from .module_with_loss import ModuleWithLoss

@@ -17,7 +17,7 @@ import torch
 import torch.fx
 
 from .. import torch_private as tp
-from ..runtime.absent_grads import VALUE_KEY, value_info
+from ..runtime.shapes import VALUE_KEY, value_info
 from ..runtime.replay import NotReplayable, ReplaySpec, check_graph_arity, replay_spec
 from .key import versions
 from .recipe import Recipe

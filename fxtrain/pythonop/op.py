@@ -40,7 +40,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .. import torch_private as tp
-from ..capture.state import capturing, real_step
+from ..capture_state import capturing, real_step
 from ..torch_private import (AFTER_AUTOGRAD_KEYSET, DispatchKey, DispatchKeySet, ForceDispatchKeyGuard,
                              any_requires_grad, current_graph_task_keeps_graph, dispatch_mode_depth,
                              dispatch_tls_exclude_set, dispatch_tls_include_set, is_grad_enabled,
