@@ -8,8 +8,7 @@ from .profile import ProfileReport, fake_inputs, profile, shapes_only
 from .pipeline import Pipe, PipelineError, SplitError, pipe_split, split
 from .runtime.deferred import StaleDeferredOutput
 from .runtime.dense_route import SparseBatchError
-
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = ["TrainModule", "ModuleWithLoss", "Options", "is_capturing", "profile", "ProfileReport", "fake_inputs",
            "shapes_only", "Error", "FxtrainWarning", "CaptureError", "FallbackWarning", "__version__",

@@ -19,7 +19,7 @@ from .capture.breaks import call_breaks, close_window, open_window
 from .capture.entry import make_entry
 from .capture_state import in_fake_run
 from .capture.watch import WINDOW, ExpensiveSymbolicSizes, watched
-from .capture.info import CaptureInfo, GraphRecord
+from .runtime.info import CaptureInfo, GraphRecord
 from .capture.inputs import autocast_state, call_schema
 from .capture.rollback import Rollback
 from .capture.scalars import ScalarWatch

@@ -17,7 +17,8 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import torch.fx
 
 from ..options import Options
-from .base import Pass, PassReport
+from ..runtime.step import PassReport, Plans
+from .base import Pass
 from . import cross_entropy_grad as _ce_grad, embedding_grad as _emb_grad
 from .cross_entropy_grad import cross_entropy_grad
 from .density import DynamoExamples, ExampleSource
@@ -25,7 +26,6 @@ from .documents import packed_attention
 from .embedding_grad import tied_embedding_grad
 from .label_sparsity import label_sparsity
 from .padding_elimination import padding_elimination
-from .plans import Plans
 from .scatter_in_place import scatter_in_place
 from .upstream_slicing import upstream_slicing
 

@@ -120,8 +120,8 @@ class MarkedExecutor(EagerExecutor):
                   **kwargs: Any) -> Any:
         return self.base.partition(joint, joint_inputs, before_cut=before_cut, **kwargs)
 
-    def decompositions(self) -> Any:
-        return self.base.decompositions()
+    def decompositions(self, keep: Sequence[Any] = ()) -> Any:
+        return self.base.decompositions(keep)
 
     def compile(self, graph: torch.fx.GraphModule, kind: str, example_inputs: Sequence[Any]) -> Any:
         return boxed_copy(mark(graph, "backward" if kind == "backward" else "forward")).forward
