@@ -4,7 +4,7 @@ Checked on torch ``CHECKED_ON``. Each function or constant says what it needs fr
 so that a torch upgrade is one file to read: if a name moved, fix it here (tests/test_torch_private.py
 calls each accessor, and checks that no other module under fxtrain/ names a private torch API).
 Modules whose logic is about a torch internal by nature (capture/, pythonop/route.py,
-capture/recipe.py, profile/tracker.py) keep that logic, but reach the internals through this module.
+capture/recipe.py, cost/tracker.py) keep that logic, but reach the internals through this module.
 
 Names exported as plain aliases (``FakeTensor``, ``tree_flatten``, the dispatch-key helpers) sit in
 modules ``import torch`` loads anyway; anything heavier (dynamo, inductor, the graph pickler) is

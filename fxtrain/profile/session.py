@@ -25,9 +25,9 @@ from ..torch_private import FakeTensorMode, reparametrize_module
 from .capture import ShadowExamples, profiling_module
 from .eager_modules import ModuleAttribution
 from .inputs import fake_values, target_device, to_fake
-from .step import OptimizerSpec, _rebuild, held_by_outputs, loss_of, optimizer_factory
-from .shadows import Shadows
-from .tracker import CostTracker, ProfileError
+from ..cost.step import OptimizerSpec, _rebuild, held_by_outputs, loss_of, optimizer_factory
+from ..cost.shadows import Shadows
+from ..cost.tracker import CostTracker, ProfileError
 
 logger = logging.getLogger("fxtrain")
 
