@@ -733,7 +733,7 @@ def process_group_timeout(group: Any) -> Any:
 
 def schedule_actions(class_name: str, ranks: int, n_microbatches: int, stages_per_rank: int) -> List[List[Any]]:
     """Every rank's compute actions, as (kind, stage, microbatch) with kind F, B, I or W, in the
-    order torch's multi-stage schedule class runs them (its ``pipeline_order``, built on mock
+    order torch's multi-stage schedule class runs them (its ``pipeline_order``, built on stand-in
     stages by ``torch.distributed.pipelining._schedule_visualizer.get_schedule_ops``). Idle slots
     are dropped and an OVERLAP_F_B action becomes its sub-actions."""
     from torch.distributed.pipelining import schedules

@@ -87,7 +87,7 @@ class Backend:
         captures under fallback="raise", says the user's own (``budget_fallback``)."""
         if self.options.memory_budget is None:
             return None
-        fallback = getattr(self.executor, "budget_fallback", None) or self.options.fallback
+        fallback = self.executor.budget_fallback or self.options.fallback
         return BudgetRequest(int(self.options.memory_budget), "raise" if fallback == "raise" else "warn",
                              self._warn_once)
 

@@ -45,6 +45,9 @@ class Executor:
     # Keep what planning a memory budget needs on each capture (capture/budget.py: BudgetState), so
     # that it can be planned again at other sizes (the profiler's largest batch with recomputation).
     keeps_budget_state = False
+    # What a memory budget below the smallest achievable peak does, if not Options.fallback's policy
+    # (the profiler captures under fallback="raise" but must apply the user's).
+    budget_fallback: Optional[str] = None
     # Backward passes this executor does not want (name -> why, shown in capture_info()): their ops
     # are then decomposed like any other, so the code generator sees and fuses them.
     skips_backward_passes: Dict[str, str] = {}
