@@ -53,7 +53,7 @@ def _child(a: argparse.Namespace, contender: str) -> Dict[str, Any]:
     import torch
     import fxtrain
     from fxtrain.profile.measure import LiveBytes
-    from fxtrain.profile.step import loss_of
+    from fxtrain.cost.step import loss_of
     torch.set_num_threads(a.threads)
     m, b = _model(a)
     f = m
@@ -125,7 +125,7 @@ def _timing_child(a: argparse.Namespace, contenders: List[str]) -> Dict[str, Any
     import copy
     import torch
     import fxtrain
-    from fxtrain.profile.step import loss_of
+    from fxtrain.cost.step import loss_of
     torch.set_num_threads(a.threads)
     base, b = _model(a)
     runners = []

@@ -17,9 +17,9 @@ from .cache.session import ModuleCache
 from .capture.backend import Backend, RecompileLimitReached, current_mode
 from .capture.breaks import call_breaks, close_window, open_window
 from .capture.entry import make_entry
-from .capture.state import in_fake_run
+from .capture_state import in_fake_run
 from .capture.watch import WINDOW, ExpensiveSymbolicSizes, watched
-from .capture.info import CaptureInfo, GraphRecord
+from .runtime.info import CaptureInfo, GraphRecord
 from .capture.inputs import autocast_state, call_schema
 from .capture.rollback import Rollback
 from .capture.scalars import ScalarWatch

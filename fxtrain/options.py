@@ -143,7 +143,7 @@ class Options:
         return dataclasses.asdict(self)
 
 
-# Optimizers Options.optimizer may name (profile/step.py maps them to torch.optim classes).
+# Optimizers Options.optimizer may name (cost/step.py maps them to torch.optim classes).
 OPTIMIZERS = ("adamw", "adam", "sgd", "adagrad", "rmsprop")
 
 _UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,

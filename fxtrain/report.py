@@ -1,4 +1,4 @@
-"""Plain-text tables shared by every report (bench, demo, profiler, pipeline plans)."""
+"""Plain-text tables and quantities shared by every report (bench, demo, profiler, budget, pipeline plans)."""
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -20,3 +20,19 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
         return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
 
     return "\n".join([line(list(headers)), "  ".join("-" * w for w in widths)] + [line(r) for r in cells])
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} PiB"
+
+
+def human_flops(n: float) -> str:
+    for unit in ("", "K", "M", "G", "T", "P", "E"):
+        if abs(n) < 1000 or unit == "E":
+            return f"{n:.0f}" if unit == "" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} E"

@@ -4,7 +4,7 @@ Checked on torch ``CHECKED_ON``. Each function or constant says what it needs fr
 so that a torch upgrade is one file to read: if a name moved, fix it here (tests/test_torch_private.py
 calls each accessor, and checks that no other module under fxtrain/ names a private torch API).
 Modules whose logic is about a torch internal by nature (capture/, pythonop/route.py,
-cache/recipe.py, profile/tracker.py) keep that logic, but reach the internals through this module.
+capture/recipe.py, cost/tracker.py) keep that logic, but reach the internals through this module.
 
 Names exported as plain aliases (``FakeTensor``, ``tree_flatten``, the dispatch-key helpers) sit in
 modules ``import torch`` loads anyway; anything heavier (dynamo, inductor, the graph pickler) is
@@ -742,7 +742,7 @@ def process_group_timeout(group: Any) -> Any:
 
 def schedule_actions(class_name: str, ranks: int, n_microbatches: int, stages_per_rank: int) -> List[List[Any]]:
     """Every rank's compute actions, as (kind, stage, microbatch) with kind F, B, I or W, in the
-    order torch's multi-stage schedule class runs them (its ``pipeline_order``, built on mock
+    order torch's multi-stage schedule class runs them (its ``pipeline_order``, built on stand-in
     stages by ``torch.distributed.pipelining._schedule_visualizer.get_schedule_ops``). Idle slots
     are dropped and an OVERLAP_F_B action becomes its sub-actions."""
     from torch.distributed.pipelining import schedules

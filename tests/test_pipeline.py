@@ -604,7 +604,7 @@ def test_time_cost_prices_the_embedding_gradient_and_views():
     """FLOPs price an embedding at zero, but its backward writes a table-sized gradient and
     accumulates it every microbatch: balance="time" adds the bytes each node moves."""
     from fxtrain.pipeline.costs import node_sparse_flops, node_time, traffic_of
-    from fxtrain.profile.flops import FLOPS_PER_BYTE
+    from fxtrain.cost.flops import FLOPS_PER_BYTE
     model = toy_model()
     pipe = fxtrain.split(model, example_kwargs=toy_batch(), num_stages=2, balance="time")
     gm = pipe.plan.captured.gm

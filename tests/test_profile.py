@@ -20,9 +20,9 @@ from torch import nn
 
 import fxtrain
 from fxtrain import models
-from fxtrain.profile.flops import attention_backward_flops, attention_flops
+from fxtrain.cost.flops import attention_backward_flops, attention_flops
 from fxtrain.profile.measure import measure_step
-from fxtrain.profile.tracker import ProfileError
+from fxtrain.profile import ProfileError
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -20,7 +20,7 @@ from torch.distributed._tools.mod_tracker import ModTracker
 
 import fxtrain
 from fxtrain import models
-from fxtrain.profile.step import loss_of
+from fxtrain.cost.step import loss_of
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

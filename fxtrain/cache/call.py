@@ -11,8 +11,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 
 from .. import torch_private as tp
-from ..capture.step import CapturedStep
-from ..passes.plans import Plans
+from ..runtime.step import CapturedStep, Plans
 from ..runtime import runner
 from ..runtime.absent_grads import AbsentGradBackward
 from ..runtime.dense_route import DenseRoute

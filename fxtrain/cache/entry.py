@@ -17,10 +17,10 @@ import torch
 import torch.fx
 
 from .. import torch_private as tp
-from ..runtime.absent_grads import VALUE_KEY, value_info
+from ..runtime.shapes import VALUE_KEY, value_info
 from ..runtime.replay import NotReplayable, ReplaySpec, check_graph_arity, replay_spec
 from .key import versions
-from .recipe import Recipe
+from ..capture.recipe import Recipe
 
 FORMAT = 2   # 2: the torch-level graph and the runtime mode of the capture
 _PLAIN = (bool, int, float, complex, str, bytes, type(None))

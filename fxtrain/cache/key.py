@@ -13,18 +13,18 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 import platform
 import sys
 import types
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from ..capture.inputs import autocast_state
 from ..options import Options
+from ..version import __version__
 from ..errors import Error
 
 # Options that do not change a captured graph: where files go, logging, what happens on failure.
@@ -169,7 +169,6 @@ def input_digest(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> str:
 @functools.lru_cache(maxsize=None)
 def fxtrain_digest() -> str:
     """Version plus a hash of fxtrain's own source: a changed pass must not meet an old graph."""
-    from .. import __version__
     root = Path(__file__).resolve().parent.parent
     h = hashlib.sha256(__version__.encode())
     for path in sorted(root.rglob("*.py")):
@@ -184,7 +183,6 @@ def options_digest(options: Options) -> str:
 
 
 def versions() -> Dict[str, str]:
-    from .. import __version__
     return {"fxtrain": __version__, "torch": torch.__version__, "python": platform.python_version()}
 
 
@@ -196,27 +194,3 @@ def cache_key(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], 
     parts = [repr(sorted(versions().items())), fxtrain_digest(), sys.platform, module_digest(module),
              input_digest(args, kwargs), mode, repr(autocast), options_digest(options)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:40]
-
-
-def file_digest(path: str) -> Optional[str]:
-    try:
-        with open(path, "rb") as f:
-            return hashlib.sha256(f.read()).hexdigest()
-    except OSError:
-        return None
-
-
-def source_files(codes: Iterable[Any]) -> Dict[str, str]:
-    """sha256 of every real file the traced code came from (frozen and generated code has none)."""
-    files: Dict[str, str] = {}
-    for code in codes:
-        path = getattr(code, "co_filename", "")
-        if path and path not in files and os.path.isfile(path):
-            digest = file_digest(path)
-            if digest is not None:
-                files[path] = digest
-    return files
-
-
-def changed_files(files: Dict[str, str]) -> List[str]:
-    return [path for path, digest in files.items() if file_digest(path) != digest]

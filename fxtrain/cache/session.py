@@ -12,7 +12,7 @@ from typing import Any, Dict, Hashable, Optional, Tuple
 
 from torch import nn
 
-from ..capture.info import CaptureInfo, GraphRecord
+from ..runtime.info import CaptureInfo, GraphRecord
 from ..capture.scalars import ScalarWatch
 from ..options import Options
 from ..runtime.executors import Executor
@@ -21,7 +21,8 @@ from ..runtime.dense_route import DenseRoute
 from ..runtime.replay import NotReplayable
 from . import entry as entries
 from .call import MISS, CachedCall
-from .key import Unkeyable, cache_key, changed_files
+from ..capture.recipe import changed_files
+from .key import Unkeyable, cache_key
 from .store import CorruptEntry, Store, warn_once
 
 logger = logging.getLogger("fxtrain")

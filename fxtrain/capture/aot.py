@@ -18,7 +18,8 @@ import torch
 import torch.fx
 
 from .. import torch_private as tp
-from ..passes.base import PassReport
+from ..passes import FORWARD_GRAPH_PASSES, backward_pass_ops, run_backward_passes
+from ..runtime.step import PassReport
 from ..runtime.absent_grads import AbsentGradBackward
 from ..runtime.executors import Executor
 
@@ -44,8 +45,6 @@ def split(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], executor: Exe
           keep_joint: bool = False) -> Split:
     """``keep_joint``: keep a copy of the joint graph (a memory budget re-partitions it); the
     executor then compiles nothing ahead, since the graphs may still change."""
-    from ..passes import FORWARD_GRAPH_PASSES, run_backward_passes  # the passes import the runtime: resolve at call time
-
     result = Split()
 
     def partition(joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
@@ -87,7 +86,7 @@ def split(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], executor: Exe
     kwargs: Dict[str, Any] = dict(fw_compiler=forward_compiler, bw_compiler=backward_compiler,
                                   inference_compiler=functools.partial(forward_compiler, inference=True),
                                   partition_fn=partition)
-    decompositions = executor.decompositions()
+    decompositions = executor.decompositions(keep=backward_pass_ops(executor))
     if decompositions is not None:
         kwargs["decompositions"] = decompositions
     result.aot_callable = tp.aot_autograd(**kwargs)(gm, example_inputs)

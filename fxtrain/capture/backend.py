@@ -10,7 +10,7 @@ import torch
 import torch.fx
 
 from .. import torch_private as tp
-from ..cache import recipe as cache_recipe
+from . import recipe as cache_recipe
 from ..options import Options
 from ..passes import DynamoExamples, ExampleSource, Plans, run_passes
 from ..runtime import runner
@@ -20,8 +20,8 @@ from .aot import split
 from .breaks import graph_break_site
 from .budget import BudgetRequest, BudgetState, MemoryBudgetWarning, plan_step
 from .dump import dump_capture
-from .info import CaptureInfo, GraphRecord
-from .step import CapturedStep
+from ..runtime.info import CaptureInfo, GraphRecord
+from ..runtime.step import CapturedStep
 from ..errors import Error
 
 logger = logging.getLogger("fxtrain")
@@ -87,7 +87,7 @@ class Backend:
         captures under fallback="raise", says the user's own (``budget_fallback``)."""
         if self.options.memory_budget is None:
             return None
-        fallback = getattr(self.executor, "budget_fallback", None) or self.options.fallback
+        fallback = self.executor.budget_fallback or self.options.fallback
         return BudgetRequest(int(self.options.memory_budget), "raise" if fallback == "raise" else "warn",
                              self._warn_once)
 

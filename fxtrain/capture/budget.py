@@ -5,7 +5,7 @@ state, the batch, activations and temporaries. Of these only the activations sav
 are fxtrain's to choose (the rest is fixed by the model, the batch and the optimizer), so a plan is a
 choice of what the forward saves; whatever else the backward reads of the forward it recomputes from
 what was saved. The plan is made at capture, on AOTAutograd's joint graph, and costed with the
-profiler's cost model on the very graphs and runtime that will run (``profile/graph_step.py``).
+profiler's cost model on the very graphs and runtime that will run (``cost/graph_step.py``).
 
 How a plan is made:
 
@@ -18,7 +18,7 @@ How a plan is made:
    anything outside aten (PythonOps run user code).
 3. **Order: cheapest recomputation per byte first** (greedy, re-costed as the plan grows). Dropping a
    group costs recomputing it and whatever it needs that is neither saved nor already recomputed,
-   up to saved values and primals: FLOPs (``profile/flops.py``) plus ``BYTE_COST`` FLOP-equivalents
+   up to saved values and primals: FLOPs (``cost/flops.py``) plus ``BYTE_COST`` FLOP-equivalents
    per byte each recomputed op reads and writes. Elementwise ops and norms come first (no FLOPs,
    one pass over memory), then attention probabilities, then matmul outputs; the residual stream
    between layers is last, and once a layer's other values are gone, dropping its input means
@@ -105,7 +105,7 @@ class MemoryPlan:
         return self.unplanned_peak_bytes - self.planned_peak_bytes
 
     def __str__(self) -> str:
-        from ..profile.report import human_bytes, human_flops
+        from ..report import human_bytes, human_flops
         ops = ", ".join(f"{k} {v}" for k, v in self.recomputed_ops.items() if v) or "nothing"
         lines = [f"budget {human_bytes(self.budget_bytes)}: planned peak {human_bytes(self.planned_peak_bytes)}"
                  f" ({'fits' if self.fits else 'does NOT fit'}; {self.peak_phase}), without recomputation "
@@ -225,7 +225,7 @@ def _node_cost(node: torch.fx.Node) -> Tuple[int, int]:
     ``BYTE_COST`` per byte read and written."""
     if _kind(node) is None:
         return 0, 0
-    from ..profile.flops import op_flops
+    from ..cost.flops import op_flops
 
     def value(a: Any) -> Any:
         return _shaped(_val(a)) if isinstance(a, torch.fx.Node) else a
@@ -662,7 +662,7 @@ class BudgetState:
         self.executor = executor   # whose backward passes run on each plan's graphs
         self.num = int(partition_kwargs["num_fwd_outputs"])
         self.static = partition_kwargs.get("static_lifetime_input_indices")
-        from ..profile.graph_step import graph_inputs
+        from ..cost.graph_step import graph_inputs
         self.inputs = graph_inputs(step.forward_graph, example_inputs)
         self.optimizer = optimizer
         self.spec = step.spec
@@ -701,7 +701,7 @@ class BudgetState:
 
     def cost(self, k: int, sizes: Optional[Dict[Any, int]] = None) -> Any:
         """The profiler's cost (``GraphStepCost``) of plan ``k``'s step at ``sizes``."""
-        from ..profile.graph_step import GraphStepCoster
+        from ..cost.graph_step import GraphStepCoster
         key = tuple(sorted((str(s), v) for s, v in (sizes or {}).items()))
         if key not in self._costers:
             self._costers[key] = GraphStepCoster(self.inputs, self.optimizer, sizes)
@@ -770,7 +770,7 @@ class BudgetState:
 
 
 def below_minimum_message(plan: MemoryPlan) -> str:
-    from ..profile.report import human_bytes
+    from ..report import human_bytes
     return (f"fxtrain: memory budget {human_bytes(plan.budget_bytes)} is below the smallest peak this training "
             f"step reaches by recomputing in the backward, {human_bytes(plan.smallest_peak_bytes or 0)} "
             f"(without recomputation {human_bytes(plan.unplanned_peak_bytes)}; optimizer state counted: "

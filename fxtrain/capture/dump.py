@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch.fx
 
-from .info import CaptureInfo, GraphRecord
+from ..runtime.info import CaptureInfo, GraphRecord
 
 logger = logging.getLogger("fxtrain")
 

@@ -11,7 +11,7 @@ import types
 from typing import Any, Callable, ContextManager, Optional
 
 from ..torch_private import dynamo_compile
-from .frames import ENTRY_NAME
+from ..capture_state import ENTRY_NAME
 
 _counter = itertools.count()
 

@@ -23,7 +23,7 @@ from typing import Any, Dict, FrozenSet, Hashable, List, Optional, Sequence, Tup
 
 import torch
 
-from .frames import ENTRY_NAME
+from ..capture_state import ENTRY_NAME
 from .inputs import call_sizes, call_tensors, changed_dims, describe_dims, leading_dims
 
 Dims = FrozenSet[Tuple[int, int]]   # (input tensor index in call_schema order, dimension)

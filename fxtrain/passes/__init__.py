@@ -17,7 +17,9 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import torch.fx
 
 from ..options import Options
-from .base import Pass, PassReport
+from ..runtime.executors import Executor
+from ..runtime.step import PassReport, Plans
+from .base import Pass
 from . import cross_entropy_grad as _ce_grad, embedding_grad as _emb_grad
 from .cross_entropy_grad import cross_entropy_grad
 from .density import DynamoExamples, ExampleSource
@@ -25,7 +27,6 @@ from .documents import packed_attention
 from .embedding_grad import tied_embedding_grad
 from .label_sparsity import label_sparsity
 from .padding_elimination import padding_elimination
-from .plans import Plans
 from .scatter_in_place import scatter_in_place
 from .upstream_slicing import upstream_slicing
 
@@ -66,16 +67,16 @@ FORWARD_GRAPH_PASSES: List[Callable[[torch.fx.GraphModule], PassReport]] = [scat
 BACKWARD_PASS_OPS: Dict[str, Tuple[object, ...]] = {"cross_entropy_grad": _ce_grad.OPS, "tied_embedding_grad": _emb_grad.OPS}
 
 
-def run_backward_passes(bw: torch.fx.GraphModule, executor: object) -> List[PassReport]:
+def run_backward_passes(bw: torch.fx.GraphModule, executor: Executor) -> List[PassReport]:
     """The backward passes on ``bw``, less those ``executor`` skips (reported as off, with its reason)."""
-    skips: Dict[str, str] = getattr(executor, "skips_backward_passes", {})
+    skips = executor.skips_backward_passes
     return [PassReport(p.__name__, False, skips[p.__name__]) if p.__name__ in skips else p(bw)
             for p in BACKWARD_PASSES]
 
 
-def backward_pass_ops(executor: object) -> List[object]:
+def backward_pass_ops(executor: Executor) -> List[object]:
     """The ops to keep whole for the backward passes ``executor`` runs."""
-    skips: Dict[str, str] = getattr(executor, "skips_backward_passes", {})
+    skips = executor.skips_backward_passes
     return [op for name, ops in BACKWARD_PASS_OPS.items() if name not in skips for op in ops]
 
 

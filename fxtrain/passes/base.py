@@ -1,7 +1,6 @@
-"""What every pass returns: whether it rewrote the graph and why (``capture_info().optimizations``)."""
+"""What every pass is: a function of the graph, the batch, the options and the plans it fills."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -9,20 +8,7 @@ import torch.fx
 
 from ..options import Options
 from .density import ExampleSource
-from .plans import Plans
-
-
-@dataclass
-class PassReport:
-    name: str
-    applied: bool
-    reason: str
-    # Backward passes: memory traffic the rewrite removes per step (bytes, at the capture's sizes),
-    # which the runtime weighs against the cost of replaying the backward graph (runtime/runner.py).
-    saved_bytes: int = 0
-
-    def __str__(self) -> str:
-        return f"{'on' if self.applied else 'off'}: {self.reason}"
+from ..runtime.step import PassReport, Plans
 
 
 def bytes_of(shape: Sequence[object], dtype: torch.dtype) -> int:

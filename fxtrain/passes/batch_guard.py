@@ -17,14 +17,14 @@ once per ``nonzero``.
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.fx
 
-from ..runtime.direct import direct
-from ..runtime.host_counts import HOST_COUNT, HOST_DOCUMENT_LENGTHS, HOST_ROW_LENGTHS, new_slot, provide
-from .plans import Plans
+from ..runtime.dense_route import BatchGuard
+from ..runtime.host_counts import HOST_COUNT, HOST_DOCUMENT_LENGTHS, HOST_ROW_LENGTHS, new_slot
+from ..runtime.step import Plans
 
 Node = torch.fx.Node
 _INPLACE_OPERATORS = {getattr(operator, n) for n in ("iadd", "iand", "iconcat", "ifloordiv", "ilshift", "imatmul",
@@ -142,36 +142,6 @@ class GuardBuilder:
         plans.guard = BatchGuard(check, [r for _, r in self.conditions], [slot for _, slot in self.counts],
                                  [slot for _, slot in self.vectors])
         plans.guard_builder = self
-
-
-class BatchGuard:
-    """The conditions of one capture, and the row counts its selections need.
-
-    ``check(*graph_inputs)`` is an int64 vector: one 0/1 per reason, one count per slot, then for
-    each of ``vector_slots`` its length ``n`` and ``n`` per-row counts.
-    """
-
-    def __init__(self, check: torch.fx.GraphModule, reasons: List[str], slots: List[int],
-                 vector_slots: Sequence[int] = ()) -> None:
-        self.check, self.reasons, self.slots = check, reasons, slots
-        self.vector_slots = list(vector_slots)
-
-    def failed(self, args: Tuple[Any, ...]) -> List[str]:
-        """The reasons this batch breaks (empty: the rewritten graph serves it), after leaving the
-        counts for the step. One host synchronisation, the step's only one."""
-        # copy=True: on a CPU module a copy too, so that the one transfer is one op on every device.
-        values = direct(self.check)(*args).to("cpu", copy=True).tolist()
-        n = len(self.reasons)
-        failed = [r for r, good in zip(self.reasons, values[:n]) if not good]
-        if not failed:  # the rewritten graph runs (the dense one has no selection to size)
-            for slot, rows in zip(self.slots, values[n:]):
-                provide(slot, rows)
-            at = n + len(self.slots)
-            for slot in getattr(self, "vector_slots", ()):  # absent from guards pickled before them
-                size = values[at]
-                provide(slot, values[at + 1:at + 1 + size])
-                at += 1 + size
-        return failed
 
 
 def counted_index(gm: torch.fx.GraphModule, plans: Plans, valid: Node) -> Node:

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from .base import PassReport, bytes_of
+from ..runtime.step import PassReport
+from .base import bytes_of
 
 NAME = "cross_entropy_grad"
 aten = torch.ops.aten

@@ -15,10 +15,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch.fx
 
-from ..capture.frames import ENTRY_PREFIXES, compiled_frame_name
+from ..capture_state import ENTRY_PREFIXES, compiled_frame_name
 from ..runtime.deferred import DeferredPlan
 from ..runtime.direct import direct
-from .plans import Plans
+from ..runtime.step import Plans
 from .rows import Node, Region, copy_subgraph, value
 
 def can_defer(gm: torch.fx.GraphModule, plans: Plans, region: Region) -> Optional[str]:

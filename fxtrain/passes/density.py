@@ -15,7 +15,7 @@ import torch
 import torch.fx
 
 from ..torch_private import is_fake
-from .plans import Plans
+from ..runtime.step import Plans
 from .rows import ancestors, run_node, value
 
 

@@ -45,10 +45,10 @@ import torch.nn.functional as F
 from ..options import Options
 from ..runtime.varlen_attention import VARLEN_ATTENTION
 from ..torch_private import NN_SDPA, size_hint
-from .base import PassReport
+from ..runtime.step import PassReport
 from .batch_guard import GuardBuilder, document_lengths
 from .density import ExampleSource, density_reason
-from .plans import Plans
+from ..runtime.step import Plans
 from .rows import ancestors, value
 from .varlen import erase_replaced, sdpa_arguments
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from .base import PassReport, bytes_of
+from ..runtime.step import PassReport
+from .base import bytes_of
 
 NAME = "tied_embedding_grad"
 aten = torch.ops.aten

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 from ..options import Options
 from ..torch_private import NN_PAD
-from .base import PassReport
-from .plans import Plans
+from ..runtime.step import PassReport
+from ..runtime.step import Plans
 from .batch_guard import counted_index
 from .density import ExampleSource, add_probe, density_reason
 from .defer import can_defer, defer_outputs

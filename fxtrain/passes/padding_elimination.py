@@ -36,8 +36,8 @@ import torch.nn.functional as F
 
 from ..options import Options
 from ..torch_private import ASSERT_ASYNC, NN_SDPA
-from .base import PassReport
-from .plans import Plans
+from ..runtime.step import PassReport
+from ..runtime.step import Plans
 from .batch_guard import GuardBuilder, counted_index
 from .defer import defer_dense, feeds_resumed_code
 from .label_sparsity import cross_entropy_args, unsupported_cross_entropy

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from .base import PassReport
+from ..runtime.step import PassReport
 
 NAME = "scatter_in_place"
 aten = torch.ops.aten

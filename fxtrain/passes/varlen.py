@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from ..runtime.varlen_attention import VARLEN_ATTENTION
 from .batch_guard import GuardBuilder, row_lengths
-from .plans import Plans
+from ..runtime.step import Plans
 from .row_ops import row_selection
 from .rows import _same, ancestors, descendants, run_node, value
 

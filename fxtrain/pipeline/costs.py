@@ -3,7 +3,7 @@
 A cost function maps a captured dynamo graph to one number per node (in ``gm.graph.nodes`` order);
 the partitioner only sums them. ``node_flops`` counts training FLOPs (forward plus backward) of the
 heavy ops from the fake-tensor shapes dynamo recorded on each node; ``node_time`` adds the bytes
-each node moves (``traffic_of``) at the profiler's FLOPs-per-byte rate (``profile.flops``), since
+each node moves (``traffic_of``) at the profiler's FLOPs-per-byte rate (``cost.flops``), since
 FLOPs alone price an embedding's dense gradient at zero; ``node_params`` counts parameter
 elements where a parameter is first used. The profiler (DESIGN §5) can replace ``node_flops``
 with its own per-node numbers by passing any ``CostFn``.
@@ -334,7 +334,7 @@ def node_time(gm: torch.fx.GraphModule, flops_per_byte: Optional[float] = None) 
     traffic of the logits region with its FLOPs, not the weight's: the whole decoder weight is
     still read and its gradient written.
     """
-    from ..profile.flops import FLOPS_PER_BYTE, flop_equivalent
+    from ..cost.flops import FLOPS_PER_BYTE, flop_equivalent
 
     rate = FLOPS_PER_BYTE if flops_per_byte is None else flops_per_byte
     flops = node_sparse_flops(gm)

@@ -22,32 +22,12 @@ from .capture import INPUT, PARAM, CapturedGraph, SplitError
 from .costs import COST_FUNCTIONS, CostFn, forward_flops_of, flops_of, module_of, weight_flops_of
 from .marker import is_marker
 from .partition import min_max_partition
+from .stage_module import StagePlan, stage_module
 
 if TYPE_CHECKING:
     from .measure import Target
 
 SplitPoints = Union[Mapping[str, str], Sequence[str]]
-
-
-@dataclasses.dataclass
-class StagePlan:
-    index: int
-    nodes: List[torch.fx.Node]           # the activation nodes this stage computes, in order
-    replicated: List[torch.fx.Node]      # parameter-only nodes it recomputes for itself
-    inputs: List[torch.fx.Node]          # values received (user-input placeholders for stage 0)
-    outputs: List[torch.fx.Node]         # values sent on (the graph's outputs for the last stage)
-    params: List[str]                    # qualified names of the parameters it reads
-    param_numel: int = 0
-    flops: int = 0                       # forward + backward
-    forward_flops: int = 0
-    weight_flops: int = 0                # the backward's weight-gradient products (W of zero bubble)
-    send_bytes: int = 0                  # activation bytes sent to the next stage per call
-    first_module: str = ""
-    last_module: str = ""
-    cost: float = 0.0                    # what the plan balanced (FLOPs unless balance= says otherwise)
-    forward_time: float = 0.0            # balance="measured": seconds per call measured (0: not measured)
-    backward_time: float = 0.0
-    weight_time: float = 0.0             # the backward's weight-gradient part, when timed apart (zero bubble)
 
 
 @dataclasses.dataclass
@@ -327,7 +307,6 @@ def time_plan(captured: CapturedGraph, stages: Sequence[StagePlan], before: Opti
     from ..module import TrainModule
     from ..options import Options
     from .measure import time_stages
-    from .stage_module import stage_module
     kinds = captured.by_node()
     options = Options(backward="graph") if split else None
     modules = [TrainModule(stage_module(captured, st, last=st.index == len(stages) - 1), options) for st in stages]

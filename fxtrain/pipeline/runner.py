@@ -23,6 +23,8 @@ What torch's own pipeline gets wrong and this runner gets right:
 Failures: P2P runs on a process group of its own with the configured timeout; a stage that raises
 records why in the rendezvous store before re-raising, and a peer that loses contact raises a
 ``PipelineError`` naming the failed stage instead of hanging.
+The pipe (``pipe.py: Pipe``) is what builds a runner (``Pipe.build``), so the runner takes it as a
+value and does not import it: the dependency goes one way, pipe -> runner.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ import itertools
 import logging
 import statistics
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -51,9 +53,6 @@ from .plan import Plan
 from .schedules import SCHEDULE_INFO, check_layout, placement
 from .stage_module import stage_module
 from ..torch_private import default_store, process_group_timeout
-
-if TYPE_CHECKING:
-    from .pipe import Pipe
 
 logger = logging.getLogger("fxtrain")
 
@@ -158,7 +157,7 @@ TIMING_RUN = "timing run of a measured plan"
 TIMING_STEPS = 3
 
 
-def time_in_pipeline(pipe: "Pipe", schedule: str, m: int, loss_fn: Optional[Callable[..., Any]],
+def time_in_pipeline(pipe: Any, schedule: str, m: int, loss_fn: Optional[Callable[..., Any]],
                      group: Any, timeout: Optional[datetime.timedelta], options: Optional[Options],
                      cuts: List[int], before: Callable[[], None]) -> List[Tuple[float, float, float]]:
     """Every stage's (forward, backward, weight part) seconds per microbatch, measured by running
@@ -218,7 +217,7 @@ class PipelineRunner:
     are the first of them.
     """
 
-    def __init__(self, pipe: "Pipe", schedule: str, n_microbatches: int, loss_fn: Optional[Callable[..., Any]],
+    def __init__(self, pipe: Any, schedule: str, n_microbatches: int, loss_fn: Optional[Callable[..., Any]],
                  group: Optional[dist.ProcessGroup] = None, timeout: Optional[datetime.timedelta] = None,
                  options: Optional[Options] = None, plan: Optional[Plan] = None) -> None:
         """``plan``: run these cuts instead of the pipe's plan at microbatch size (timing runs of

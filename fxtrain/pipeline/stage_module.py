@@ -1,4 +1,5 @@
-"""One stage of a plan as a standalone ``GraphModule`` over the model's own parameters.
+"""One stage of a plan (``StagePlan``: what ``plan.py`` cuts) as a standalone ``GraphModule`` over the
+model's own parameters.
 
 The stage's graph takes the values its plan receives as positional inputs and returns the values
 it sends on (the loss, for the last stage). Parameters and buffers are attributes under their
@@ -11,13 +12,34 @@ non-contiguous outputs are made contiguous to be sent.
 """
 from __future__ import annotations
 
-from typing import Dict
+import dataclasses
+from typing import Dict, List
 
 import torch
 import torch.fx
 
 from .capture import CapturedGraph
-from .plan import StagePlan
+
+
+@dataclasses.dataclass
+class StagePlan:
+    index: int
+    nodes: List[torch.fx.Node]           # the activation nodes this stage computes, in order
+    replicated: List[torch.fx.Node]      # parameter-only nodes it recomputes for itself
+    inputs: List[torch.fx.Node]          # values received (user-input placeholders for stage 0)
+    outputs: List[torch.fx.Node]         # values sent on (the graph's outputs for the last stage)
+    params: List[str]                    # qualified names of the parameters it reads
+    param_numel: int = 0
+    flops: int = 0                       # forward + backward
+    forward_flops: int = 0
+    weight_flops: int = 0                # the backward's weight-gradient products (W of zero bubble)
+    send_bytes: int = 0                  # activation bytes sent to the next stage per call
+    first_module: str = ""
+    last_module: str = ""
+    cost: float = 0.0                    # what the plan balanced (FLOPs unless balance= says otherwise)
+    forward_time: float = 0.0            # balance="measured": seconds per call measured (0: not measured)
+    backward_time: float = 0.0
+    weight_time: float = 0.0             # the backward's weight-gradient part, when timed apart (zero bubble)
 
 
 def _attr(root: torch.nn.Module, target: str) -> object:

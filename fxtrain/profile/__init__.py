@@ -2,6 +2,6 @@
 from .entry import profile
 from .inputs import fake_inputs, shapes_only
 from .report import ModuleCost, ProfileReport, UnknownOp
-from .tracker import ProfileError
+from ..cost.tracker import ProfileError
 
 __all__ = ["profile", "fake_inputs", "shapes_only", "ProfileReport", "ModuleCost", "UnknownOp", "ProfileError"]

@@ -12,7 +12,7 @@ from ..options import Options
 from .inputs import batch_size
 from .report import ProfileReport, build_report
 from .session import Session
-from .step import OptimizerSpec
+from ..cost.step import OptimizerSpec
 
 logger = logging.getLogger("fxtrain")
 

@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, Iterable, Optional
 import torch
 
 from ..torch_private import TorchDispatchMode, custom_op_impl_of, tree_flatten
-from .step import loss_of, make_optimizer
+from ..cost.step import loss_of, make_optimizer
 
 
 def _storages(t: torch.Tensor) -> Iterable[torch.UntypedStorage]:

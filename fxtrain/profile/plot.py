@@ -1,10 +1,7 @@
 """The report as a picture: where the FLOPs and saved bytes go per module, and memory over the step."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .report import ProfileReport
+from typing import Any, Callable, Dict, List, Tuple
 
 _PHASE_COLOURS = {"start": "#7f7f7f", "forward": "#1f77b4", "backward": "#d62728", "optimizer": "#2ca02c",
                   "end": "#7f7f7f"}
@@ -18,8 +15,12 @@ def _unit(top: float, base: int, names: tuple) -> tuple:
     return scale, names[i]
 
 
-def plot_report(report: "ProfileReport", path: str, rows: int = 16) -> str:
-    """Write a PNG to ``path``: per-module bars (left) and the live-bytes timeline (right)."""
+def plot_report(path: str, title: str, group: Callable[[int], Dict[str, Any]], timeline: List[Tuple[str, int]],
+                peak_bytes: int, rows: int = 16) -> str:
+    """Write a PNG to ``path``: per-module bars (left) and the live-bytes timeline (right).
+
+    ``group(depth)``: the costs per module at that depth (``ProfileReport.group``); the report
+    passes what is drawn, so that this view does not import the report that calls it."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -28,9 +29,9 @@ def plot_report(report: "ProfileReport", path: str, rows: int = 16) -> str:
         raise ImportError("ProfileReport.plot needs matplotlib: pip install matplotlib") from e
 
     depth = 1
-    while depth < 12 and len(report.group(depth + 1)) <= rows and len(report.group(depth + 1)) > len(report.group(depth)):
+    while depth < 12 and len(group(depth + 1)) <= rows and len(group(depth + 1)) > len(group(depth)):
         depth += 1
-    grouped = sorted(report.group(depth).items(), key=lambda kv: kv[1].flops_forward + kv[1].flops_backward)
+    grouped = sorted(group(depth).items(), key=lambda kv: kv[1].flops_forward + kv[1].flops_backward)
     grouped = [(n or "(root)", c) for n, c in grouped if c.flops_forward + c.flops_backward or c.saved_bytes][-rows:]
 
     fig, (bars, line) = plt.subplots(1, 2, figsize=(15, max(4.0, 0.35 * len(grouped) + 1.5)))
@@ -45,11 +46,11 @@ def plot_report(report: "ProfileReport", path: str, rows: int = 16) -> str:
     bars.set_yticks(list(ys))
     bars.set_yticklabels(names, fontsize=8)
     bars.set_xlabel(unit)
-    bars.set_title(f"{report.model}: FLOPs per module (batch {report.batch})")
+    bars.set_title(title)
     bars.legend(loc="lower right", fontsize=8)
 
-    points = report.timeline
-    gib, mem_unit = _unit(max([b for _, b in points] + [report.peak_memory_bytes, 1]), 1024,
+    points = timeline
+    gib, mem_unit = _unit(max([b for _, b in points] + [peak_bytes, 1]), 1024,
                           ("B", "KiB", "MiB", "GiB", "TiB", "PiB"))
     xs = list(range(len(points)))
     for phase, colour in _PHASE_COLOURS.items():
@@ -57,8 +58,8 @@ def plot_report(report: "ProfileReport", path: str, rows: int = 16) -> str:
         if sel:
             line.plot([x for x, _ in sel], [y for _, y in sel], ".", ms=2, color=colour, label=phase)
     line.plot(xs, [b / gib for _, b in points], "-", lw=0.6, color="black", alpha=0.4)
-    line.axhline(report.peak_memory_bytes / gib, color="black", ls="--", lw=0.8,
-                 label=f"peak {report.peak_memory_bytes / gib:.4g} {mem_unit}")
+    line.axhline(peak_bytes / gib, color="black", ls="--", lw=0.8,
+                 label=f"peak {peak_bytes / gib:.4g} {mem_unit}")
     line.set_xlabel("allocation events over the step")
     line.set_ylabel(f"live tensor {mem_unit}")
     line.set_title("memory over one training step")

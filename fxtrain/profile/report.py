@@ -8,30 +8,14 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ..report import format_table
+from ..report import format_table, human_bytes, human_flops
 from .session import Session, StepCost
-from .tracker import OPTIMIZER, OUTSIDE
+from ..cost.tracker import OPTIMIZER, OUTSIDE
 
 
 # What each tracker category holds, for people.
 _CATEGORY = {"forward": "made in forward (activations)", "backward": "made in backward (grads, temporaries)",
              "optimizer": "optimizer step temporaries", "setup": "other"}
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(n) < 1024 or unit == "PiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} PiB"
-
-
-def human_flops(n: float) -> str:
-    for unit in ("", "K", "M", "G", "T", "P", "E"):
-        if abs(n) < 1000 or unit == "E":
-            return f"{n:.0f}" if unit == "" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n:.2f} E"
 
 
 @dataclass
@@ -215,7 +199,8 @@ class ProfileReport:
 
     def plot(self, path: str) -> str:
         from .plot import plot_report
-        return plot_report(self, path)
+        return plot_report(path, f"{self.model}: FLOPs per module (batch {self.batch})", self.group, self.timeline,
+                           self.peak_memory_bytes)
 
     # ------------------------------------------------------------------------- memory budgets
     def max_batch_recomputed(self, budget_bytes: int, runs: int = 6) -> int:

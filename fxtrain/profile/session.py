@@ -16,7 +16,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
-from unittest import mock
 
 import torch
 
@@ -25,9 +24,9 @@ from ..torch_private import FakeTensorMode, reparametrize_module
 from .capture import ShadowExamples, profiling_module
 from .eager_modules import ModuleAttribution
 from .inputs import fake_values, target_device, to_fake
-from .step import OptimizerSpec, _rebuild, held_by_outputs, loss_of, optimizer_factory
-from .shadows import Shadows
-from .tracker import CostTracker, ProfileError
+from ..cost.step import OptimizerSpec, _rebuild, held_by_outputs, loss_of, optimizer_factory
+from ..cost.shadows import Shadows
+from ..cost.tracker import CostTracker, ProfileError
 
 logger = logging.getLogger("fxtrain")
 
@@ -43,12 +42,6 @@ class StepCost:
     kwargs: Any
     fractions: List[float] = field(default_factory=list)
     keep_outputs: bool = True
-
-
-def _storage_aware_shares(t: torch.Tensor, inputs: Any) -> bool:
-    """pythonop.op._shares_storage for fake tensors, whose storages all report data_ptr 0."""
-    key = t.untyped_storage()._cdata
-    return any(key == i.untyped_storage()._cdata for i in inputs if i.device == t.device)
 
 
 class Session:
@@ -136,14 +129,12 @@ class Session:
 
     @contextlib.contextmanager
     def _active(self, tracker: CostTracker) -> Iterator[None]:
-        from ..pythonop import op as pythonop_op
         with contextlib.ExitStack() as stack:
             if self.eager:
                 self.modules = ModuleAttribution(self.model)
                 stack.enter_context(self.modules)
                 tracker.module_source = self.modules.current
             stack.enter_context(reparametrize_module(self.model, self.fakes, tie_weights=False, strict=False))
-            stack.enter_context(mock.patch.object(pythonop_op, "_shares_storage", _storage_aware_shares))
             stack.enter_context(self.mode)
             stack.enter_context(tracker)
             yield

@@ -40,7 +40,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .. import torch_private as tp
-from ..capture.state import capturing, real_step
+from ..capture_state import capturing, real_step
 from ..torch_private import (AFTER_AUTOGRAD_KEYSET, DispatchKey, DispatchKeySet, ForceDispatchKeyGuard,
                              any_requires_grad, current_graph_task_keeps_graph, dispatch_mode_depth,
                              dispatch_tls_exclude_set, dispatch_tls_include_set, is_grad_enabled,
@@ -106,6 +106,9 @@ def _repeated(o: torch.Tensor, outs: Sequence[torch.Tensor], k: int) -> bool:
 
 def _shares_storage(t: torch.Tensor, inputs: Sequence[torch.Tensor]) -> bool:
     ptr = t.untyped_storage().data_ptr()
+    if not ptr:   # fake tensors (the profiler's fake step) all report 0: compare the storages themselves
+        key = t.untyped_storage()._cdata
+        return any(key == i.untyped_storage()._cdata for i in inputs if i.device == t.device)
     return any(ptr == i.untyped_storage().data_ptr() for i in inputs if i.device == t.device)
 
 

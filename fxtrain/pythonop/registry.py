@@ -22,6 +22,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..torch_private import is_fake
+
 # Argument and result nodes.
 TENSOR = "tensor"        # argument: op tensor i; result: op output j, differentiable
 DETACHED = "detached"    # result: op output j, not differentiable (comes out detached, as in eager)
@@ -113,8 +115,32 @@ class CallSpec:
         """The positional arguments of apply (what a Function's ``flops`` static method takes)."""
         if self.plain:
             return [tensors[v] if kind == TENSOR else v for kind, v in self.template]
-        from .structure import rebuild_argument
         return [rebuild_argument(node, tensors, []) for node in self.args]
+
+
+def rebuild_argument(node: Node, tensors: Sequence[torch.Tensor], containers: List[Any]) -> Any:
+    """The argument ``node`` describes, for one call: lists and dicts the traced code builds are built
+    afresh (``containers`` gets the top-level ones, whose contents the graph writes back)."""
+    kind, payload = node
+    if kind == TENSOR:
+        return tensors[payload]
+    if kind == CONSTANT:
+        return payload
+    if kind == SCALAR:
+        index, pytype, hint = payload
+        t = tensors[index]
+        # Fake tensors (infer_shape, a profile's fake step) have no value: the capturing call's.
+        return hint if is_fake(t) else pytype(t.item())
+    if kind == TUPLE:
+        return tuple([rebuild_argument(c, tensors, []) for c in payload])
+    if kind == LIST:
+        value = [rebuild_argument(c, tensors, []) for c in payload]
+    elif kind == DICT:
+        value = {k: rebuild_argument(c, tensors, []) for k, c in payload}
+    else:
+        raise AssertionError(f"argument node {kind}")
+    containers.append(value)
+    return value
 
 
 _lock = threading.Lock()

@@ -28,7 +28,7 @@ import torch
 from . import op as _op  # noqa: F401  (registers the torch.library ops)
 from . import pending, python_call
 from .. import torch_private as tp
-from ..capture.state import capturing
+from ..capture_state import capturing
 from .example import real_values
 from .op import run_at_capture
 from .pending import Run

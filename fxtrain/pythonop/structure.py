@@ -6,8 +6,8 @@ list or a dataclass holding tensors, an input returned after an in-place update.
 once, at capture, from what the Function really returned (or what dynamo's trace of its forward,
 or its ``infer_shape``, says it returns), and then:
 
-- ``rebuild_argument`` makes the arguments for each real call (fresh containers every call, as the
-  traced code makes them every call);
+- ``rebuild_argument`` (registry.py, which CallSpec needs it in) makes the arguments for each real
+  call (fresh containers every call, as the traced code makes them every call);
 - ``collect`` walks what the real call returned and fills the op's outputs in order: tensors, and
   Python numbers as 0-d tensors (the graph reads them back with ``.item()``, so they are the values
   of this call, never constants of the capturing one); a call whose result no longer fits the
@@ -24,9 +24,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..errors import Error
-from ..torch_private import is_fake
 from .registry import (CONSTANT, DATACLASS, DETACHED, DICT, INPUT, LIST, NAMEDTUPLE, SCALAR, SCALAR_DTYPES,
-                       TENSOR, TUPLE, Node, OutputMeta)
+                       TENSOR, TUPLE, Node, OutputMeta, rebuild_argument)
 
 
 class Unrepresentable(Error):
@@ -64,31 +63,6 @@ def dataclass_attributes(value: Any) -> List[str]:
 
 
 # ------------------------------------------------------------------------------ run time
-def rebuild_argument(node: Node, tensors: Sequence[torch.Tensor], containers: List[Any]) -> Any:
-    """The argument ``node`` describes, for one call: lists and dicts the traced code builds are built
-    afresh (``containers`` gets the top-level ones, whose contents the graph writes back)."""
-    kind, payload = node
-    if kind == TENSOR:
-        return tensors[payload]
-    if kind == CONSTANT:
-        return payload
-    if kind == SCALAR:
-        index, pytype, hint = payload
-        t = tensors[index]
-        # Fake tensors (infer_shape, a profile's fake step) have no value: the capturing call's.
-        return hint if is_fake(t) else pytype(t.item())
-    if kind == TUPLE:
-        return tuple([rebuild_argument(c, tensors, []) for c in payload])
-    if kind == LIST:
-        value = [rebuild_argument(c, tensors, []) for c in payload]
-    elif kind == DICT:
-        value = {k: rebuild_argument(c, tensors, []) for k, c in payload}
-    else:
-        raise AssertionError(f"argument node {kind}")
-    containers.append(value)
-    return value
-
-
 def rebuild_call(args: List[Node], kwargs: Dict[str, Node],
                  tensors: Sequence[torch.Tensor]) -> Tuple[List[Any], Dict[str, Any], List[Any]]:
     containers: List[Any] = []

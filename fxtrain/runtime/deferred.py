@@ -22,7 +22,7 @@ import torch.fx
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..torch_private import DisableTorchFunctionSubclass, FakeTensor, make_wrapper_subclass, tree_map_only
-from .absent_grads import ShapeSolver
+from .shapes import ShapeSolver
 from .direct import direct
 from ..errors import Error
 

@@ -15,7 +15,7 @@ from typing import Any, Callable, List, Tuple
 
 import torch
 
-from ..capture.info import Densities
+from .info import Densities
 
 logger = logging.getLogger("fxtrain")
 

@@ -45,6 +45,9 @@ class Executor:
     # Keep what planning a memory budget needs on each capture (capture/budget.py: BudgetState), so
     # that it can be planned again at other sizes (the profiler's largest batch with recomputation).
     keeps_budget_state = False
+    # What a memory budget below the smallest achievable peak does, if not Options.fallback's policy
+    # (the profiler captures under fallback="raise" but must apply the user's).
+    budget_fallback: Optional[str] = None
     # Backward passes this executor does not want (name -> why, shown in capture_info()): their ops
     # are then decomposed like any other, so the code generator sees and fuses them.
     skips_backward_passes: Dict[str, str] = {}
@@ -57,7 +60,9 @@ class Executor:
             before_cut(joint)
         return tp.default_partition(joint, joint_inputs, **kwargs)
 
-    def decompositions(self) -> Optional[Dict[Any, Callable[..., Any]]]:
+    def decompositions(self, keep: Sequence[Any] = ()) -> Optional[Dict[Any, Callable[..., Any]]]:
+        """``keep``: ops to leave whole, since the backward passes this executor runs rewrite them
+        (the capture knows which: the passes sit above the runtime)."""
         return None
 
     def compile(self, graph: torch.fx.GraphModule, kind: str, example_inputs: Sequence[Any]) -> Compiled:
@@ -94,10 +99,9 @@ class InductorExecutor(Executor):
         # Recomputing cheap ops in the backward pays here: inductor fuses them into kernels it runs anyway.
         return tp.inductor_partition(joint, joint_inputs, before_cut=before_cut, **kwargs)
 
-    def decompositions(self) -> Optional[Dict[Any, Callable[..., Any]]]:
+    def decompositions(self, keep: Sequence[Any] = ()) -> Optional[Dict[Any, Callable[..., Any]]]:
         # Inductor's own table, less the ops fxtrain's backward passes rewrite (they must see them).
-        from ..passes import backward_pass_ops  # the passes import the runtime: resolve at call time
-        return tp.inductor_decompositions(keep=backward_pass_ops(self))
+        return tp.inductor_decompositions(keep=keep)
 
     def compile(self, graph: torch.fx.GraphModule, kind: str, example_inputs: Sequence[Any]) -> Compiled:
         # Inductor rewrites the graph it is given in place (views become reshapes, aliases go), and

@@ -25,8 +25,8 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-from ..capture.info import Densities
-from ..capture.step import CapturedStep
+from .info import Densities
+from .step import CapturedStep
 from .absent_grads import release_materialization
 from .deferred import with_deferred
 from .dense_route import DenseRoute

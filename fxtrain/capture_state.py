@@ -1,5 +1,6 @@
-"""Whether fxtrain is capturing a graph right now.
+"""Whether fxtrain is capturing a graph right now, and which Python frame dynamo is compiling.
 
+Shared by the capture, the PythonOps that run user code during it and the passes, all above it.
 Dynamo evaluates ``torch.compiler.is_compiling()`` as a constant True while it traces and it is
 False at run time, so user code guarded by ``is_capturing()`` is left out of the graph without a
 guard that would force a recapture. fxtrain's own non-dynamo traces (fake-tensor runs) set the
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
@@ -59,3 +60,22 @@ def in_fake_run() -> bool:
     TrainModule would otherwise start a capture of its own on fake inputs.
     """
     return getattr(_local, "depth", 0) > 0 and not torch.compiler.is_dynamo_compiling()
+
+
+# Which frame dynamo is compiling, for rewrites that must know where a graph's outputs go. Each TrainModule calls dynamo through an entry function of its own (``capture/entry.py``) named
+# ``fxtrain_capture_<n>``; after a graph break dynamo continues it in a function it names
+# ``torch_dynamo_resume_in_fxtrain_capture_<n>_at_<line>``. Graphs of other frames (an inner
+# ``forward`` compiled on its own after a break) return to model code, not to the caller.
+ENTRY_NAME = "fxtrain_capture"
+ENTRY_PREFIXES = (ENTRY_NAME + "_", "torch_dynamo_resume_in_" + ENTRY_NAME + "_")
+
+
+def compiled_frame_name() -> Optional[str]:
+    """The code name of the frame dynamo is translating now (None outside dynamo's backend call)."""
+    try:
+        from .torch_private import current_instruction_translator
+        tx = current_instruction_translator()
+    except Exception:
+        return None
+    code = getattr(tx, "f_code", None)
+    return getattr(code, "co_name", None)

@@ -29,9 +29,8 @@ import torch
 from ..runtime.host_counts import HOST_COUNT
 from ..torch_private import (DynamicOutputShapeException, FakeTensor, FakeTensorMode, TorchDispatchMode,
                              custom_op_impl_of, disable_current_modes, tree_flatten)
+from .marks import current_node
 from .shadows import Shadows
-
-from .capture import current_node
 from .flops import depends_on_values, op_flops
 from ..errors import Error
 

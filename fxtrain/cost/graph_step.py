@@ -5,7 +5,7 @@ graph into a forward and a backward is costed here, while the capture is still i
 anything runs. It is the profiler's cost model on a smaller stage: the same ``CostTracker`` (live
 storages, peak, FLOPs), the same runtime (``runtime/replay.py``: one autograd.Function whose boxed
 backward frees each saved tensor after its last use, ``AbsentGradBackward`` for outputs nobody
-differentiates), the autograd engine accumulating the gradients, and the loop ``profile/step.py``
+differentiates), the autograd engine accumulating the gradients, and the loop ``cost/step.py``
 defines, in steady state::
 
     out = step(*inputs)                 # the replayed forward graph
@@ -112,7 +112,7 @@ def _optimizer_state(optimizer: torch.optim.Optimizer, params: List[torch.Tensor
 
 def _loss(returns: Sequence[Any]) -> torch.Tensor:
     """What the loop calls ``backward()`` on: the first 0-d output that takes a gradient (an HF
-    model's loss), else the first output that does, summed (``profile/step.py: loss_of``)."""
+    model's loss), else the first output that does, summed (``cost/step.py: loss_of``)."""
     differentiable = [r for r in returns if isinstance(r, torch.Tensor) and r.requires_grad]
     if not differentiable:
         raise ValueError("no output of the graph takes a gradient: nothing to cost a backward for")
@@ -215,7 +215,7 @@ def cost_graph_step(forward: torch.fx.GraphModule, backward: torch.fx.GraphModul
 
     ``example_inputs``: the graph's inputs as dynamo handed them to the backend; those that require
     grad are the parameters, which get gradients and optimizer state. ``optimizer``: a name, class,
-    instance or factory (``profile/step.py``), or None.
+    instance or factory (``cost/step.py``), or None.
     """
     coster = GraphStepCoster(graph_inputs(forward, example_inputs), optimizer, sizes, keep_outputs)
     return coster.cost(forward, backward, spec)

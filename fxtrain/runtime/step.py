@@ -3,18 +3,49 @@
 Capture fills it (dynamo's graph, the passes' rewrite and plans, AOTAutograd's split), the cache
 stores and loads it, and ``runtime/runner.py`` turns it into the callable dynamo runs: nothing
 reaches the runtime by another way (no ``gm.meta`` entries, no attributes found on a ``grad_fn``).
+Its parts that the passes fill (``Plans``, ``PassReport``) live here with it, below the passes,
+so that the runtime and the cache read them without importing any pass.
+
+``Plans``: one per capture, an argument of every forward pass (``run_passes`` returns it), so
+nothing travels on ``gm.meta`` or other attributes found again later.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch.fx
 
-from ..passes.base import PassReport
-from ..passes.plans import Plans
-from ..runtime.absent_grads import AbsentGradBackward
-from ..runtime.replay import ReplaySpec
+from .absent_grads import AbsentGradBackward
+from .replay import ReplaySpec
+
+
+@dataclass
+class Plans:
+    # runtime/deferred.py: outputs computed on first use instead of in the step.
+    deferred: Optional[Any] = None                                 # DeferredPlan
+    # runtime/density.py: (what, placeholder index, absent value) measured per call.
+    probes: List[Tuple[str, int, int]] = field(default_factory=list)
+    # runtime/dense_route.py: conditions a batch must meet for the rewritten graph to serve it.
+    guard: Optional[Any] = None                                    # BatchGuard
+    # While the passes run: the builder ``guard`` came from, so that a later pass adds its conditions
+    # and row counts to the same guard (one host transfer per step). run_passes drops it.
+    guard_builder: Optional[Any] = field(default=None, repr=False, compare=False)  # GuardBuilder
+
+
+@dataclass
+class PassReport:
+    """What every pass returns: whether it rewrote the graph and why (``capture_info().optimizations``)."""
+
+    name: str
+    applied: bool
+    reason: str
+    # Backward passes: memory traffic the rewrite removes per step (bytes, at the capture's sizes),
+    # which the runtime weighs against the cost of replaying the backward graph (runtime/runner.py).
+    saved_bytes: int = 0
+
+    def __str__(self) -> str:
+        return f"{'on' if self.applied else 'off'}: {self.reason}"
 
 
 @dataclass

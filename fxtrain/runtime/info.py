@@ -56,7 +56,7 @@ class GraphRecord:
     runtime: str = ""
     # Options.memory_budget's plan for this graph (capture/budget.py: MemoryPlan), or None.
     memory_plan: Optional[Any] = None
-    # The captured step itself (capture/step.py) and what the on-disk cache needs of the capture.
+    # The captured step itself (runtime/step.py) and what the on-disk cache needs of the capture.
     step: Optional[Any] = field(default=None, repr=False)
     cache_recipe: Optional[Any] = field(default=None, repr=False)
 

@@ -12,15 +12,16 @@ existing objects, hooks, inputs that are not reachable from the call's arguments
 """
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.fx
 
 from .. import torch_private as tp
-from .key import source_files
 
 logger = logging.getLogger("fxtrain")
 
@@ -120,3 +121,27 @@ def watch(recipe: Recipe, compiled: Any) -> Any:
             recipe.last_outputs, recipe.watching = out, False
         return out
     return run
+
+
+def file_digest(path: str) -> Optional[str]:
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        return None
+
+
+def source_files(codes: Iterable[Any]) -> Dict[str, str]:
+    """sha256 of every real file the traced code came from (frozen and generated code has none)."""
+    files: Dict[str, str] = {}
+    for code in codes:
+        path = getattr(code, "co_filename", "")
+        if path and path not in files and os.path.isfile(path):
+            digest = file_digest(path)
+            if digest is not None:
+                files[path] = digest
+    return files
+
+
+def changed_files(files: Dict[str, str]) -> List[str]:
+    return [path for path, digest in files.items() if file_digest(path) != digest]
