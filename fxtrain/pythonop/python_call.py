@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import inspect
 import threading
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -175,13 +175,22 @@ def _this_call(run: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Optiona
 
 
 _NOT_KEPT = object()
+# route.make_call, registered by route.py (which imports this module): the op a kept result is handed
+# over through. Passed up rather than imported, so that the package's files import in one direction.
+_call_maker: Optional[Callable[..., Callable[..., Any]]] = None
+
+
+def use_call_maker(make_call: Callable[..., Callable[..., Any]]) -> None:
+    global _call_maker
+    _call_maker = make_call
 
 
 @torch.compiler.disable
 def _take(runs: List[Any], args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
     """The kept outcome of this call, or ``_NOT_KEPT``. Dynamo is off here: this is fxtrain's code,
     not the model's (the op's kernels run as plain Python)."""
-    from .route import make_call
+    make_call = _call_maker
+    assert make_call is not None, "route.py registers its call maker on import"
     for run in runs:
         this = _this_call(run, args, kwargs)
         if this is None:

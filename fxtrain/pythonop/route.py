@@ -456,6 +456,9 @@ def make_call(key: int, spec: CallSpec, convert: List[Optional[torch.dtype]]) ->
     return fxtrain_python_op
 
 
+python_call.use_call_maker(make_call)
+
+
 def _call_apply(self: AutogradFunctionVariable, tx: Any, args: list, kwargs: dict) -> Any:
     sink: Optional[Callable[..., None]] = getattr(_state, "sink", None)
     if sink is None:
