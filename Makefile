@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fxtrain-installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test test-long bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -17,7 +17,12 @@ demo: $(STAMP)
 # Two workers: most of the suite is dynamo compiling Python on one core (tests/conftest.py gives each
 # worker one intra-op thread, so two workers use the two cores without oversubscribing them).
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2
+	$(PY) -m pytest -q -n 2 -m "not extended"
+
+# The rest of the suite (tests marked `extended`: more models, sides and fuzzer seeds of paths
+# `make test` covers once). Run before landing a change to what they cover.
+test-long: $(STAMP)
+	$(PY) -m pytest -q -n 2 -m extended
 
 bench: $(STAMP)
 	$(VENV)/bin/fxtrain bench

@@ -80,6 +80,9 @@ def pytest_configure(config):
         "markers", "cpu_only(reason): runs on the CPU whatever FXTRAIN_TEST_DEVICE says (gloo process groups, "
                    "fresh processes that build their own CPU models); the reason says why")
     config.addinivalue_line(
+        "markers", "extended: runs in `make test-long`, not in `make test` (more models, sides or seeds of a "
+                   "code path `make test` covers once; the suite's 15-minute budget on 2 cores)")
+    config.addinivalue_line(
         "markers", "long: one of the suite's longest tests (minutes on 2 cores); started first, so that the "
                    "pytest-xdist workers do not end on it while the other worker idles")
 

@@ -50,6 +50,7 @@ def test_roberta_sequence_classification():
     _check(lambda: models.roberta_cls(hidden=32, layers=2, heads=2, vocab=1000), batches, batches[2])
 
 
+@pytest.mark.extended
 def test_t5_conditional_generation():
     g = torch.Generator().manual_seed(4)
     batches = []

@@ -13,7 +13,7 @@ import pytest
 
 TIME_LIMIT = 420   # seconds: the quiet machine needs ~30; a stall never ends
 
-pytestmark = pytest.mark.cpu_only("fresh processes that build their own CPU models")
+pytestmark = [pytest.mark.cpu_only("fresh processes that build their own CPU models"), pytest.mark.long]
 
 
 def _child(case: str) -> None:

@@ -291,3 +291,12 @@ def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def logits_model() -> nn.Module:
     torch.manual_seed(0)
     return ToyLogits()
+
+
+def long_params(values: Iterable[Any], keep: Iterable[Any]) -> list:
+    """Parametrize values, all but ``keep`` marked ``extended``: `make test` runs the kept ones (each
+    code path once), `make test-long` the others (more models/sides of the same path)."""
+    import pytest
+    keep = list(keep)
+    return [v if v in keep else pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.extended)
+            for v in values]
