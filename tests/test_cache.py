@@ -106,6 +106,7 @@ def test_hit_in_a_fresh_process_gives_eagers_losses(tmp_path):
 
 
 # ------------------------------------------------------------------------------------ the key
+@pytest.mark.extended
 def test_changed_layer_size_is_a_miss(tmp_path):
     _stored(tmp_path)
     tm, ref = wrap_pair(_mlm(intermediate=48), cache_dir=str(tmp_path))
@@ -277,7 +278,7 @@ def _damage(path, how):
 
 
 @pytest.mark.parametrize("how", long_params(["truncated", "garbled", "not an entry", "unloadable"],
-                                             keep=["truncated", "not an entry", "unloadable"]))
+                                             keep=["truncated"]))
 def test_corrupt_entry_is_logged_once_ignored_and_rewritten(tmp_path, caplog, how):
     _stored(tmp_path)
     path = tmp_path / _entries(tmp_path)[0]

@@ -62,16 +62,17 @@ class Tiny(nn.Module):
 
 def test_slow_capture_warning_names_the_capture_and_the_option(caplog):
     torch.manual_seed(0)
-    # 0.2 s: above the trivial frames dynamo converts too, below the captures.
-    tm, ref = wrap_pair(Tiny(), dynamic=None, capture_warning_seconds=0.2)
+    # A threshold every compile passes: a fixed one (0.2 s) failed when a warm test worker captured
+    # Tiny faster. Frames dynamo converts besides the entry may warn too (each once: the test above).
+    tm, ref = wrap_pair(Tiny(), dynamic=None, capture_warning_seconds=1e-6)
     with caplog.at_level(logging.WARNING, logger="fxtrain"):
         train_parity(tm, ref, [dict(x=torch.randn(4, 8)), dict(x=torch.randn(3, 8))], lambda out, _: out)
     slow = [r.getMessage() for r in caplog.records if "so far" in r.getMessage()]
     first = [m for m in slow if m.startswith("fxtrain: the capture of Tiny has taken")]
     symbolic = [m for m in slow
                 if m.startswith("fxtrain: a symbolic capture of Tiny (symbolic: kwargs['x'] dim 0 (4 -> 3))")]
-    assert len(first) == 1 and "Options(cache_dir=...)" in first[0], slow
-    assert len(symbolic) == 1 and "Options(dynamic=False)" in symbolic[0], slow
+    assert first and all("Options(cache_dir=...)" in m for m in first), slow
+    assert symbolic and all("Options(dynamic=False)" in m for m in symbolic), slow
 
 
 def test_capture_warning_seconds_must_be_positive():

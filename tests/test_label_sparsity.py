@@ -56,7 +56,7 @@ def test_mlm_heads_match_eager(name):
     assert tm.capture_info().graphs == 1
 
 
-@pytest.mark.parametrize("name", sorted(CLM))
+@pytest.mark.parametrize("name", long_params(sorted(CLM), keep=["gpt2"]))
 def test_causal_lm_with_label_shifting_matches_eager(name):
     torch.manual_seed(0)
     tm, ref = wrap_pair(CLM[name]())

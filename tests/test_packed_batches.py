@@ -65,7 +65,7 @@ def _with_padding(batch):
     return out
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", pytest.param("gpt2", marks=pytest.mark.extended)])
 def test_packed_batches_train_like_eager(name):
     """(a) loss, every gradient and the updated weights equal eager's on the same documents padded
     one per row, and (b) eager's on the packed batch itself, over batches of different layouts

@@ -31,7 +31,8 @@ def _mlm_batches(pad_id, seed, shapes=((4, 16), (3, 11), (5, 20))):
 
 
 @pytest.mark.parametrize("name,build,pad", [
-    ("distilbert", lambda: models.distilbert_mlm(hidden=32, layers=2, heads=2, vocab=1000), 0),
+    pytest.param("distilbert", lambda: models.distilbert_mlm(hidden=32, layers=2, heads=2, vocab=1000), 0,
+                 marks=pytest.mark.extended),
     ("bert", lambda: models.bert_mlm(hidden=32, layers=2, heads=2, vocab=1000), 0),
 ])
 def test_padding_and_label_rows_move_by_row_ops(name, build, pad):

@@ -22,7 +22,7 @@ def _bert_cls():
 
 
 @pytest.mark.parametrize("name,build,pad", [("roberta", lambda: models.roberta_cls(32, 2, 2, 1000), 1),
-                                            ("bert", _bert_cls, 0)])
+                                            pytest.param("bert", _bert_cls, 0, marks=pytest.mark.extended)])
 def test_sequence_classification_matches_eager(name, build, pad):
     torch.manual_seed(0)
     tm, ref = wrap_pair(build())

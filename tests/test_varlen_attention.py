@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fxtrain import models
 from fxtrain import torch_private as tp
 from fxtrain.runtime import varlen_attention as va
-from utils import DEVICE, to_device, train_parity, wrap_pair
+from utils import DEVICE, long_params, to_device, train_parity, wrap_pair
 
 
 # The kernels the test device has: "generic" everywhere; "with_lse" where torch_private registers a
@@ -79,7 +79,7 @@ def _llama_batches(side, seed=3, positions=False):
     return batches
 
 
-@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("side", long_params(["right", "left"], keep=["left"]))
 def test_llama_rotary_attention_on_real_tokens(side):
     """Llama: rotary embeddings sit between the head split and attention. They run on the packed real
     tokens, each with the cos/sin of its own position in its padded row (HF counts positions from

@@ -38,6 +38,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .. import torch_private as tp
+from ..errors import Error
 from .registry import CONSTANT, DICT, LIST, SCALAR, SPECS, TENSOR, TUPLE, Node
 from .structure import scalar_type
 
@@ -48,8 +49,8 @@ _local = threading.local()       # .offers: class -> this thread's offered Pendi
 _UNSET = object()
 
 
-class _NoMatch(Exception):
-    pass
+class _NoMatch(Error):
+    """This call is not the kept run's call (control flow inside this module, never raised out)."""
 
 
 def _patchable(fn_cls: type) -> bool:
