@@ -40,7 +40,8 @@ def test_no_batch_differs_from_eager(model, seeds, n_batches):
     # every case recaptured on new schemas/sizes, and (where the batch stream has such batches) some
     # batches took the dense route.
     assert all(r.captures >= 2 for r in results), report
-    if model in DENSE_IN_CI or n_batches == LONG_BATCHES:
+    # (RoBERTa's classifier batches never take it: 128 batches over two seeds, none.)
+    if model in DENSE_IN_CI or (n_batches == LONG_BATCHES and fuzz.MODELS[model][1] in ("mlm", "clm")):
         assert sum(sum(r.dense_batches.values()) for r in results) > 0, report
 
 
