@@ -1078,3 +1078,66 @@ def test_failed_capture_rerun_eagerly_runs_each_forward_once(kind):
     with pytest.warns(fxtrain.FallbackWarning):
         tm = parity(build, _batches(3), options={"fullgraph": True})
     assert tm.capture_info().fallback_reason is not None
+
+
+# ------------------------------------------- the backward op's direct call of the Function's node
+def _adjusted(kind: str) -> Any:
+    """A Function whose backward returns what the autograd engine adjusts or refuses: the PythonOp
+    calls the node itself and must leave those results to the engine, as eager does."""
+    class Adjusted(torch.autograd.Function):
+        calls: List[Tuple[int, ...]] = []
+
+        @staticmethod
+        def forward(ctx, x, y, k):
+            ctx.k = k
+            return x * k + y
+
+        @staticmethod
+        def backward(ctx, g):
+            Adjusted.calls.append(tuple(g.shape))
+            gx = g * ctx.k
+            if kind == "broadcast":      # an expanded gradient: the engine sums it back to x's shape
+                return gx.expand(2, *gx.shape), None, None
+            if kind == "dtype":          # float64 for a float32 input: the engine casts it
+                return gx.double(), g, None
+            if kind == "extra_none":     # more results than arguments, the extra ones None
+                return gx, None, None, None
+            if kind == "count":          # too few results: eager's error
+                return (gx,)
+            if kind == "shape":          # a shape the engine cannot reduce: eager's error
+                return gx[:1], None, None
+            return gx, g, None           # plain: y's gradient counts only where y takes one
+    return Adjusted
+
+
+@pytest.mark.parametrize("backward", ["graph", "auto"])
+@pytest.mark.parametrize("kind", ["plain", "twice", "broadcast", "dtype", "extra_none"])
+def test_backward_results_the_engine_adjusts_are_eagers(kind, backward):
+    """backward="graph" runs the AOTAutograd graphs, where python_op_backward calls the Function's
+    node without a nested engine run; "auto" runs the torch-level graph under eager autograd."""
+    def build():
+        F = _adjusted(kind)
+
+        def use(h):
+            y = h if kind == "twice" else h.detach() * 3   # the same tensor twice, or one without grad
+            return F.apply(h, y, 0.5)
+        return Scaled(use), F.calls
+    tm = parity(build, _batches(3), options={"fallback": "raise", "backward": backward})
+    _clean(tm)
+
+
+@pytest.mark.parametrize("kind", ["count", "shape"])
+def test_backward_results_the_engine_refuses_raise_eagers_error(kind):
+    torch.manual_seed(0)
+    F = _adjusted(kind)
+    model = Scaled(lambda h: F.apply(h, h.detach(), 0.5))
+    ref = Scaled(lambda h: F.apply(h, h.detach(), 0.5))
+    ref.load_state_dict(model.state_dict())
+    tm = fxtrain.TrainModule(model, fxtrain.Options(fallback="raise", backward="graph"))
+    x = torch.randn(3, 4)
+    with pytest.raises(RuntimeError) as eager_error:
+        ref(x).sum().backward()
+    with pytest.raises(RuntimeError) as error:
+        tm(x).sum().backward()
+    assert str(error.value) == str(eager_error.value)
+    assert F.calls == [(3, 4), (3, 4)]   # the user's backward ran once for each
