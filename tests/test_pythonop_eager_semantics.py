@@ -800,33 +800,79 @@ def test_symbolic_size_and_changing_float_arguments():
     assert tm.capture_info().fallback_reason is None
 
 
-def test_forward_raising_on_a_later_call_follows_the_fallback_policy():
-    """The graph cannot branch on an exception: a forward that raises on a later call only (the model
-    catching it) makes that call fail, and fallback="eager" (the default) runs it and every later
-    one eagerly, with eager's results."""
-    def build():
-        class Guarded(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, x):
-                if float(x.abs().max()) > 100:
-                    raise OverflowError("too large")
-                return x * 2
+def _guarded(calls: Dict[str, Any]) -> Tuple[Any, Any]:
+    """A Function that raises on large values only, after a Function that does not."""
+    class Counted(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            calls["counted"].append(tuple(x.shape))
+            return x + 1
 
-            @staticmethod
-            def backward(ctx, g):
-                return g * 2
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    class Guarded(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            calls["guarded"].append(float(x.abs().max()))
+            if float(x.abs().max()) > 100:
+                raise OverflowError("too large")
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+    return Counted, Guarded
+
+
+@pytest.mark.parametrize("backward", ["auto", "graph"])
+def test_forward_raising_on_a_later_call_is_caught_by_the_model(backward):
+    """The graph cannot branch on an exception: the call whose forward raised runs eagerly, its
+    Function calls taking what the graph's calls did, so the model's ``except`` catches the very
+    error, each forward runs once (the Function before it too), and later calls run the graph."""
+    def build():
+        calls: Dict[str, Any] = {"counted": [], "guarded": [], "caught": 0}
+        Counted, Guarded = _guarded(calls)
 
         def use(h):
+            a = Counted.apply(h)
             try:
-                return Guarded.apply(h)
+                return Guarded.apply(a)
             except OverflowError:
-                return h.clamp(-1, 1)
-        return Scaled(use), None
+                calls["caught"] += 1
+                return a.clamp(-1, 1)
+        return Scaled(use), calls
     g = torch.Generator().manual_seed(0)
-    batches = [torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g) * 1e4, torch.randn(3, 4, generator=g)]
-    with pytest.warns(fxtrain.FallbackWarning, match="too large"):
-        tm = parity(build, batches, options={})
-    assert "OverflowError" in tm.capture_info().fallback_reason
+    batches = [torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g) * 1e4, torch.randn(5, 4, generator=g),
+               torch.randn(3, 4, generator=g) * 1e4]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxtrain.FallbackWarning)
+        tm = parity(build, batches, options={"fallback": "raise", "backward": backward})
+    _clean(tm, graphs=2)   # the first call's, and batch size 5's
+
+
+def test_forward_raising_on_a_later_call_uncaught_is_eagers_error_once():
+    torch.manual_seed(0)
+    calls: Dict[str, Any] = {"counted": [], "guarded": [], "caught": 0}
+    ref_calls: Dict[str, Any] = {"counted": [], "guarded": [], "caught": 0}
+    Counted, Guarded = _guarded(calls)
+    RefCounted, RefGuarded = _guarded(ref_calls)
+    model = Scaled(lambda h: Guarded.apply(Counted.apply(h)))
+    ref = Scaled(lambda h: RefGuarded.apply(RefCounted.apply(h)))
+    ref.load_state_dict(model.state_dict())
+    tm = fxtrain.TrainModule(model, fxtrain.Options(fallback="raise"))
+    g = torch.Generator().manual_seed(0)
+    small, large = torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g) * 1e4
+    assert_same(tm(small), ref(small))
+    with pytest.raises(OverflowError, match="too large"):
+        ref(large)
+    with pytest.raises(OverflowError, match="too large"):
+        tm(large)
+    assert_same(calls, ref_calls, "Python state")
+    assert_same(tm(small), ref(small))
+    assert_same(calls, ref_calls, "Python state")
+    _clean(tm)
 
 
 def test_random_numbers_drawn_by_a_function_shaped_by_its_real_run():

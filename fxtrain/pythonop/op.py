@@ -261,19 +261,27 @@ def run_at_capture(fn_cls: type, args: List[Any], kwargs: Dict[str, Any], values
 @torch.library.custom_op("fxtrain::python_op", mutates_args=())
 def python_op(key: int, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
     spec = SPECS[key]
+    log = _pending.state.log
     if spec.plain and spec.pending is None and not _pending.state.evaluating:
-        # The per-step path (positional tensors and constants in, tensors out): no Run, no tree.
-        if spec.record:
-            state = _enter_user_autograd()
-            try:
-                inputs = [t.detach().requires_grad_(d) for t, d in zip(tensors, spec.differentiable)]
-                result = spec.fn_cls.apply(*spec.arguments(inputs))
-            finally:
-                _exit_user_autograd(state)
-        else:
-            inputs = list(tensors)
-            with torch.no_grad():
-                result = spec.fn_cls.apply(*spec.arguments(inputs))
+        # The per-step path (positional tensors and constants in, tensors out): no tree.
+        try:
+            if spec.record:
+                state = _enter_user_autograd()
+                try:
+                    inputs = [t.detach().requires_grad_(d) for t, d in zip(tensors, spec.differentiable)]
+                    result = spec.fn_cls.apply(*spec.arguments(inputs))
+                finally:
+                    _exit_user_autograd(state)
+            else:
+                inputs = list(tensors)
+                with torch.no_grad():
+                    result = spec.fn_cls.apply(*spec.arguments(inputs))
+        except Exception as e:
+            if log is not None:
+                log.append((key, tensors, None, e))
+            raise
+        if log is not None:
+            log.append((key, tensors, Run(inputs, inputs, result, ())))
         outs = _outputs(spec, result, inputs)
     else:
         run = None
@@ -282,9 +290,16 @@ def python_op(key: int, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
         if spec.pending is not None:
             run = _pending.claim(spec, tensors)
         if run is None:
-            run = _run(spec, tensors)
+            try:
+                run = _run(spec, tensors)
+            except Exception as e:
+                if log is not None and not _pending.state.evaluating:
+                    log.append((key, tensors, None, e))
+                raise
             if _pending.state.evaluating:
                 _pending.keep(spec, key, tensors, run)
+        if log is not None and not _pending.state.evaluating:
+            log.append((key, tensors, run))
         inputs = run.inputs
         outs = collect_outputs(spec, run)
     # A custom op may not return its inputs or views of them, nor one tensor twice: copy only those.
@@ -530,12 +545,19 @@ def _apply_eagerly(keyset: Any, key: int, tensors: List[torch.Tensor]) -> List[t
     spec = SPECS[key]
     if spec.pending is not None:
         return list(_Formula.apply(keyset, key, *tensors))
-    if spec.plain:
-        outs = _outputs(spec, spec.fn_cls.apply(*spec.arguments(tensors)), tensors)
-    else:
-        call_inputs = _call_inputs(spec, list(tensors))
+    call_inputs = _call_inputs(spec, list(tensors)) if not spec.plain else tensors
+    try:
         result, containers = _apply(spec, call_inputs)
-        outs = collect_outputs(spec, Run(list(tensors), call_inputs, result, containers))
+    except Exception as e:
+        log = _pending.state.log
+        if log is not None:
+            log.append((key, tensors, None, e))
+        raise
+    run = Run(list(tensors), call_inputs, result, containers)
+    log = _pending.state.log
+    if log is not None:
+        log.append((key, tensors, run))
+    outs = _outputs(spec, result, tensors) if spec.plain else collect_outputs(spec, run)
     outs.append(_new_handle(0))
     return outs
 
