@@ -329,6 +329,8 @@ class TrainModule(nn.Module):
     def _after_capture_failure(self, exc: Exception, args: Tuple[Any, ...], kwargs: Dict[str, Any],
                                log: List[Any]) -> Any:
         """Decide between a user error (eager fails too: raise eager's error) and a capture failure."""
+        # Whatever failed, the eager rerun below takes the runs of the Functions this call's graphs
+        # already made, instead of running their forwards again.
         if offer_step(self, log, exc):
             # A Function's forward raised inside a graph, which has no branch for it: the step runs
             # eagerly, its Function calls taking what the graphs' calls of them did (the failing one

@@ -826,17 +826,20 @@ def _guarded(calls: Dict[str, Any]) -> Tuple[Any, Any]:
     return Counted, Guarded
 
 
-@pytest.mark.parametrize("backward", ["auto", "graph"])
-def test_forward_raising_on_a_later_call_is_caught_by_the_model(backward):
+@pytest.mark.parametrize("backward,split", [("auto", False), ("graph", False), ("auto", True)])
+def test_forward_raising_on_a_later_call_is_caught_by_the_model(backward, split):
     """The graph cannot branch on an exception: the call whose forward raised runs eagerly, its
     Function calls taking what the graph's calls did, so the model's ``except`` catches the very
-    error, each forward runs once (the Function before it too), and later calls run the graph."""
+    error, each forward runs once (the Function before it too, also in an earlier graph of the
+    call: ``split``), and later calls run the graph."""
     def build():
         calls: Dict[str, Any] = {"counted": [], "guarded": [], "caught": 0}
         Counted, Guarded = _guarded(calls)
 
         def use(h):
             a = Counted.apply(h)
+            if split:
+                torch._dynamo.graph_break()
             try:
                 return Guarded.apply(a)
             except OverflowError:
@@ -849,7 +852,9 @@ def test_forward_raising_on_a_later_call_is_caught_by_the_model(backward):
     with warnings.catch_warnings():
         warnings.simplefilter("error", fxtrain.FallbackWarning)
         tm = parity(build, batches, options={"fallback": "raise", "backward": backward})
-    _clean(tm, graphs=2)   # the first call's, and batch size 5's
+    info = tm.capture_info()
+    # The first call's graphs, and batch size 5's.
+    assert (info.graphs, info.fallback_reason, info.python_op_handoffs) == (6 if split else 2, None, []), str(info)
 
 
 def test_forward_raising_on_a_later_call_uncaught_is_eagers_error_once():

@@ -249,14 +249,12 @@ def close_step_log(previous: Optional[List[Tuple[Any, ...]]]) -> List[Tuple[Any,
 
 
 def offer_step(owner: Any, log: List[Tuple[Any, ...]], error: BaseException) -> bool:
-    """A Function's forward raised ``error`` inside a graph of ``owner``'s call (a graph has no branch
-    for an exception, so the model's own ``try`` cannot see it there). Offer that call's outcome and
-    every Function call the call's graphs made before it to Python's own calls of ``apply``, as a
-    capture's runs are offered (python_call.py): the eager rerun of the step then takes each run
-    and raises that very error where eager's call raises it, each forward having run once. False
-    when ``error`` is not such an error."""
-    if not any(len(entry) == 4 and entry[3] is error for entry in log):
-        return False
+    """``owner``'s call failed with ``error`` after its graphs made the Function calls in ``log``: offer
+    each call's outcome to Python's own calls of ``apply``, as a capture's runs are offered
+    (python_call.py), so that the eager rerun of the step takes the runs rather than run each
+    forward a second time. True when ``error`` is what a Function's forward raised inside a graph
+    (a graph has no branch for an exception, so the model's own ``try`` could not see it there):
+    that call's Python call then raises the very error again, where eager's call raises it."""
     kept = _by_owner.setdefault(owner, [])
     for entry in log:
         key, tensors, run = entry[0], entry[1], entry[2]
@@ -266,5 +264,5 @@ def offer_step(owner: Any, log: List[Tuple[Any, ...]], error: BaseException) -> 
         kept.append(pending)
         python_call.offer(pending, key)
         if pending.error is error:
-            break
-    return True
+            return True
+    return False
