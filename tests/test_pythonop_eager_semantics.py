@@ -1192,3 +1192,29 @@ def test_backward_results_the_engine_refuses_raise_eagers_error(kind):
         tm(x).sum().backward()
     assert str(error.value) == str(eager_error.value)
     assert F.calls == [(3, 4), (3, 4)]   # the user's backward ran once for each
+
+
+@pytest.mark.parametrize("backward", ["graph", "auto"])
+def test_same_tensor_returned_twice_gets_eagers_gradients(backward):
+    """Eager's node sees one output (the later position) for a tensor returned twice: the first
+    position's gradient is zeros and the second gets both uses' sum."""
+    def build():
+        seen: List[Tuple[float, float]] = []
+
+        class Twice(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                y = x * 2
+                return y, y
+
+            @staticmethod
+            def backward(ctx, g1, g2):
+                seen.append((float(g1.sum()), float(g2.sum())))
+                return g1 * 10 + g2
+
+        def use(h):
+            a, b = Twice.apply(h)
+            return a * 3 + b
+        return Scaled(use), seen
+    tm = parity(build, _batches(3), options={"fallback": "raise", "backward": backward})
+    _clean(tm)

@@ -400,13 +400,14 @@ def _finish_grads(result: Sequence[Optional[torch.Tensor]], wanted: Sequence[tor
 
 
 def _own_node(spec: CallSpec, outs: Sequence[torch.Tensor]) -> Any:
-    """The Function's autograd node, when every output comes straight from it: the backward op can
-    then call the user's backward through it without a re-entrant autograd engine run (most of a
-    PythonOp's per-call cost), as the engine would call it."""
+    """The Function's autograd node, when every output comes straight from it, each at its own
+    position (a tensor returned twice is one output of the node, at the later position, as eager's
+    engine sees it): the backward op can then call the user's backward through the node without a
+    re-entrant autograd engine run (most of a PythonOp's per-call cost), as the engine would."""
     node = None
-    for o in outs:
+    for o, position in zip(outs, spec.output_positions):
         fn = o.grad_fn
-        if fn is None or (node is not None and fn is not node):
+        if fn is None or (node is not None and fn is not node) or o.output_nr != position:
             return None
         node = fn
     return node if tp.function_class_of(node) is spec.fn_cls else None

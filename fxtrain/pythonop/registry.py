@@ -103,6 +103,7 @@ class CallSpec:
     # without non-differentiable outputs (whose gradient depends on ctx flags Python cannot read).
     grad_slots: List[Optional[int]] = field(init=False)
     arg_slots: List[Optional[int]] = field(init=False)
+    output_positions: List[int] = field(init=False)    # per op output, its position among forward's
     direct: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -120,6 +121,7 @@ class CallSpec:
         op_outputs = itertools.count()
         self.grad_slots = [None if kind == CONSTANT else next(op_outputs) for kind, _ in self.outputs]
         self.arg_slots = [v if kind == TENSOR else None for kind, v in self.template]
+        self.output_positions = [p for p, j in enumerate(self.grad_slots) if j is not None]
         self.direct = self.plain and self.record and all(kind != DETACHED for kind, _ in self.outputs)
 
     def arguments(self, tensors: Sequence[torch.Tensor]) -> List[Any]:
