@@ -826,12 +826,13 @@ def _guarded(calls: Dict[str, Any]) -> Tuple[Any, Any]:
     return Counted, Guarded
 
 
-@pytest.mark.parametrize("backward,split", [("auto", False), ("graph", False), ("auto", True)])
+@pytest.mark.parametrize("backward,split", [("graph", False), ("auto", True)])
 def test_forward_raising_on_a_later_call_is_caught_by_the_model(backward, split):
     """The graph cannot branch on an exception: the call whose forward raised runs eagerly, its
     Function calls taking what the graph's calls did, so the model's ``except`` catches the very
     error, each forward runs once (the Function before it too, also in an earlier graph of the
-    call: ``split``), and later calls run the graph."""
+    call: ``split``), and later calls run the graph. Both runtimes: the aten graphs ("graph") and
+    the torch-level graph under eager autograd ("auto")."""
     def build():
         calls: Dict[str, Any] = {"counted": [], "guarded": [], "caught": 0}
         Counted, Guarded = _guarded(calls)
@@ -1161,11 +1162,11 @@ def _adjusted(kind: str) -> Any:
     return Adjusted
 
 
-@pytest.mark.parametrize("backward", ["graph", "auto"])
 @pytest.mark.parametrize("kind", ["plain", "twice", "broadcast", "dtype", "extra_none"])
-def test_backward_results_the_engine_adjusts_are_eagers(kind, backward):
+def test_backward_results_the_engine_adjusts_are_eagers(kind):
     """backward="graph" runs the AOTAutograd graphs, where python_op_backward calls the Function's
-    node without a nested engine run; "auto" runs the torch-level graph under eager autograd."""
+    node without a nested engine run."""
+    backward = "graph"
     def build():
         F = _adjusted(kind)
 
@@ -1194,8 +1195,7 @@ def test_backward_results_the_engine_refuses_raise_eagers_error(kind):
     assert F.calls == [(3, 4), (3, 4)]   # the user's backward ran once for each
 
 
-@pytest.mark.parametrize("backward", ["graph", "auto"])
-def test_same_tensor_returned_twice_gets_eagers_gradients(backward):
+def test_same_tensor_returned_twice_gets_eagers_gradients():
     """Eager's node sees one output (the later position) for a tensor returned twice: the first
     position's gradient is zeros and the second gets both uses' sum."""
     def build():
@@ -1216,5 +1216,5 @@ def test_same_tensor_returned_twice_gets_eagers_gradients(backward):
             a, b = Twice.apply(h)
             return a * 3 + b
         return Scaled(use), seen
-    tm = parity(build, _batches(3), options={"fallback": "raise", "backward": backward})
+    tm = parity(build, _batches(3), options={"fallback": "raise", "backward": "graph"})
     _clean(tm)
