@@ -1218,3 +1218,40 @@ def test_same_tensor_returned_twice_gets_eagers_gradients():
         return Scaled(use), seen
     tm = parity(build, _batches(3), options={"fallback": "raise", "backward": "graph"})
     _clean(tm)
+
+
+def test_failed_recapture_after_a_graph_ran_takes_that_graphs_function_runs():
+    """A later call's capture fails (the recompile limit, in the frame after a graph break) after the
+    call's first graph ran a Function: the eager rerun takes that run, so the forward ran once on
+    that step too."""
+    class Flagged(nn.Module):
+        def __init__(self, fn: Any) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4))
+            self.fn, self.scale = fn, 2
+
+        def forward(self, x):
+            a = self.fn(x * self.w)
+            torch._dynamo.graph_break()
+            return a * self.scale
+
+    torch.manual_seed(0)
+    calls: Dict[str, Any] = {"counted": [], "guarded": [], "caught": 0}
+    ref_calls: Dict[str, Any] = {"counted": [], "guarded": [], "caught": 0}
+    counted, ref_counted = _guarded(calls)[0], _guarded(ref_calls)[0]
+    model, ref = Flagged(lambda h: counted.apply(h)), Flagged(lambda h: ref_counted.apply(h))
+    ref.load_state_dict(model.state_dict())
+    tm = fxtrain.TrainModule(model, fxtrain.Options(recompile_limit=1))
+    for step, x in enumerate(_batches(3)):
+        model.scale = ref.scale = 2 + step   # the second frame's guard fails on each later call
+        if step == 1:
+            with pytest.warns(fxtrain.FallbackWarning, match="recompile limit"):
+                out = tm(x)
+        else:
+            out = tm(x)
+        r = ref(x)
+        assert_same(out, r, f"step {step} output")
+        out.sum().backward()
+        r.sum().backward()
+        torch.testing.assert_close(model.w.grad, ref.w.grad)
+        assert_same(calls, ref_calls, f"step {step} Python state")
