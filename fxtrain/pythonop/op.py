@@ -4,8 +4,10 @@ and ``fxtrain::python_op_backward`` (backward graph).
 At run time the forward op calls the user's real ``apply`` on detached copies of its inputs with
 autograd recording, so torch itself builds the Function's node and ctx exactly as in eager
 (``needs_input_grad``, ``save_for_backward``, ``mark_non_differentiable``, ``set_materialize_grads``,
-``setup_context``, ``once_differentiable`` all behave as usual). The backward op replays the user's
-real ``backward`` through that node with the autograd engine. Between the two, the node and its
+``setup_context``, ``once_differentiable`` all behave as usual). The backward op runs the user's
+real ``backward`` through that node: it calls the node itself, as the engine would, for a plain call
+(``_direct_backward``; a nested engine run costs more than the rest of the pair), and runs the engine
+otherwise. Between the two, the node and its
 inputs wait in a pool under an integer handle that the graph carries as a 0-d int64 tensor; the pool
 entry goes when the backward ran or when the handle tensor is freed (no backward ever came).
 
@@ -16,7 +18,10 @@ A call whose capture ran the Function for real (one dynamo could not trace) take
 first time the graph runs it (pending.py), so the step's forward runs once. Calls that are more than
 positional tensors and constants in, tensors out (structure.py: keyword arguments, containers,
 Python numbers returned, inputs updated in place) rebuild their arguments and collect their
-outputs from the spec's trees; the plain ones keep the flat per-call path.
+outputs from the spec's trees; the plain ones keep the flat per-call path. Inside a TrainModule
+call each call's run (or what it raised) goes to the call's log (pending.offer_step): a forward
+that raises inside a graph is then raised again where the model's own code calls it, in the eager
+rerun of that step, which takes the other calls' runs instead of running them again.
 
 Cost. Both ops run once per Function call per step, so their dispatch is kept lean: the ops are
 declared with ``torch.library.custom_op`` (torch then knows them as custom ops: fake kernels, the
@@ -25,7 +30,8 @@ by plain functions, without custom_op's Python wrappers (``backend_impl``/``wrap
 ``autograd_impl``, about 20 us per call). The Autograd kernel of ``python_op`` goes straight to the
 kernel below when no gradient is wanted (the aten replay, where AOTAutograd's node owns the
 gradient); when one is wanted it applies the user's Function itself on plain tensors (the graph run
-under eager autograd: ``_apply_eagerly``) and ``_Formula``, the op's autograd formula
+under eager autograd: ``_apply_eagerly``, which that graph calls without the dispatcher:
+``calling_directly``) and ``_Formula``, the op's autograd formula
 (``_setup_context``/``_backward``), on fake or functional tensors and under dispatch modes (tracers,
 the profiler), which must see the op pair.
 """
