@@ -8,7 +8,10 @@ issue #31: HF Swin's second batch size did not finish in 8 minutes).
 
     PYTHONPATH=<checkout> python bench/capture_times.py [--families swin,bert] [--timeout 300] [--json out.json]
 
-Times are of the whole training step (forward, backward, AdamW step) that captured.
+Times are of the whole training step (forward, backward, AdamW step) that captured. The ``cpu``
+ratio uses the process's CPU time (all its threads): on a shared machine the wall clock of a
+capture moves with whatever else runs (T5's wall ratio spanned 2.1x-3.9x in one series at load 3),
+the work it does far less (2.2x-2.7x in the same runs).
 """
 from __future__ import annotations
 
@@ -66,10 +69,11 @@ CHILD = textwrap.dedent("""
     for b, s in shapes:
         data = batch(b, s)
         before = info.graphs
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.process_time()
         model(**data).loss.backward()
         opt.step(); opt.zero_grad()
-        steps.append(dict(seconds=time.perf_counter() - t, captures=info.graphs - before, shape=[b, s]))
+        steps.append(dict(seconds=time.perf_counter() - t, cpu_seconds=time.process_time() - cpu,
+                          captures=info.graphs - before, shape=[b, s]))
         print(json.dumps(dict(step=steps[-1])), flush=True)
     print(json.dumps(dict(steps=steps, fallback=info.fallback_reason, reasons=info.capture_reasons)), flush=True)
 """)
@@ -104,7 +108,7 @@ def main() -> None:
     a = ap.parse_args()
     rows = [run(f, a.timeout) for f in tqdm(a.families.split(","), desc="capture times", unit="family")]
     print(f"{'family':<16} {'shapes':<26} {'1st capture s':>13} {'2nd capture s':>13} {'2nd/1st':>8} "
-          f"{'3rd step captures':>17}  note")
+          f"{'2nd/1st cpu':>11} {'3rd step captures':>17}  note")
     for row in rows:
         steps = row["steps"]
         shapes = " -> ".join("x".join(map(str, s["shape"])) for s in steps) or "-"
@@ -112,10 +116,12 @@ def main() -> None:
         second = (f"{steps[1]['seconds']:.2f}" if len(steps) > 1 else
                   f"> {a.timeout:.0f}" if row.get("timed_out") else "-")
         ratio = f"{steps[1]['seconds'] / steps[0]['seconds']:.2f}" if len(steps) > 1 else "-"
+        cpu = (f"{steps[1]['cpu_seconds'] / steps[0]['cpu_seconds']:.2f}"
+               if len(steps) > 1 and "cpu_seconds" in steps[0] else "-")
         third = str(steps[2]["captures"]) if len(steps) > 2 else "-"
         note = ("did not finish" if row.get("timed_out") else row.get("error") or
                 (f"fell back: {row['fallback']}" if row.get("fallback") else ""))
-        print(f"{row['family']:<16} {shapes:<26} {first:>13} {second:>13} {ratio:>8} {third:>17}  {note}")
+        print(f"{row['family']:<16} {shapes:<26} {first:>13} {second:>13} {ratio:>8} {cpu:>11} {third:>17}  {note}")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
 
