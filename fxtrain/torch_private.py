@@ -208,9 +208,8 @@ def size_hint(size: Any, overrides: Optional[Dict[Any, int]] = None, fallback: i
     (``ShapeEnv.backed_var_to_val``, ``var_to_val`` before 2.13)."""
     if not isinstance(size, torch.SymInt):
         return int(size)
-    from torch.fx.experimental.symbolic_shapes import optimization_hint
     if not overrides:
-        return int(optimization_hint(size, fallback=fallback))
+        return int(_optimization_hint(size, fallback))
     expr = size.node.expr
     env = size.node.shape_env
     known = getattr(env, "backed_var_to_val", None)
@@ -218,6 +217,20 @@ def size_hint(size: Any, overrides: Optional[Dict[Any, int]] = None, fallback: i
         known = env.var_to_val
     values = {s: overrides[s] if s in overrides else known.get(s, fallback) for s in expr.free_symbols}
     return int(expr.xreplace(values))
+
+
+def _optimization_hint(size: Any, fallback: int) -> Any:
+    # ``optimization_hint`` is 2.13's name; earlier releases call it ``size_hint`` (the GPU machines'
+    # image has torch 2.11, and fxtrain runs there too).
+    from torch.fx.experimental import symbolic_shapes
+    hint = getattr(symbolic_shapes, "optimization_hint", None) or symbolic_shapes.hint_int
+    return hint(size, fallback=fallback)
+
+
+def output_needs_tangent(info: Any) -> bool:
+    """Whether AOTAutograd's backward takes a tangent for this forward output (``OutputAliasInfo``:
+    ``requires_grad_for_backward`` since 2.12, ``requires_grad`` before)."""
+    return bool(getattr(info, "requires_grad_for_backward", info.requires_grad))
 
 
 def size_expr(size: Any) -> Any:

@@ -18,7 +18,7 @@ import torch
 import torch.fx
 from torch.autograd.function import once_differentiable
 
-from ..torch_private import release_saved_tensors
+from ..torch_private import output_needs_tangent, release_saved_tensors
 from . import weight_split
 from .absent_grads import AbsentGradBackward
 from ..errors import Error
@@ -79,7 +79,7 @@ def replay_spec(metadata: Any, n_inputs: int, inference: bool) -> ReplaySpec:
     tangents = tuple(
         m + i for i, o in enumerate(metadata.output_info)
         if o.output_type.name in ("non_alias", "unsafe_view_alias", "custom_function_view")
-        and o.raw_type is not None and issubclass(o.raw_type, torch.Tensor) and o.requires_grad_for_backward)
+        and o.raw_type is not None and issubclass(o.raw_type, torch.Tensor) and output_needs_tangent(o))
     non_diff = tuple(range(m)) + tuple(m + i for i, o in enumerate(metadata.output_info) if not o.requires_grad)
     return ReplaySpec(
         n_inputs=n_inputs, n_returns=n_returns,
