@@ -234,7 +234,9 @@ class Tier:
     def _run_worker(given: Path, made: Path, inference: bool, timeout: float) -> None:
         package_root = str(Path(__file__).resolve().parents[2])
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")]))
-        cmd = [sys.executable, "-m", "fxtrain.runtime.tiered", str(given), str(made), "1" if inference else "0"]
+        # Inductor's cache key holds the intra-op thread count its C++ code is generated for.
+        cmd = [sys.executable, "-m", "fxtrain.runtime.tiered", str(given), str(made), "1" if inference else "0",
+               str(torch.get_num_threads())]
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
         _workers.add(proc)
         try:
@@ -254,6 +256,7 @@ def _worker(argv: Sequence[str]) -> None:
     """The worker process: retrace with inductor's decompositions, compile, write the graphs the
     parent is to load (pickled, then compiled as unpickled, so its cache keys are the parent's)."""
     given, made, inference = Path(argv[0]), Path(argv[1]), argv[2] == "1"
+    torch.set_num_threads(int(argv[3]))
     fw, bw, saved = tp.unpickle_graphs(given.read_bytes(), tp.FakeTensorMode(shape_env=ShapeEnv()))
     table = InductorExecutor().decompositions(keep=tp.BACKWARD_PASS_OPS)
     fw = tp.retrace(fw, table)
