@@ -35,6 +35,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,6 +56,10 @@ from .replay import replayed
 logger = logging.getLogger("fxtrain")
 
 _ADD = torch.ops.aten.add.Tensor
+# Steps timed on each tier before the compiled graphs are kept, and how much slower than the eager
+# executor's they may measure (timing noise on a loaded machine) before the capture goes back to it.
+TRIAL_STEPS = 8
+SLOWER = 1.05
 _workers: Set[subprocess.Popen] = set()   # killed at exit: a compile nobody will run is wasted cores
 
 
@@ -174,12 +179,19 @@ class Tier:
         self.compile_seconds: Optional[float] = None
         self.calls = 0
         self.owner = owner
-        self._live = eager
+        self.step_seconds: Optional[Tuple[float, float]] = None   # (eager, compiled) medians, once measured
+        self._live: Callable[..., Any] = eager
+        self._eager: Optional[Callable[..., Any]] = eager
+        self._timing = True
+        self._last: Optional[float] = None
+        self._eager_times: List[float] = []
+        self._compiled_times: List[float] = []
         self._next: Optional[Callable[..., Any]] = None
         self._done = threading.Event()
         why = stays_eager(step)
         if why:
             self.reason = why
+            self._timing = False
             self._done.set()
             return
         self.state = "compiling"
@@ -187,13 +199,37 @@ class Tier:
                          name=f"fxtrain-compile-{owner}").start()
 
     def __call__(self, *args: Any) -> Any:
-        if self._next is not None:
-            self._live, self._next = self._next, None
-            self.state, self.since_step = "compiled", self.calls
-            logger.info("%s: step %d runs inductor's graphs (compiled in %.1f s)", self.owner, self.calls,
-                        self.compile_seconds or 0.0)
+        if self._timing:
+            self._tick()
         self.calls += 1
         return self._live(*args)
+
+    def _tick(self) -> None:
+        """Time between this capture's calls (a training step), on each tier: the compiled graphs
+        stay only if they are not slower (a code generator loses on some small models: the MLP in
+        docs/benchmarks.md)."""
+        now = time.perf_counter()
+        if self._last is not None:
+            (self._compiled_times if self.state == "compiled" else self._eager_times).append(now - self._last)
+        self._last = now
+        if self._next is not None and len(self._eager_times) >= 2:
+            self._live, self._next = self._next, None
+            self.state, self.since_step = "compiled", self.calls
+            self._compiled_times = [-1.0]   # the first compiled step warms up: not counted
+            logger.info("%s: step %d runs inductor's graphs (compiled in %.1f s)", self.owner, self.calls,
+                        self.compile_seconds or 0.0)
+        elif self.state == "compiled" and len(self._compiled_times) > TRIAL_STEPS:
+            eager = statistics.median(self._eager_times[-TRIAL_STEPS:])
+            compiled = statistics.median(self._compiled_times[1:])
+            self._timing = False
+            self.step_seconds = (eager, compiled)
+            if compiled > eager * SLOWER:
+                self._live, self._eager = self._eager, None
+                self.state = "eager"
+                self.reason = (f"inductor's graphs measured slower: {compiled * 1e3:.3g} ms per step against "
+                               f"{eager * 1e3:.3g} ms (median of {TRIAL_STEPS} steps each)")
+                logger.info("%s: %s; back on the eager executor", self.owner, self.reason)
+            self._eager_times = self._compiled_times = []
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Block until the compile has finished (or failed); True if it has. The switch itself
@@ -202,7 +238,9 @@ class Tier:
 
     def __str__(self) -> str:
         if self.state == "compiled":
-            return f"inductor since step {self.since_step} (compiled in {self.compile_seconds:.1f} s)"
+            measured = "" if self.step_seconds is None else \
+                f"; {self.step_seconds[1] * 1e3:.3g} ms per step against eager's {self.step_seconds[0] * 1e3:.3g} ms"
+            return f"inductor since step {self.since_step} (compiled in {self.compile_seconds:.1f} s{measured})"
         if self.state == "compiling":
             return ("eager, compiled graphs ready for the next step" if self._next is not None
                     else "eager, compiling in the background")
@@ -223,6 +261,7 @@ class Tier:
             core = replayed(forward, backward, step.spec)
         except Exception as e:   # never the training loop's problem: it goes on eagerly
             self.state, self.reason = "eager", f"the background compile failed: {str(e).strip() or type(e).__name__}"
+            self._timing = False
             logger.warning("fxtrain: %s: %s; this capture stays on the eager executor", self.owner, self.reason)
         else:
             self.compile_seconds = time.perf_counter() - start
