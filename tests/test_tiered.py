@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import fxtrain
+from fxtrain.runtime.tiered import TRIAL_STEPS
 from utils import wrap_pair
 
 # Inductor fuses and so reorders float sums (conftest.INDUCTOR_TOLERANCE: ten times the defaults).
@@ -57,10 +58,15 @@ def test_switch_is_exact_and_each_capture_has_its_own_tier():
     assert info.wait_for_compiles(600), info.tiers
     tier = info.records[0].tier
     assert str(tier) == "eager, compiled graphs ready for the next step", str(tier)
-    for seed in (2, 3, 4):
+    # Ready: TRIAL_STEPS steps timed on the eager executor, then the compiled graphs (not yet
+    # TRIAL_STEPS of them here: no step time compared, so no going back to eager).
+    for seed in range(2, 2 + TRIAL_STEPS):
+        _step(tm, ref, opts, _batch(8, seed), exact)
+    assert tier.state == "compiling", str(tier)
+    for seed in range(10, 13):
         _step(tm, ref, opts, _batch(8, seed), COMPILED)
-    assert tier.state == "compiled" and tier.since_step == 2, str(tier)
-    assert info.tiers[0].startswith("graph 0 (train): inductor since step 2 (compiled in "), info.tiers
+    assert tier.state == "compiled" and tier.since_step == 2 + TRIAL_STEPS, str(tier)
+    assert info.tiers[0].startswith(f"graph 0 (train): inductor since step {2 + TRIAL_STEPS} (compiled in "), info.tiers
 
     # Another batch size: a new (static) capture, with a tier of its own, while the first stays compiled.
     _step(tm, ref, opts, _batch(5, 5), exact)
@@ -68,11 +74,11 @@ def test_switch_is_exact_and_each_capture_has_its_own_tier():
     assert tier.state == "compiled"
     _step(tm, ref, opts, _batch(8, 6), COMPILED)
     assert info.wait_for_compiles(600), info.tiers
-    # A capture switches once it has timed two steps on the eager executor (runtime/tiered.py).
-    _step(tm, ref, opts, _batch(5, 7), exact)
-    _step(tm, ref, opts, _batch(5, 8), COMPILED)
-    assert info.records[1].tier.since_step == 2, info.tiers
-    assert "tier graph 1 (train): inductor since step 2" in str(info)
+    for seed in range(20, 20 + TRIAL_STEPS):
+        _step(tm, ref, opts, _batch(5, seed), exact)
+    _step(tm, ref, opts, _batch(5, 30), COMPILED)
+    assert info.records[1].tier.since_step == 1 + TRIAL_STEPS, info.tiers
+    assert f"tier graph 1 (train): inductor since step {1 + TRIAL_STEPS}" in str(info)
 
 
 def test_failed_compile_stays_eager_and_logs_once(caplog):

@@ -104,8 +104,9 @@ class CaptureInfo:
 
     @property
     def tiers(self) -> List[str]:
-        """executor="auto": per capture, which code runs it ('graph 0 (train): inductor since step 7
-        (compiled in 31.2 s)', 'graph 1 (eval): eager: random op ...')."""
+        """executor="auto": per capture, which code runs it, since which of its calls (steps counted
+        per capture), how long the compile took, or why it stays on the eager executor ('graph 0
+        (train): inductor since step 7 (compiled in 31.2 s)', 'graph 1 (eval): eager: random op ...')."""
         return [f"graph {r.index} ({r.mode}): {r.tier}" for r in self.records if r.tier is not None]
 
     def wait_for_compiles(self, timeout: Optional[float] = None) -> bool:

@@ -56,15 +56,18 @@ from .replay import replayed
 logger = logging.getLogger("fxtrain")
 
 _ADD = torch.ops.aten.add.Tensor
-# Steps timed on each tier before the compiled graphs are kept, and how much slower than the eager
-# executor's they may measure (timing noise on a loaded machine) before the capture goes back to it.
-TRIAL_STEPS = 8
-SLOWER = 1.05
+# Steps timed on each tier, back to back, before the compiled graphs are kept, and how much slower
+# than the eager executor's they may measure before the capture goes back to it (no margin: where the
+# two are as fast, either will do).
+TRIAL_STEPS = 5
+SLOWER = 1.0
 _workers: Set[subprocess.Popen] = set()   # killed at exit: a compile nobody will run is wasted cores
+_exiting = threading.Event()
 
 
 @atexit.register
 def _stop_workers() -> None:
+    _exiting.set()   # a worker killed here is no failure to report
     for proc in list(_workers):
         proc.kill()
 
@@ -184,7 +187,7 @@ class Tier:
         self._eager: Optional[Callable[..., Any]] = eager
         self._timing = True
         self._last: Optional[float] = None
-        self._eager_times: List[float] = []
+        self._eager_times: Optional[List[float]] = None   # from when the compiled graphs are ready
         self._compiled_times: List[float] = []
         self._next: Optional[Callable[..., Any]] = None
         self._done = threading.Event()
@@ -205,31 +208,39 @@ class Tier:
         return self._live(*args)
 
     def _tick(self) -> None:
-        """Time between this capture's calls (a training step), on each tier: the compiled graphs
+        """Time between this capture's calls (a training step) on each tier, back to back once the
+        compiled graphs are ready (same load, no pause for the compile in the eager sample): they
         stay only if they are not slower (a code generator loses on some small models: the MLP in
         docs/benchmarks.md)."""
         now = time.perf_counter()
-        if self._last is not None:
+        if self._last is not None and self._eager_times is not None:
             (self._compiled_times if self.state == "compiled" else self._eager_times).append(now - self._last)
         self._last = now
-        if self._next is not None and len(self._eager_times) >= 2:
+        if self._next is None:
+            if self.state == "compiled" and len(self._compiled_times) > TRIAL_STEPS:
+                self._decide()
+            return
+        if self._eager_times is None:                 # ready: time the eager executor from here
+            self._eager_times = []
+        elif len(self._eager_times) >= TRIAL_STEPS:
             self._live, self._next = self._next, None
             self.state, self.since_step = "compiled", self.calls
             self._compiled_times = [-1.0]   # the first compiled step warms up: not counted
             logger.info("%s: step %d runs inductor's graphs (compiled in %.1f s)", self.owner, self.calls,
                         self.compile_seconds or 0.0)
-        elif self.state == "compiled" and len(self._compiled_times) > TRIAL_STEPS:
-            eager = statistics.median(self._eager_times[-TRIAL_STEPS:])
-            compiled = statistics.median(self._compiled_times[1:])
-            self._timing = False
-            self.step_seconds = (eager, compiled)
-            if compiled > eager * SLOWER:
-                self._live, self._eager = self._eager, None
-                self.state = "eager"
-                self.reason = (f"inductor's graphs measured slower: {compiled * 1e3:.3g} ms per step against "
-                               f"{eager * 1e3:.3g} ms (median of {TRIAL_STEPS} steps each)")
-                logger.info("%s: %s; back on the eager executor", self.owner, self.reason)
-            self._eager_times = self._compiled_times = []
+
+    def _decide(self) -> None:
+        eager = statistics.median(self._eager_times or [0.0])
+        compiled = statistics.median(self._compiled_times[1:])
+        self._timing = False
+        self.step_seconds = (eager, compiled)
+        self._eager_times = self._compiled_times = []
+        if compiled > eager * SLOWER:
+            self._live, self._eager = self._eager, None
+            self.state = "eager"
+            self.reason = (f"inductor's graphs measured slower: {compiled * 1e3:.3g} ms per step against "
+                           f"{eager * 1e3:.3g} ms (median of {TRIAL_STEPS} steps each)")
+            logger.info("%s: %s; back on the eager executor", self.owner, self.reason)
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Block until the compile has finished (or failed); True if it has. The switch itself
@@ -260,7 +271,9 @@ class Tier:
                 forward, backward = _compile_all(fw, bw, step.inference, cached_only=True)
             core = replayed(forward, backward, step.spec)
         except Exception as e:   # never the training loop's problem: it goes on eagerly
-            self.state, self.reason = "eager", f"the background compile failed: {str(e).strip() or type(e).__name__}"
+            if _exiting.is_set():
+                return
+            self.state, self.reason = "eager", f"the background compile failed: {(str(e).strip() or type(e).__name__).splitlines()[0]}"
             self._timing = False
             logger.warning("fxtrain: %s: %s; this capture stays on the eager executor", self.owner, self.reason)
         else:
