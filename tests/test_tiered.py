@@ -3,6 +3,7 @@ graphs a worker process compiled with inductor. Eager PyTorch is the oracle befo
 switch; ``CaptureInfo.wait_for_compiles`` makes the switch happen at a known step."""
 import logging
 
+import pytest
 import torch
 from torch import nn
 
@@ -48,34 +49,48 @@ def _step(tm, ref, opts, batch, tolerance):
         torch.testing.assert_close(p, q, **tolerance)
 
 
-def test_switch_is_exact_and_each_capture_has_its_own_tier():
-    tm, ref = wrap_pair(Head(), executor="auto", dynamic=False)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (tm, ref)]
+EXACT = dict(rtol=1.3e-6, atol=1e-5)
+
+
+def _switch(tm, ref, opts):
+    """Two steps, the compile awaited, TRIAL_STEPS steps timed on the eager executor, then three
+    on the compiled graphs (fewer than TRIAL_STEPS: no step time compared, no going back to eager)."""
     info = tm.capture_info()
-    exact = dict(rtol=1.3e-6, atol=1e-5)
-    _step(tm, ref, opts, _batch(8, 0), exact)
-    _step(tm, ref, opts, _batch(8, 1), exact)       # still eager unless the compile won the race
+    _step(tm, ref, opts, _batch(8, 0), EXACT)
+    _step(tm, ref, opts, _batch(8, 1), EXACT)       # still eager unless the compile won the race
     assert info.wait_for_compiles(600), info.tiers
     tier = info.records[0].tier
     assert str(tier) == "eager, compiled graphs ready for the next step", str(tier)
-    # Ready: TRIAL_STEPS steps timed on the eager executor, then the compiled graphs (not yet
-    # TRIAL_STEPS of them here: no step time compared, so no going back to eager).
     for seed in range(2, 2 + TRIAL_STEPS):
-        _step(tm, ref, opts, _batch(8, seed), exact)
+        _step(tm, ref, opts, _batch(8, seed), EXACT)
     assert tier.state == "compiling", str(tier)
     for seed in range(10, 13):
         _step(tm, ref, opts, _batch(8, seed), COMPILED)
     assert tier.state == "compiled" and tier.since_step == 2 + TRIAL_STEPS, str(tier)
     assert info.tiers[0].startswith(f"graph 0 (train): inductor since step {2 + TRIAL_STEPS} (compiled in "), info.tiers
+    return tier
 
-    # Another batch size: a new (static) capture, with a tier of its own, while the first stays compiled.
-    _step(tm, ref, opts, _batch(5, 5), exact)
+
+def test_switch_is_exact():
+    tm, ref = wrap_pair(Head(), executor="auto", dynamic=False)
+    _switch(tm, ref, [torch.optim.SGD(m.parameters(), lr=0.1) for m in (tm, ref)])
+
+
+@pytest.mark.extended
+def test_each_capture_has_its_own_tier():
+    """Another batch size: a new (static) capture, with a tier of its own, compiling while the first
+    stays compiled, and switching at its own step."""
+    tm, ref = wrap_pair(Head(), executor="auto", dynamic=False)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (tm, ref)]
+    info = tm.capture_info()
+    tier = _switch(tm, ref, opts)
+    _step(tm, ref, opts, _batch(5, 5), EXACT)
     assert info.graphs == 2 and info.records[1].tier.state == "compiling", info.tiers
     assert tier.state == "compiled"
     _step(tm, ref, opts, _batch(8, 6), COMPILED)
     assert info.wait_for_compiles(600), info.tiers
     for seed in range(20, 20 + TRIAL_STEPS):
-        _step(tm, ref, opts, _batch(5, seed), exact)
+        _step(tm, ref, opts, _batch(5, seed), EXACT)
     _step(tm, ref, opts, _batch(5, 30), COMPILED)
     assert info.records[1].tier.since_step == 1 + TRIAL_STEPS, info.tiers
     assert f"tier graph 1 (train): inductor since step {1 + TRIAL_STEPS}" in str(info)
@@ -86,12 +101,11 @@ def test_failed_compile_stays_eager_and_logs_once(caplog):
     keeps the eager executor's exact numbers."""
     tm, ref = wrap_pair(Head(), executor="auto", dynamic=False, compile_timeout=0.001)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (tm, ref)]
-    exact = dict(rtol=1.3e-6, atol=1e-5)
     with caplog.at_level(logging.WARNING, logger="fxtrain"):
-        _step(tm, ref, opts, _batch(8, 0), exact)
+        _step(tm, ref, opts, _batch(8, 0), EXACT)
         assert tm.capture_info().wait_for_compiles(60)
         for seed in (1, 2, 3):
-            _step(tm, ref, opts, _batch(8, seed), exact)
+            _step(tm, ref, opts, _batch(8, seed), EXACT)
     failed = [r for r in caplog.records if "stays on the eager executor" in r.getMessage()]
     assert len(failed) == 1, [r.getMessage() for r in caplog.records]
     tier = tm.capture_info().records[0].tier
