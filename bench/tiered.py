@@ -16,6 +16,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -44,14 +45,18 @@ def one(workload: str, executor: str, steps: int) -> None:
     print(f"RESULT {wall:.3f} {first:.3f} {tiers[-1] if tiers else '-'}")
 
 
-def wall(workload: str, steps: int, rounds: int) -> None:
-    runs = {k: [] for k in EXECUTORS}
-    firsts = {k: [] for k in EXECUTORS}
+def wall(workload: str, steps: int, rounds: int, cold: bool = False) -> None:
+    executors = ("eager", "auto") if cold else EXECUTORS
+    runs = {k: [] for k in executors}
+    firsts = {k: [] for k in executors}
     notes = {}
     for r in range(rounds):
-        for ex in (EXECUTORS if r % 2 else EXECUTORS[::-1]):
-            out = subprocess.run([sys.executable, __file__, "--one", workload, ex, str(steps)],
-                                 capture_output=True, text=True, env=os.environ)
+        for ex in (executors if r % 2 else executors[::-1]):
+            with tempfile.TemporaryDirectory() as tmp:
+                # cold: an empty inductor cache per run, so auto's worker compiles through the whole run
+                env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tmp) if cold else os.environ
+                out = subprocess.run([sys.executable, __file__, "--one", workload, ex, str(steps)],
+                                     capture_output=True, text=True, env=env)
             line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")), None)
             if line is None:
                 print(out.stderr[-2000:])
@@ -60,8 +65,9 @@ def wall(workload: str, steps: int, rounds: int) -> None:
             runs[ex].append(float(w))
             firsts[ex].append(float(f1))
             notes[ex] = note
-    print(f"{workload}: {steps}-step wall time, median of {rounds} fresh processes (first step in brackets)")
-    for ex in EXECUTORS:
+    print(f"{workload}: {steps}-step wall time, median of {rounds} fresh processes (first step in brackets)"
+          f"{', inductor cache cold' if cold else ''}")
+    for ex in executors:
         print(f"  {ex:9s} {statistics.median(runs[ex]):7.2f} s  ({statistics.median(firsts[ex]):.2f} s)"
               f"  runs {', '.join(f'{x:.2f}' for x in runs[ex])}  {notes[ex] if ex == 'auto' else ''}")
 
@@ -102,6 +108,7 @@ def main() -> None:
     ap.add_argument("--steady", type=int, default=200)
     ap.add_argument("--one", nargs=3, metavar=("WORKLOAD", "EXECUTOR", "STEPS"))
     ap.add_argument("--skip", default="", help="'wall' or 'steady'")
+    ap.add_argument("--cold", action="store_true", help="wall times only, eager and auto, inductor's cache empty")
     a = ap.parse_args()
     torch.set_num_threads(1)
     if a.one:
@@ -110,8 +117,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, 1 thread, load {os.getloadavg()[0]:.2f}")
     for w in a.workloads.split(","):
         if a.skip != "wall":
-            wall(w, a.steps, a.rounds)
-        if a.skip != "steady":
+            wall(w, a.steps, a.rounds, a.cold)
+        if a.skip != "steady" and not a.cold:
             steady(w, a.steady)
     print(f"load {os.getloadavg()[0]:.2f}")
 
