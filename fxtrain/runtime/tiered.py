@@ -188,6 +188,7 @@ class Tier:
         self._timing = True
         self._last: Optional[float] = None
         self._eager_times: Optional[List[float]] = None   # from when the compiled graphs are ready
+        self._pending: Optional[Tuple[Any, float]] = None   # (step, timeout) until the thread starts
         self._compiled_times: List[float] = []
         self._next: Optional[Callable[..., Any]] = None
         self._done = threading.Event()
@@ -198,8 +199,9 @@ class Tier:
             self._done.set()
             return
         self.state = "compiling"
-        threading.Thread(target=self._compile, args=(step, timeout), daemon=True,
-                         name=f"fxtrain-compile-{owner}").start()
+        # Started at the second call: the first step (capture included) stays the eager executor's,
+        # with no thread pickling graphs or process starting beside it.
+        self._pending = (step, timeout)
 
     def __call__(self, *args: Any) -> Any:
         if self._timing:
@@ -207,11 +209,19 @@ class Tier:
         self.calls += 1
         return self._live(*args)
 
+    def _start(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            threading.Thread(target=self._compile, args=pending, daemon=True,
+                             name=f"fxtrain-compile-{self.owner}").start()
+
     def _tick(self) -> None:
         """Time between this capture's calls (a training step) on each tier, back to back once the
         compiled graphs are ready (same load, no pause for the compile in the eager sample): they
         stay only if they are not slower (a code generator loses on some small models: the MLP in
         docs/benchmarks.md)."""
+        if self._pending is not None and self.calls >= 1:
+            self._start()
         now = time.perf_counter()
         if self._last is not None and self._eager_times is not None:
             (self._compiled_times if self.state == "compiled" else self._eager_times).append(now - self._last)
@@ -245,6 +255,7 @@ class Tier:
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Block until the compile has finished (or failed); True if it has. The switch itself
         happens at the next call."""
+        self._start()
         return self._done.wait(timeout)
 
     def __str__(self) -> str:
