@@ -26,9 +26,14 @@ class Options:
     """Every knob of fxtrain. The README table is generated from these fields (``fxtrain options``)."""
 
     executor: str = field(default="eager", metadata={
-        "choices": ("eager", "inductor"),
-        "help": "What runs the captured aten graphs: 'eager' (aten ops one by one; fast first step) "
-                "or 'inductor' (generated kernels; slow first step)."})
+        "choices": ("eager", "inductor", "auto"),
+        "help": "What runs the captured aten graphs: 'eager' (aten ops one by one; fast first step), "
+                "'inductor' (generated kernels; slow first step) or 'auto' (starts as 'eager' while a "
+                "low-priority worker process compiles each capture's graphs with inductor, then runs "
+                "the compiled graphs; capture_info() says per capture which runs and why)."})
+    compile_timeout: float = field(default=600.0, metadata={
+        "help": "executor='auto': seconds a capture's background compile may take; one that takes longer "
+                "(or fails) is logged once and that capture stays on the eager executor."})
     backward: str = field(default="auto", metadata={
         "choices": ("auto", "autograd", "graph"),
         "help": "How the eager executor runs a step: 'autograd' runs the rewritten torch-level graph under "
@@ -111,6 +116,8 @@ class Options:
             raise ValueError(f"fxtrain.Options.sparsity_threshold must be within [0, 1], got {self.sparsity_threshold}")
         if not self.capture_warning_seconds > 0:
             raise ValueError(f"fxtrain.Options.capture_warning_seconds must be positive, got {self.capture_warning_seconds}")
+        if not self.compile_timeout > 0:
+            raise ValueError(f"fxtrain.Options.compile_timeout must be positive, got {self.compile_timeout}")
         if self.recompile_limit < 1:
             raise ValueError(f"fxtrain.Options.recompile_limit must be >= 1, got {self.recompile_limit}")
         if self.memory_budget is not None:

@@ -289,12 +289,22 @@ def boxed_copy(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 # ---------------------------------------------------------------------------------- inductor
+class NotInInductorCache(Error):
+    """``inductor_compile(cached_only=True)`` found no entry for the graph in inductor's FX graph cache."""
+
+
 def inductor_compile(graph: torch.fx.GraphModule, example_inputs: Sequence[Any], *, is_backward: bool,
-                     is_inference: bool) -> Callable[[List[Any]], Any]:
+                     is_inference: bool, cached_only: bool = False) -> Callable[[List[Any]], Any]:
     """Inductor's compiler for one aten graph (what its own AOTAutograd compilers call).
 
     Needs: ``compile_fx_inner(gm, example_inputs, is_backward=..., is_inference=...)`` returning a
     boxed callable; it looks the graph up in inductor's on-disk FX graph cache first.
+    ``cached_only``: raise NotInInductorCache instead of generating code on a miss. A miss
+    generates code under ``preserve_rng_state``, which puts the global generator back as it was when
+    the compile began: off the main thread that would rewind the random numbers the training loop
+    drew meanwhile (runtime/tiered.py loads graphs a worker compiled, on a thread, hits only).
+    Needs: ``FxGraphCache.prepare_key(gm, inputs, fx_kwargs, inputs_to_check, remote)`` with the
+    keyword defaults compile_fx_inner fills in, and ``FxGraphCache._get_tmp_dir_for_key``.
     """
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor import config
@@ -311,7 +321,50 @@ def inductor_compile(graph: torch.fx.GraphModule, example_inputs: Sequence[Any],
         if fake_mode is not None:
             context = torch._guards.tracing(torch._guards.TracingContext(fake_mode))
     with context, config.patch(layout_optimization=False):
+        if cached_only and not _in_inductor_cache(graph, list(example_inputs), is_backward, is_inference):
+            raise NotInInductorCache("inductor's FX graph cache has no entry for this graph")
         return compile_fx_inner(graph, list(example_inputs), is_backward=is_backward, is_inference=is_inference)
+
+
+def _in_inductor_cache(graph: torch.fx.GraphModule, inputs: List[Any], is_backward: bool, is_inference: bool) -> bool:
+    import os
+    from torch._inductor import config
+    from torch._inductor.codecache import FxGraphCache
+    from torch._inductor.compile_fx import get_input_idxs_to_check
+    from torch._inductor.utils import BoxedBool
+    if config.force_disable_caches or not config.fx_graph_cache:
+        return False
+    kwargs: Dict[str, Any] = dict(cudagraphs=BoxedBool(config.triton.cudagraphs), static_input_idxs=(),
+                                  is_backward=is_backward, graph_id=None, cpp_wrapper=False, fx_wrapper=False,
+                                  is_inference=is_inference, boxed_forward_device_index=None, layout_opt=None,
+                                  extern_node_serializer=None)
+    with torch.utils._python_dispatch._disable_current_modes():
+        key_info, _ = FxGraphCache.prepare_key(graph, inputs, kwargs, get_input_idxs_to_check(inputs, ()), False)
+    return key_info is not None and os.path.isdir(FxGraphCache._get_tmp_dir_for_key(key_info[0]))
+
+
+def dynamo_compile_lock() -> ContextManager[Any]:
+    """The lock dynamo holds while it converts a frame (``convert_frame.compile_lock``, an RLock):
+    a thread that compiles with inductor takes it, so that no capture runs beside it."""
+    from torch._dynamo.convert_frame import compile_lock
+    return compile_lock
+
+
+def retrace(graph: torch.fx.GraphModule, decompositions: Dict[Any, Callable[..., Any]],
+            examples: Optional[Sequence[Any]] = None) -> torch.fx.GraphModule:
+    """``graph`` traced again on fake values (its placeholders' unless given) with ``decompositions``
+    applied (``make_fx``), placeholders keeping their names (the backward finds its tangents by name)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    examples = placeholder_examples(graph) if examples is None else list(examples)
+    fake_mode = detect_fake_mode(examples)
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        new = make_fx(torch.fx.Interpreter(graph).run, decomposition_table=decompositions)(*examples)
+    names = [n.name for n in graph.graph.nodes if n.op == "placeholder"]
+    for node, name in zip([n for n in new.graph.nodes if n.op == "placeholder"], names):
+        node._rename(name)
+        node.target = name
+    new.recompile()
+    return new
 
 
 _fallbacks_made = False

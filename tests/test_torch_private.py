@@ -408,3 +408,25 @@ def test_pythonop_capture_accessors() -> None:
     assert len(seen["items"]) == 1 and seen["dict"][0][0] == "k"
     assert seen["number"] is int and seen["hint"] == 3 and seen["expr"] is not None
     assert tp.symbolic_scalar_type(seen["speculated"]) is float and seen["break"]
+
+
+def test_tier_accessors(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What runtime/tiered.py needs: a retrace with inductor's decompositions that keeps placeholder
+    names, dynamo's compile lock, and a cache-only inductor compile that refuses a miss (the
+    positive path, a hit, is tests/test_tiered.py's switch)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))   # nothing cached from before
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    mode = tp.FakeTensorMode(shape_env=ShapeEnv())
+    with mode:
+        x = torch.empty(4, 8)
+        gm = make_fx(lambda t: (torch.nn.functional.gelu(t).sum(-1),))(x)
+    next(n for n in gm.graph.nodes if n.op == "placeholder")._rename("tangents_1")
+    gm.recompile()
+    new = _check("retrace", tp.retrace, gm, _check("inductor_decompositions", tp.inductor_decompositions))
+    assert [n.name for n in new.graph.nodes if n.op == "placeholder"] == ["tangents_1"]
+    assert torch.ops.aten.gelu.default not in {n.target for n in new.graph.nodes}   # decomposed
+    with _check("dynamo_compile_lock", tp.dynamo_compile_lock):
+        with pytest.raises(tp.NotInInductorCache):
+            tp.inductor_compile(new, tp.placeholder_examples(new), is_backward=False, is_inference=True,
+                                cached_only=True)

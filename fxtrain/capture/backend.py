@@ -22,6 +22,7 @@ from .budget import BudgetRequest, BudgetState, MemoryBudgetWarning, plan_step
 from .dump import dump_capture
 from ..runtime.info import CaptureInfo, GraphRecord
 from ..runtime.step import CapturedStep
+from ..runtime.tiered import Tier
 from ..errors import Error
 
 logger = logging.getLogger("fxtrain")
@@ -119,7 +120,12 @@ class Backend:
         step = capture_step(gm, dense, plans, example_inputs, self.executor, self.budget_request(), self.optimizer)
         for report in step.forward_reports + step.backward_reports:
             record.optimizations[report.name] = str(report)
-        compiled = runner.build(step, self.executor, self.context, self.options.backward)
+        tier = None
+        if self.executor.compiles_later:
+            def tier(core: Callable[..., Any]) -> Callable[..., Any]:
+                record.tier = Tier(step, core, self.options.compile_timeout, f"{self.owner} graph {record.index}")
+                return record.tier
+        compiled = runner.build(step, self.executor, self.context, self.options.backward, tier)
         record.step = step
         record.forward_graph, record.backward_graph = step.forward_graph, step.backward_graph
         record.backward_runner, record.inference = step.backward, step.inference

@@ -10,6 +10,8 @@ compile each graph and never branches on its name. Two ship:
   runs under PyTorch's own autograd engine, which costs the fewest Python calls per step.
 - ``InductorExecutor`` ("inductor"): torch's code generator on the same aten graphs (after
   fxtrain's backward passes), with the recomputing partitioner that pays when kernels are fused.
+- ``AutoExecutor`` ("auto"): the eager one, and each capture moves to inductor-compiled graphs
+  once a worker process has compiled them (runtime/tiered.py).
 
 The profiler's executor (profile/capture.py) is a third: the eager one running marked copies.
 """
@@ -52,6 +54,9 @@ class Executor:
     # Backward passes this executor does not want (name -> why, shown in capture_info()): their ops
     # are then decomposed like any other, so the code generator sees and fuses them.
     skips_backward_passes: Dict[str, str] = {}
+    # Each capture runs this executor's code first while a worker compiles its graphs with inductor;
+    # the compiled graphs replace it when ready (runtime/tiered.py).
+    compiles_later = False
 
     def partition(self, joint: torch.fx.GraphModule, joint_inputs: Sequence[Any],
                   before_cut: Optional[Callable[[torch.fx.GraphModule], None]] = None, **kwargs: Any) -> Any:
@@ -108,18 +113,35 @@ class InductorExecutor(Executor):
         return tp.inductor_decompositions(keep=keep)
 
     def compile(self, graph: torch.fx.GraphModule, kind: str, example_inputs: Sequence[Any]) -> Compiled:
-        # Inductor rewrites the graph it is given in place (views become reshapes, aliases go), and
-        # keys its kernel cache on the pickled module, attribute order included (a module loaded
-        # from fxtrain's cache has another order than the live one). It gets a fresh module around
-        # a copy: the graph fxtrain keeps, caches and costs stays as captured, and a process that
-        # loads it from fxtrain's cache hits the kernels the capture compiled.
-        # (A copy of the graph's nodes only: attributes stay shared, fake constants included.)
-        fresh = torch.fx.GraphModule(graph, copy.deepcopy(graph.graph))
-        return tp.inductor_compile(fresh, example_inputs, is_backward=kind == "backward",
-                                   is_inference=kind == "inference")
+        return inductor_compile_graph(graph, kind, example_inputs)
 
 
-EXECUTORS: Dict[str, Callable[[], Executor]] = {"eager": EagerExecutor, "inductor": InductorExecutor}
+def inductor_compile_graph(graph: torch.fx.GraphModule, kind: str, example_inputs: Optional[Sequence[Any]] = None,
+                           cached_only: bool = False) -> Compiled:
+    """``example_inputs``: the placeholders' fake values if not given. ``cached_only``: load from
+    inductor's FX graph cache or raise (torch_private.inductor_compile)."""
+    # Inductor rewrites the graph it is given in place (views become reshapes, aliases go), and
+    # keys its kernel cache on the pickled module, attribute order included (a module loaded
+    # from fxtrain's cache has another order than the live one). It gets a fresh module around
+    # a copy: the graph fxtrain keeps, caches and costs stays as captured, and a process that
+    # loads it from fxtrain's cache hits the kernels the capture compiled.
+    # (A copy of the graph's nodes only: attributes stay shared, fake constants included.)
+    fresh = torch.fx.GraphModule(graph, copy.deepcopy(graph.graph))
+    examples = tp.placeholder_examples(graph) if example_inputs is None else example_inputs
+    return tp.inductor_compile(fresh, examples, is_backward=kind == "backward",
+                               is_inference=kind == "inference", cached_only=cached_only)
+
+
+class AutoExecutor(EagerExecutor):
+    """The eager executor now, inductor later (runtime/tiered.py): each capture starts on the eager
+    executor's code, and a worker process compiles its aten graphs with inductor meanwhile."""
+
+    name = "auto"
+    compiles_later = True
+
+
+EXECUTORS: Dict[str, Callable[[], Executor]] = {"eager": EagerExecutor, "inductor": InductorExecutor,
+                                                "auto": AutoExecutor}
 
 
 def executor_named(name: str) -> Executor:

@@ -1,6 +1,7 @@
 """What capture did, in a form a user can read and a test can assert on."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from collections import Counter
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
@@ -58,6 +59,9 @@ class GraphRecord:
     memory_plan: Optional[Any] = None
     # The captured step itself (runtime/step.py) and what the on-disk cache needs of the capture.
     step: Optional[Any] = field(default=None, repr=False)
+    # executor="auto": which code runs this capture, since when, and why it stays on the eager
+    # executor (runtime/tiered.py: Tier).
+    tier: Optional[Any] = field(default=None, repr=False)
     cache_recipe: Optional[Any] = field(default=None, repr=False)
 
 
@@ -99,6 +103,20 @@ class CaptureInfo:
         return plans[-1] if plans else None
 
     @property
+    def tiers(self) -> List[str]:
+        """executor="auto": per capture, which code runs it, since which of its calls (steps counted
+        per capture), how long the compile took, or why it stays on the eager executor ('graph 0
+        (train): inductor since step 7 (compiled in 31.2 s)', 'graph 1 (eval): eager: random op ...')."""
+        return [f"graph {r.index} ({r.mode}): {r.tier}" for r in self.records if r.tier is not None]
+
+    def wait_for_compiles(self, timeout: Optional[float] = None) -> bool:
+        """executor="auto": block until every capture's background compile has finished or failed
+        (True if all have); the next call of each capture then runs the compiled graphs."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return all(r.tier.wait(None if deadline is None else max(deadline - time.monotonic(), 0.0))
+                   for r in self.records if r.tier is not None)
+
+    @property
     def capture_reasons(self) -> List[str]:
         """Why each capture happened, in order: 'graph 0 (train): first call', ..."""
         return [f"graph {r.index} ({r.mode}): {r.reason or 'loaded from the cache'}" for r in self.records]
@@ -123,6 +141,7 @@ class CaptureInfo:
             lines.append(f"  dense route: {n} batch(es): {reason}")
         for reason, n in Counter(self.break_reasons).items():
             lines.append(f"  break: {reason}" + (f" (x{n})" if n > 1 else ""))
+        lines.extend(f"  tier {line}" for line in self.tiers)
         reasons = [f"  capture {line}" for line in self.capture_reasons]
         if len(reasons) > 6:
             reasons[3:-3] = [f"  ... {len(reasons) - 6} more capture(s)"]

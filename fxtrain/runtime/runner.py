@@ -95,8 +95,11 @@ def _aot_runtime(aot_callable: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def build(step: CapturedStep, executor: Executor, context: RunContext, preference: str = "auto") -> Callable[..., Any]:
-    """The callable for ``step``: flat graph inputs in, the dynamo graph's outputs out."""
+def build(step: CapturedStep, executor: Executor, context: RunContext, preference: str = "auto",
+          tiered: Optional[Callable[[Callable[..., Any]], Callable[..., Any]]] = None) -> Callable[..., Any]:
+    """The callable for ``step``: flat graph inputs in, the dynamo graph's outputs out. ``tiered``
+    wraps the core (what runs the graphs), inside the deferred outputs, dense route and probes,
+    so that a core swapped later (runtime/tiered.py) keeps them."""
     step.mode, step.mode_reason = choose_mode(step, executor, preference)
     if step.mode == "autograd":
         assert step.graph is not None
@@ -110,6 +113,8 @@ def build(step: CapturedStep, executor: Executor, context: RunContext, preferenc
     if step.mode != "aot":
         step.aot_callable = None  # AOTAutograd's runtime and what it holds: not needed
     logger.debug("%s: runtime mode %s (%s)", context.owner, step.mode, step.mode_reason)
+    if tiered is not None:
+        core = tiered(core)
     plans = step.plans
     if plans.deferred is not None:
         core = with_deferred(core, plans.deferred)

@@ -1,0 +1,342 @@
+"""executor="auto": each capture starts on the eager executor and moves to inductor's code when ready.
+
+Capture is the eager executor's (first step as fast as executor="eager"). A thread then pickles the
+capture's aten forward and backward graphs and starts a worker process (``python -m
+fxtrain.runtime.tiered``) at the lowest CPU priority (nice 19, and its C++ compiler children with
+it), which re-traces each graph with inductor's decompositions and compiles it, filling inductor's
+on-disk FX graph cache. The thread loads the compiled graphs from that cache (hits only) and hands
+them to the ``Tier``; its next call runs them, through the same replay as the inductor executor.
+
+Why a process and not a thread compiling in this one:
+- inductor generates code under ``preserve_rng_state``, which sets the global random generator back
+  to where it was when the compile began: on a thread, every random number the training loop drew
+  meanwhile (dropout, ``randperm`` of a sampler) would be drawn again, a wrong answer;
+- its lowering is Python, holding the GIL for tens of seconds on small models, which a nice value
+  cannot lower inside one process; the worker's share of the cores can be;
+- its config is process-global (``config.patch``), and dynamo may capture in this process meanwhile.
+The load in this process is a cache hit only (``torch_private.inductor_compile(cached_only=True)``:
+no code generation, so no generator rewind), under dynamo's compile lock.
+
+Why the eager executor's graphs as they are (no re-partition): the compiled tier then takes the same
+inputs and saves the same tensors as the eager one (one ``ReplaySpec``), so the switch is a swap of
+one callable, and the forward and backward passes already ran on these graphs. Inductor's own
+decompositions are applied by re-tracing each graph apart (what it lowers), keeping its signature;
+what is lost against executor="inductor" is the min-cut partition's recomputation (docs/benchmarks.md).
+
+A capture stays on the eager executor, with the reason in ``capture_info()``, when the compiled
+graphs could not give eager's numbers or cannot be made ahead: random ops (inductor's generator
+differs from eager's), symbolic sizes (inductor may specialise sizes after dynamo installed its
+guards), custom autograd Functions (PythonOps: each becomes an opaque call inductor cannot fuse),
+a memory budget's plan, graphs the replay does not run; and when the compile fails or outlives
+``Options.compile_timeout`` (logged once).
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, List, Optional, Sequence, Set, Tuple
+
+import torch
+import torch.fx
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+from .. import torch_private as tp
+from .absent_grads import AbsentGradBackward
+from .executors import InductorExecutor, inductor_compile_graph
+from .replay import replayed
+
+logger = logging.getLogger("fxtrain")
+
+_ADD = torch.ops.aten.add.Tensor
+# Steps timed on each tier, back to back, before the compiled graphs are kept, and how much slower
+# than the eager executor's they may measure before the capture goes back to it (no margin: where the
+# two are as fast, either will do).
+TRIAL_STEPS = 5
+SLOWER = 1.0
+_workers: Set[subprocess.Popen] = set()   # killed at exit: a compile nobody will run is wasted cores
+_exiting = threading.Event()
+
+
+@atexit.register
+def _stop_workers() -> None:
+    _exiting.set()   # a worker killed here is no failure to report
+    for proc in list(_workers):
+        proc.kill()
+
+
+def stays_eager(step: Any) -> str:
+    """Why ``step`` (a CapturedStep) cannot move to compiled graphs ('' if it can)."""
+    if step.spec is None or step.not_replayable:
+        return f"fxtrain's replay cannot run its aten graphs ({step.not_replayable or 'no spec'})"
+    if step.memory_plan is not None:
+        return "a memory budget's plan runs the eager executor's graphs"
+    if step.forward_graph is None or (step.backward_graph is None and not step.inference):
+        return "no aten graphs"
+    graphs = [g for g in (step.forward_graph, step.backward_graph) if g is not None]
+    for gm in graphs:
+        for node in gm.graph.nodes:
+            val = node.meta.get("val")
+            if node.op == "placeholder" and _symbolic(val):
+                return "symbolic sizes: inductor could specialise a size after dynamo installed the capture's guards"
+            if node.op != "call_function":
+                continue
+            if str(node.target).startswith("fxtrain.python_op"):
+                return "custom autograd Functions (PythonOps) would be opaque calls inductor cannot fuse"
+            if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()) and not _no_dropout(node):
+                return f"random op {node.target}: inductor's generator would not give eager's numbers"
+    return ""
+
+
+def _no_dropout(node: torch.fx.Node) -> bool:
+    """An op that draws random numbers only for its dropout (attention), called with none."""
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.name in ("dropout_p", "p"):
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name, arg.default_value)
+            return value == 0
+    return False
+
+
+def _symbolic(val: Any) -> bool:
+    sizes = list(val.shape) if isinstance(val, torch.Tensor) else [val]
+    return any(isinstance(s, torch.SymInt) for s in sizes)
+
+
+def _lean(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy keeping only the fake values the compile needs (placeholders) and the absent-gradient
+    specialisation reads (adds and their operands): stack traces and every node's fake value would
+    make the pickle several times larger and slower."""
+    graph = torch.fx.Graph()
+    graph._codegen = gm.graph._codegen
+    env: dict = {}
+    graph.output(graph.graph_copy(gm.graph, env))
+    keep = set()
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            keep.add(n)
+        elif n.op == "call_function" and n.target is _ADD:
+            keep.add(n)
+            keep.update(a for a in n.args if isinstance(a, torch.fx.Node))
+    for old, new in env.items():
+        new.meta = {"val": old.meta["val"]} if old in keep and "val" in old.meta else {}
+    return torch.fx.GraphModule(gm, graph)
+
+
+def _outputs(gm: torch.fx.GraphModule) -> List[torch.fx.Node]:
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
+    return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+def _saved_outputs(spec: Any, fw: torch.fx.GraphModule) -> List[int]:
+    """Forward outputs the backward takes first, in its order (runtime/replay.py: sizes, then the
+    saved tensors, checked and unchecked)."""
+    n = len(_outputs(fw))
+    return [i for s in (spec.symints, spec.saved, spec.saved_no_check) for i in range(*s.indices(n))]
+
+
+def loss_only(backward: AbsentGradBackward) -> List[Tuple[int, ...]]:
+    """The absent-gradient patterns to compile ahead besides the full backward: every output's
+    gradient absent but the one-element ones (``loss.backward()`` on a model that also returns its
+    logits). Other patterns run the backward graph op by op when they first occur (no code
+    generation on the training loop's path)."""
+    absent = []
+    for i in backward.tangents:
+        val = backward.placeholders[i].meta.get("val")
+        if not (isinstance(val, torch.Tensor) and val.numel() == 1):
+            absent.append(i)
+    return [tuple(absent)] if absent and len(absent) < len(backward.tangents) else []
+
+
+def _compile_all(fw: torch.fx.GraphModule, bw: Optional[torch.fx.GraphModule], inference: bool,
+                 cached_only: bool) -> Tuple[Callable[..., Any], Optional[AbsentGradBackward]]:
+    forward = inductor_compile_graph(fw, "inference" if inference else "forward", cached_only=cached_only)
+    if bw is None:
+        return forward, None
+    backward = AbsentGradBackward(bw, lambda g: inductor_compile_graph(g, "backward", cached_only=cached_only))
+    backward.compile_full()
+    for absent in loss_only(backward):
+        backward._variant(absent)
+    # A pattern not compiled ahead runs as the eager executor would: generating code for it here
+    # would stop the training loop (and rewind the random generator off the main thread).
+    backward.compile = lambda g: tp.boxed_copy(g).forward
+    return forward, backward
+
+
+class Tier:
+    """Which code runs one capture: the eager executor's until the compiled graphs are loaded.
+
+    Runtime state, kept apart from the CapturedStep (which stays what capture made): the live
+    callable, the one waiting to replace it, and what ``capture_info()`` reports."""
+
+    def __init__(self, step: Any, eager: Callable[..., Any], timeout: float, owner: str) -> None:
+        self.state = "eager"            # "eager" | "compiling" | "compiled"
+        self.reason = ""                # why it stays on the eager executor
+        self.since_step: Optional[int] = None
+        self.compile_seconds: Optional[float] = None
+        self.calls = 0
+        self.owner = owner
+        self.step_seconds: Optional[Tuple[float, float]] = None   # (eager, compiled) medians, once measured
+        self._live: Callable[..., Any] = eager
+        self._eager: Optional[Callable[..., Any]] = eager
+        self._timing = True
+        self._last: Optional[float] = None
+        self._eager_times: Optional[List[float]] = None   # from when the compiled graphs are ready
+        self._pending: Optional[Tuple[Any, float]] = None   # (step, timeout) until the thread starts
+        self._compiled_times: List[float] = []
+        self._next: Optional[Callable[..., Any]] = None
+        self._done = threading.Event()
+        why = stays_eager(step)
+        if why:
+            self.reason = why
+            self._timing = False
+            self._done.set()
+            return
+        self.state = "compiling"
+        # Started at the second call: the first step (capture included) stays the eager executor's,
+        # with no thread pickling graphs or process starting beside it.
+        self._pending = (step, timeout)
+
+    def __call__(self, *args: Any) -> Any:
+        if self._timing:
+            self._tick()
+        self.calls += 1
+        return self._live(*args)
+
+    def _start(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            threading.Thread(target=self._compile, args=pending, daemon=True,
+                             name=f"fxtrain-compile-{self.owner}").start()
+
+    def _tick(self) -> None:
+        """Time between this capture's calls (a training step) on each tier, back to back once the
+        compiled graphs are ready (same load, no pause for the compile in the eager sample): they
+        stay only if they are not slower (a code generator loses on some small models: the MLP in
+        docs/benchmarks.md)."""
+        if self._pending is not None and self.calls >= 1:
+            self._start()
+        now = time.perf_counter()
+        if self._last is not None and self._eager_times is not None:
+            (self._compiled_times if self.state == "compiled" else self._eager_times).append(now - self._last)
+        self._last = now
+        if self._next is None:
+            if self.state == "compiled" and len(self._compiled_times) > TRIAL_STEPS:
+                self._decide()
+            return
+        if self._eager_times is None:                 # ready: time the eager executor from here
+            self._eager_times = []
+        elif len(self._eager_times) >= TRIAL_STEPS:
+            self._live, self._next = self._next, None
+            self.state, self.since_step = "compiled", self.calls
+            self._compiled_times = [-1.0]   # the first compiled step warms up: not counted
+            logger.info("%s: step %d runs inductor's graphs (compiled in %.1f s)", self.owner, self.calls,
+                        self.compile_seconds or 0.0)
+
+    def _decide(self) -> None:
+        eager = statistics.median(self._eager_times or [0.0])
+        compiled = statistics.median(self._compiled_times[1:])
+        self._timing = False
+        self.step_seconds = (eager, compiled)
+        self._eager_times = self._compiled_times = []
+        if compiled > eager * SLOWER:
+            self._live, self._eager = self._eager, None
+            self.state = "eager"
+            self.reason = (f"inductor's graphs measured slower: {compiled * 1e3:.3g} ms per step against "
+                           f"{eager * 1e3:.3g} ms (median of {TRIAL_STEPS} steps each)")
+            logger.info("%s: %s; back on the eager executor", self.owner, self.reason)
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Block until the compile has finished (or failed); True if it has. The switch itself
+        happens at the next call."""
+        self._start()
+        return self._done.wait(timeout)
+
+    def __str__(self) -> str:
+        if self.state == "compiled":
+            measured = "" if self.step_seconds is None else \
+                f"; {self.step_seconds[1] * 1e3:.3g} ms per step against eager's {self.step_seconds[0] * 1e3:.3g} ms"
+            return f"inductor since step {self.since_step} (compiled in {self.compile_seconds:.1f} s{measured})"
+        if self.state == "compiling":
+            return ("eager, compiled graphs ready for the next step" if self._next is not None
+                    else "eager, compiling in the background")
+        return f"eager: {self.reason}"
+
+    def _compile(self, step: Any, timeout: float) -> None:
+        start = time.perf_counter()
+        try:
+            with tempfile.TemporaryDirectory(prefix="fxtrain-tier-") as tmp:
+                given, made = Path(tmp) / "graphs.in", Path(tmp) / "graphs.out"
+                bw = step.backward_graph if not step.inference else None
+                given.write_bytes(tp.pickle_graphs((_lean(step.forward_graph), _lean(bw) if bw is not None else None,
+                                                    _saved_outputs(step.spec, step.forward_graph))))
+                self._run_worker(given, made, step.inference, timeout - (time.perf_counter() - start))
+                fw, bw = tp.unpickle_graphs(made.read_bytes(), tp.FakeTensorMode(shape_env=ShapeEnv()))
+            with tp.dynamo_compile_lock():
+                forward, backward = _compile_all(fw, bw, step.inference, cached_only=True)
+            core = replayed(forward, backward, step.spec)
+        except Exception as e:   # never the training loop's problem: it goes on eagerly
+            if _exiting.is_set():
+                return
+            self.state, self.reason = "eager", f"the background compile failed: {(str(e).strip() or type(e).__name__).splitlines()[0]}"
+            self._timing = False
+            logger.warning("fxtrain: %s: %s; this capture stays on the eager executor", self.owner, self.reason)
+        else:
+            self.compile_seconds = time.perf_counter() - start
+            self._next = core
+        finally:
+            self._done.set()
+
+    @staticmethod
+    def _run_worker(given: Path, made: Path, inference: bool, timeout: float) -> None:
+        package_root = str(Path(__file__).resolve().parents[2])
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")]))
+        # Inductor's cache key holds the intra-op thread count its C++ code is generated for.
+        cmd = [sys.executable, "-m", "fxtrain.runtime.tiered", str(given), str(made), "1" if inference else "0",
+               str(torch.get_num_threads())]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+        _workers.add(proc)
+        try:
+            _, err = proc.communicate(timeout=max(timeout, 0.0))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise TimeoutError(f"compile_timeout exceeded ({timeout:.3g} s left)") from None
+        finally:
+            _workers.discard(proc)
+        if proc.returncode != 0:
+            lines = [ln for ln in err.decode(errors="replace").splitlines() if ln.strip()]
+            raise RuntimeError(f"worker exited with {proc.returncode}: {lines[-1] if lines else 'no message'}")
+
+
+def _worker(argv: Sequence[str]) -> None:
+    """The worker process: retrace with inductor's decompositions, compile, write the graphs the
+    parent is to load (pickled, then compiled as unpickled, so its cache keys are the parent's)."""
+    given, made, inference = Path(argv[0]), Path(argv[1]), argv[2] == "1"
+    torch.set_num_threads(int(argv[3]))
+    fw, bw, saved = tp.unpickle_graphs(given.read_bytes(), tp.FakeTensorMode(shape_env=ShapeEnv()))
+    table = InductorExecutor().decompositions(keep=tp.BACKWARD_PASS_OPS)
+    fw = tp.retrace(fw, table)
+    if bw is not None:
+        # Inductor gives the forward's outputs the strides of the retraced graph's values
+        # (decompositions may lay them out otherwise than the aten ops did): the backward is traced
+        # and compiled for the saved tensors as the compiled forward will hand them over.
+        outs = [o.meta.get("val") for o in _outputs(fw)]
+        examples = tp.placeholder_examples(bw)
+        examples[:len(saved)] = [outs[i] for i in saved]
+        bw = tp.retrace(bw, table, examples)
+    payload = tp.pickle_graphs((_lean(fw), _lean(bw) if bw is not None else None))
+    fw, bw = tp.unpickle_graphs(payload, tp.FakeTensorMode(shape_env=ShapeEnv()))
+    _compile_all(fw, bw, inference, cached_only=False)
+    made.write_bytes(payload)
+
+
+if __name__ == "__main__":
+    os.nice(19)   # the training loop's cores first; the C++ compiler processes inherit it
+    _worker(sys.argv[1:])

@@ -1,0 +1,135 @@
+"""executor="auto" (runtime/tiered.py): each capture starts on the eager executor and moves to the
+graphs a worker process compiled with inductor. Eager PyTorch is the oracle before, at and after the
+switch; ``CaptureInfo.wait_for_compiles`` makes the switch happen at a known step."""
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import fxtrain
+from fxtrain.runtime.tiered import TRIAL_STEPS
+from utils import wrap_pair
+
+# Inductor fuses and so reorders float sums (conftest.INDUCTOR_TOLERANCE: ten times the defaults).
+COMPILED = dict(rtol=1.3e-5, atol=1e-4)
+
+
+class Head(nn.Module):
+    """Returns the logits beside the loss: the backward runs with the logits' gradient absent, the
+    pattern the worker compiles ahead of the full backward."""
+
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.a, self.b, self.drop = nn.Linear(16, 32), nn.Linear(32, 8), nn.Dropout(dropout)
+
+    def forward(self, x, y):
+        logits = self.b(self.drop(torch.tanh(self.a(x))))
+        return nn.functional.cross_entropy(logits, y), logits
+
+
+def _batch(rows: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, 16, generator=g), torch.randint(0, 8, (rows,), generator=g)
+
+
+def _step(tm, ref, opts, batch, tolerance):
+    losses = []
+    for model, opt in zip((tm, ref), opts):
+        opt.zero_grad()
+        loss, _ = model(*batch)
+        loss.backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[0], losses[1], **tolerance)
+    for (name, p), q in zip(tm.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **tolerance, msg=lambda m: f"{name}: {m}")
+    for opt in opts:
+        opt.step()
+    for p, q in zip(tm.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, **tolerance)
+
+
+EXACT = dict(rtol=1.3e-6, atol=1e-5)
+
+
+def _switch(tm, ref, opts):
+    """Two steps, the compile awaited, TRIAL_STEPS steps timed on the eager executor, then three
+    on the compiled graphs (fewer than TRIAL_STEPS: no step time compared, no going back to eager)."""
+    info = tm.capture_info()
+    _step(tm, ref, opts, _batch(8, 0), EXACT)
+    _step(tm, ref, opts, _batch(8, 1), EXACT)       # still eager unless the compile won the race
+    assert info.wait_for_compiles(600), info.tiers
+    tier = info.records[0].tier
+    assert str(tier) == "eager, compiled graphs ready for the next step", str(tier)
+    for seed in range(2, 2 + TRIAL_STEPS):
+        _step(tm, ref, opts, _batch(8, seed), EXACT)
+    assert tier.state == "compiling", str(tier)
+    for seed in range(10, 13):
+        _step(tm, ref, opts, _batch(8, seed), COMPILED)
+    assert tier.state == "compiled" and tier.since_step == 2 + TRIAL_STEPS, str(tier)
+    assert info.tiers[0].startswith(f"graph 0 (train): inductor since step {2 + TRIAL_STEPS} (compiled in "), info.tiers
+    return tier
+
+
+def test_switch_is_exact():
+    tm, ref = wrap_pair(Head(), executor="auto", dynamic=False)
+    _switch(tm, ref, [torch.optim.SGD(m.parameters(), lr=0.1) for m in (tm, ref)])
+
+
+@pytest.mark.extended
+def test_each_capture_has_its_own_tier():
+    """Another batch size: a new (static) capture, with a tier of its own, compiling while the first
+    stays compiled, and switching at its own step."""
+    tm, ref = wrap_pair(Head(), executor="auto", dynamic=False)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (tm, ref)]
+    info = tm.capture_info()
+    tier = _switch(tm, ref, opts)
+    _step(tm, ref, opts, _batch(5, 5), EXACT)
+    assert info.graphs == 2 and info.records[1].tier.state == "compiling", info.tiers
+    assert tier.state == "compiled"
+    _step(tm, ref, opts, _batch(8, 6), COMPILED)
+    assert info.wait_for_compiles(600), info.tiers
+    for seed in range(20, 20 + TRIAL_STEPS):
+        _step(tm, ref, opts, _batch(5, seed), EXACT)
+    _step(tm, ref, opts, _batch(5, 30), COMPILED)
+    assert info.records[1].tier.since_step == 1 + TRIAL_STEPS, info.tiers
+    assert f"tier graph 1 (train): inductor since step {1 + TRIAL_STEPS}" in str(info)
+
+
+def test_failed_compile_stays_eager_and_logs_once(caplog):
+    """A compile past Options.compile_timeout (the worker is stopped) is one WARNING; the capture
+    keeps the eager executor's exact numbers."""
+    tm, ref = wrap_pair(Head(), executor="auto", dynamic=False, compile_timeout=0.001)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (tm, ref)]
+    with caplog.at_level(logging.WARNING, logger="fxtrain"):
+        _step(tm, ref, opts, _batch(8, 0), EXACT)
+        assert tm.capture_info().wait_for_compiles(60)
+        for seed in (1, 2, 3):
+            _step(tm, ref, opts, _batch(8, seed), EXACT)
+    failed = [r for r in caplog.records if "stays on the eager executor" in r.getMessage()]
+    assert len(failed) == 1, [r.getMessage() for r in caplog.records]
+    tier = tm.capture_info().records[0].tier
+    assert tier.state == "eager" and "compile_timeout exceeded" in tier.reason, str(tier)
+
+
+def test_random_ops_stay_eager_with_the_reason():
+    """Inductor draws dropout's numbers with its own generator: the capture keeps eager's."""
+    tm, ref = wrap_pair(Head(dropout=0.5), executor="auto", dynamic=False)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (tm, ref)]
+    torch.manual_seed(0)
+    batch = _batch(8, 0)
+    state = torch.get_rng_state()
+    for model, opt in zip((tm, ref), opts):
+        torch.set_rng_state(state)
+        model(*batch)[0].backward()
+    for p, q in zip(tm.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    info = tm.capture_info()
+    assert info.wait_for_compiles(0)   # nothing to wait for: no worker was started
+    assert info.tiers == ["graph 0 (train): eager: random op aten.native_dropout.default: inductor's generator "
+                          "would not give eager's numbers"], info.tiers
+
+
+def test_auto_is_an_option_and_an_environment_override(monkeypatch):
+    monkeypatch.setenv("FXTRAIN_EXECUTOR", "auto")
+    assert fxtrain.Options().with_env().executor == "auto"
