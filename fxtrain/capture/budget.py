@@ -649,25 +649,27 @@ def optimizer_label(optimizer: Any) -> str:
 class BudgetState:
     """What planning a capture for a budget needs, kept so that it can be planned again.
 
-    A capture with a budget plans once, for its own sizes (``apply``). The profiler keeps this
-    object on its captures (``Executor.keeps_budget_state``) to plan at other sizes without
+    The partition stage plans a capture with a budget once, for its own sizes. The profiler observes
+    this object on each capture (``CaptureContext.on_budget_state``) to plan at other sizes without
     capturing again (``plan(budget, sizes)``: the largest batch that fits with recomputation). The
     greedy order is made once, at the capture's sizes: batch and sequence scale every candidate
     alike, so the order holds; each plan is still costed at its own sizes.
     """
 
-    def __init__(self, step: Any, joint: torch.fx.GraphModule, partition_kwargs: Dict[str, Any],
-                 example_inputs: Sequence[Any], optimizer: Any = None, executor: Any = None) -> None:
-        self.joint = joint
+    def __init__(self, split: Any, spec: Any, example_inputs: Sequence[Any], optimizer: Any = None,
+                 executor: Any = None) -> None:
+        """``split``: the baseline partition (capture/aot.py: Split, with its joint graph); ``spec``
+        its ReplaySpec."""
+        self.joint = split.joint
         self.executor = executor   # whose backward passes run on each plan's graphs
-        self.num = int(partition_kwargs["num_fwd_outputs"])
-        self.static = partition_kwargs.get("static_lifetime_input_indices")
+        self.num = int(split.partition_kwargs["num_fwd_outputs"])
+        self.static = split.partition_kwargs.get("static_lifetime_input_indices")
         from ..cost.graph_step import graph_inputs
-        self.inputs = graph_inputs(step.forward_graph, example_inputs)
+        self.inputs = graph_inputs(split.forward_graph, example_inputs)
         self.optimizer = optimizer
-        self.spec = step.spec
-        self.baseline_graphs = (step.forward_graph, step.backward_graph)
-        self.baseline_reports = list(step.backward_reports)
+        self.spec = spec
+        self.baseline_graphs = (split.forward_graph, split.backward_graph)
+        self.baseline_reports = list(split.backward_reports)
         self._planner: Optional[Planner] = None
         self._graphs: Dict[int, Tuple[torch.fx.GraphModule, torch.fx.GraphModule, List[Any]]] = {}
         self._costers: Dict[Any, Any] = {}
@@ -754,20 +756,6 @@ class BudgetState:
         plan.seconds = time.perf_counter() - started
         return plan, k
 
-    def apply(self, step: Any, k: int, executor: Any) -> None:
-        """Put plan ``k``'s graphs into ``step``, compiled by ``executor``."""
-        from ..runtime.absent_grads import AbsentGradBackward
-        if k:
-            fw, bw, reports = self.graphs(k)
-            step.forward_graph, step.backward_graph = fw, bw
-            step.spec = self.spec_for(fw)
-            step.backward_reports = list(reports)
-            step.compiled_forward = executor.compile(fw, "forward", tp.placeholder_examples(fw))
-            examples = tp.placeholder_examples(bw)
-            step.backward = AbsentGradBackward(bw, lambda g: executor.compile(g, "backward", examples))
-        if executor.compiles_ahead and step.backward is not None:
-            step.backward.compile_full()
-
 
 def below_minimum_message(plan: MemoryPlan) -> str:
     from ..report import human_bytes
@@ -777,18 +765,15 @@ def below_minimum_message(plan: MemoryPlan) -> str:
             f"{plan.optimizer})")
 
 
-def plan_step(step: Any, state: BudgetState, executor: Any, budget: int, below_minimum: str = "warn",
-              warn: Optional[Callable[[str], None]] = None) -> MemoryPlan:
-    """Make ``step`` (a CapturedStep with its baseline graphs, replayable) fit ``budget`` bytes:
-    its graphs, spec and compiled pieces become the plan's. ``below_minimum``: "raise"
-    (MemoryBudgetError) or "warn" (``warn(message)``, then the smallest plan) when no plan fits."""
-    plan, k = state.plan(budget)
-    state.apply(step, k, executor)
+def plan_budget(state: BudgetState, request: BudgetRequest) -> Tuple[MemoryPlan, int]:
+    """The plan that fits ``request.bytes`` and its step count (``state.graphs(k)`` are its graphs).
+    Below the smallest peak: raise (MemoryBudgetError) or warn, then the smallest plan."""
+    plan, k = state.plan(request.bytes)
     if not plan.fits:
         plan.note = below_minimum_message(plan) + "; running the smallest plan"
-        if below_minimum == "raise":
+        if request.below_minimum == "raise":
             raise MemoryBudgetError(below_minimum_message(plan))
-        if warn is not None:
-            warn(plan.note)
+        if request.warn is not None:
+            request.warn(plan.note)
     logger.info("memory plan: %s", str(plan).replace("\n", "; "))
-    return plan
+    return plan, k

@@ -71,17 +71,16 @@ class Session:
         self.capture_seconds = 0.0
 
     def _profiling_module(self, optimizations: bool) -> Any:
-        tm = profiling_module(self.model, optimizations, self.options, ShadowExamples(self.shadows))
+        self._budget_states: List[Any] = []
+        tm = profiling_module(self.model, optimizations, self.options, ShadowExamples(self.shadows),
+                              self._budget_states.append)
         # A memory budget (Options.memory_budget) counts the optimizer the profile costs.
         tm.attach_optimizer(self.optimizer_spec)
         return tm
 
     def budget_states(self) -> List[Any]:
         """What re-planning the training captures for a memory budget needs (capture/budget.py)."""
-        if self.tm is None:
-            return []
-        return [r.step.budget_state for r in self.tm.capture_info().records
-                if r.step is not None and getattr(r.step, "budget_state", None) is not None]
+        return list(self._budget_states) if self.tm is not None else []
 
     # ---------------------------------------------------------------------------- model state
     def _make_fakes(self, device: torch.device) -> None:

@@ -38,27 +38,51 @@ class Densities(Mapping[str, float]):
 
 @dataclass
 class GraphRecord:
-    """One captured graph: the dynamo-level graph and the aten forward/backward graphs made from it."""
+    """One captured graph: the dynamo-level graph, the step made of it and how the runtime runs it."""
 
     index: int
     mode: str                                   # "train" | "eval" | "no_grad"
-    dynamo_graph: torch.fx.GraphModule
+    dynamo_graph: Optional[torch.fx.GraphModule]   # None for a step loaded from the cache
     # Why this capture happened ("first call", "new input schema", "guard failed: ...", "after a
     # graph break") and, when the graph ends at a graph break, dynamo's reason and where it is.
     reason: str = ""
     break_site: Optional[Tuple[str, str]] = None
-    forward_graph: Optional[torch.fx.GraphModule] = None
-    backward_graph: Optional[torch.fx.GraphModule] = None
-    backward_runner: Optional[Any] = None       # runtime object running backward_graph (executor's)
     optimizations: Dict[str, str] = field(default_factory=dict)
-    inference: bool = False                     # an inference pair: no backward graph
-    # How the runtime runs this capture ("autograd" | "graph" | "aot") and why (runtime/runner.py).
-    runtime: str = ""
-    # Options.memory_budget's plan for this graph (capture/budget.py: MemoryPlan), or None.
-    memory_plan: Optional[Any] = None
-    # The captured step itself (runtime/step.py) and what the on-disk cache needs of the capture.
+    # The captured step (runtime/step.py: CapturedStep) and the runtime built from it (runner.Runtime).
     step: Optional[Any] = field(default=None, repr=False)
-    cache_recipe: Optional[Any] = field(default=None, repr=False)
+    run: Optional[Any] = field(default=None, repr=False)
+    cache_recipe: Optional[Any] = field(default=None, repr=False)   # what the on-disk cache needs
+    from_cache: bool = False
+
+    @property
+    def forward_graph(self) -> Optional[torch.fx.GraphModule]:
+        return self.step.forward_graph if self.step is not None else None
+
+    @property
+    def backward_graph(self) -> Optional[torch.fx.GraphModule]:
+        return self.step.backward_graph if self.step is not None else None
+
+    @property
+    def backward_runner(self) -> Optional[Any]:
+        """The runtime object running ``backward_graph`` (the executor's compiled code)."""
+        return self.step.backward if self.step is not None else None
+
+    @property
+    def inference(self) -> bool:
+        """An inference pair: no backward graph."""
+        return bool(self.step is not None and self.step.inference)
+
+    @property
+    def memory_plan(self) -> Optional[Any]:
+        """Options.memory_budget's plan for this graph (capture/budget.py: MemoryPlan), or None."""
+        return self.step.memory_plan if self.step is not None else None
+
+    @property
+    def runtime(self) -> str:
+        """How the runtime runs this capture ("autograd" | "graph" | "aot") and why (runtime/runner.py)."""
+        if self.run is None:
+            return ""
+        return f"{self.run}{' (cache hit)' if self.from_cache else ''}"
 
 
 @dataclass
@@ -90,6 +114,13 @@ class CaptureInfo:
     # without the passes, with eager's numbers.
     dense_batches: Dict[str, int] = field(default_factory=dict)
     records: List[GraphRecord] = field(default_factory=list, repr=False)
+
+    def add(self, record: GraphRecord) -> GraphRecord:
+        """The one place a capture (live, or loaded from the cache) is recorded."""
+        self.records.append(record)
+        self.graphs += 1
+        self.optimizations.update(record.optimizations)
+        return record
 
     @property
     def memory_plan(self) -> Optional[Any]:

@@ -1,8 +1,11 @@
-"""The captured step: one explicit value from capture to runtime.
+"""The captured step: one explicit value from capture to runtime, immutable once built.
 
-Capture fills it (dynamo's graph, the passes' rewrite and plans, AOTAutograd's split), the cache
-stores and loads it, and ``runtime/runner.py`` turns it into the callable dynamo runs: nothing
-reaches the runtime by another way (no ``gm.meta`` entries, no attributes found on a ``grad_fn``).
+The capture pipeline (capture/pipeline.py: ``compile_step``) builds it in one go from its stages'
+values (the passes' rewrite and plans, the partition, the executor's compiled callables), a cache
+hit builds it from an entry, and ``runtime/runner.py`` turns it into the callable dynamo runs:
+nothing reaches the runtime by another way (no ``gm.meta`` entries, no attributes found on a
+``grad_fn``), and nothing writes into it afterwards (the runtime's choices live in its own
+``Runtime`` value), so a step can be handed to another executor or runtime as it is.
 Its parts that the passes fill (``Plans``, ``PassReport``) live here with it, below the passes,
 so that the runtime and the cache read them without importing any pass.
 
@@ -48,7 +51,7 @@ class PassReport:
         return f"{'on' if self.applied else 'off'}: {self.reason}"
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class CapturedStep:
     # The torch-level graph after the forward passes: what the autograd mode runs.
     graph: Optional[torch.fx.GraphModule]
@@ -67,11 +70,6 @@ class CapturedStep:
     compiled_forward: Optional[Callable[[List[Any]], Any]] = None
     backward: Optional[AbsentGradBackward] = None
     aot_callable: Optional[Callable[..., Any]] = None   # AOTAutograd's runtime, for unreplayable graphs
-    mode: str = ""                               # "autograd" | "graph" | "aot", chosen by the runtime
-    mode_reason: str = ""
     # Options.memory_budget's plan (capture/budget.py: MemoryPlan): the graphs above are the plan's,
     # made for the graph runtime, which must then run them.
     memory_plan: Optional[Any] = None
-    # What re-planning this capture needs (capture/budget.py: BudgetState), for executors that
-    # keep it (the profiler's: the largest batch that fits with recomputation).
-    budget_state: Optional[Any] = field(default=None, repr=False)
