@@ -18,7 +18,7 @@ import torch.fx
 
 from .. import torch_private as tp
 from ..runtime.shapes import VALUE_KEY, value_info
-from ..runtime.replay import NotReplayable, ReplaySpec, check_graph_arity, replay_spec
+from ..runtime.replay import NotReplayable, ReplaySpec, check_graph_arity
 from .key import versions
 from ..capture.recipe import Recipe
 

@@ -58,10 +58,13 @@ class Unknown:
 
 @dataclass
 class ModuleCost:
+    """One module's share: its own parameters and the ops that ran inside it (not in its children).
+    The tracker fills the FLOPs; the profile report adds parameters and saved bytes."""
+
+    params: int = 0
     flops_forward: int = 0
     flops_backward: int = 0
     saved_bytes: int = 0
-    allocated_bytes: int = 0
 
 
 def _storage(t: torch.Tensor) -> Optional[torch.UntypedStorage]:
@@ -443,7 +446,6 @@ class CostTracker(TorchDispatchMode):
         if not self.counting or self._in_python_op:
             return
         cost = self.modules[module]
-        cost.allocated_bytes += allocated
         if flops == -1:
             try:
                 flops = op_flops(func, args, kwargs, out, value_of=self._value_list)
