@@ -18,8 +18,8 @@ How a plan is made:
    anything outside aten (PythonOps run user code).
 3. **Order: cheapest recomputation per byte first** (greedy, re-costed as the plan grows). Dropping a
    group costs recomputing it and whatever it needs that is neither saved nor already recomputed,
-   up to saved values and primals: FLOPs (``cost/flops.py``) plus ``BYTE_COST`` FLOP-equivalents
-   per byte each recomputed op reads and writes. Elementwise ops and norms come first (no FLOPs,
+   up to saved values and primals: FLOPs plus the bytes each recomputed op reads and writes, at
+   ``cost/flops.py: FLOPS_PER_BYTE`` (``flop_equivalent``, the pipeline planner's time cost too). Elementwise ops and norms come first (no FLOPs,
    one pass over memory), then attention probabilities, then matmul outputs; the residual stream
    between layers is last, and once a layer's other values are gone, dropping its input means
    recomputing the whole layer from the previous one: whole layers when needed.
@@ -55,9 +55,6 @@ from ..errors import Error, FxtrainWarning
 logger = logging.getLogger("fxtrain")
 aten = torch.ops.aten
 
-# FLOP-equivalents per byte a recomputed op reads or writes: on a CPU core a matmul does ~10-20
-# FLOPs in the time an elementwise kernel moves one byte. Only the order of candidates uses it.
-BYTE_COST = 16
 SMALL_BYTES = 4096
 
 _MATMUL = {"mm", "addmm", "bmm", "baddbmm", "convolution", "_convolution", "matmul", "linear"}
@@ -221,11 +218,12 @@ def _shaped(value: Any) -> Any:
 
 
 def _node_cost(node: torch.fx.Node) -> Tuple[int, int]:
-    """(FLOPs, cost) of running ``node`` once more: FLOPs by fxtrain's formulas, cost adding
-    ``BYTE_COST`` per byte read and written."""
+    """(FLOPs, cost) of running ``node`` once more: FLOPs by fxtrain's formulas, cost adding the
+    bytes read and written at the cost model's one rate (``FLOPS_PER_BYTE``: measured, where the
+    budget's own 16 was a guess; only the order of candidates uses it)."""
     if _kind(node) is None:
         return 0, 0
-    from ..cost.flops import op_flops
+    from ..cost.flops import flop_equivalent, op_flops
 
     def value(a: Any) -> Any:
         return _shaped(_val(a)) if isinstance(a, torch.fx.Node) else a
@@ -236,7 +234,7 @@ def _node_cost(node: torch.fx.Node) -> Tuple[int, int]:
     except Exception:
         flops = 0
     traffic = _tensor_bytes(_val(node)) + sum(_tensor_bytes(_val(a)) for a in node.all_input_nodes)
-    return int(flops), int(flops + BYTE_COST * traffic)
+    return int(flops), int(flop_equivalent(flops, traffic))
 
 
 # ------------------------------------------------------------------------------------ planner

@@ -21,6 +21,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
+from ..cost.flops import attention_flops, conv_flops   # the profiler's formulas, on shapes
 from ..torch_private import NN_LINEAR, NN_SDPA
 
 CostFn = Callable[[torch.fx.GraphModule], List[float]]
@@ -60,21 +61,6 @@ def matmul_flops(a: torch.Tensor, b: torch.Tensor) -> int:
 def linear_flops(x: torch.Tensor, w: torch.Tensor) -> int:
     out_features = w.shape[0] if w.dim() == 2 else 1
     return 2 * _numel(x.shape[:-1]) * x.shape[-1] * out_features
-
-
-def conv_flops(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, transposed: bool = False) -> int:
-    """2 * (output elements) * (input channels per group) * (kernel size); transposed: by input elements."""
-    kernel = _numel(w.shape[2:])
-    if transposed:
-        return 2 * x.numel() * w.shape[1] * kernel
-    return 2 * out.numel() * w.shape[1] * kernel
-
-
-def attention_flops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
-    """Q·Kᵀ and P·V: 2·B·L·S·(E + Ev), B the product of q's leading dims."""
-    batch = _numel(q.shape[:-2])
-    length, source = q.shape[-2], k.shape[-2]
-    return 2 * batch * length * source * (q.shape[-1] + v.shape[-1])
 
 
 def einsum_flops(equation: str, operands: Sequence[torch.Tensor]) -> int:
@@ -124,12 +110,12 @@ def flops_of(node: torch.fx.Node) -> int:
             x, w, out = _example(node.args[0]), _example(node.args[1]), _example(node)
             if x is None or w is None or out is None:
                 return 0
-            return _train(conv_flops(x, w, out, target in _CONV_T_FUNCTIONS), x, w)
+            return _train(conv_flops(x.shape, w.shape, out.shape, target in _CONV_T_FUNCTIONS), x, w)
         if target in _SDPA:
             q, k, v = (_example(_arg(node, i, n)) for i, n in enumerate(("query", "key", "value")))
             if q is None or k is None or v is None:
                 return 0
-            fwd = attention_flops(q, k, v)
+            fwd = attention_flops(q.shape, k.shape, v.shape)
             return fwd + (2 * fwd if _grads(q, k, v) else 0)
         if target is torch.einsum and node.args and isinstance(node.args[0], str):
             ops = node.args[1:]
@@ -171,7 +157,7 @@ def forward_flops_of(node: torch.fx.Node) -> int:
         return 0
     if node.op == "call_function" and target in _SDPA:
         q, k, v = (_example(_arg(node, i, n)) for i, n in enumerate(("query", "key", "value")))
-        return attention_flops(q, k, v)
+        return attention_flops(q.shape, k.shape, v.shape)
     return total // (1 + _grads(*[_example(a) for a in _product_operands(node)]))
 
 
