@@ -1,4 +1,5 @@
-"""The dynamo backend: receives each graph dynamo captures, runs our passes, hands it to an executor."""
+"""The dynamo backend: each graph dynamo captures goes through the pipeline (capture/pipeline.py)
+to the runtime, and its record into the module's CaptureInfo."""
 from __future__ import annotations
 
 import dataclasses
@@ -64,14 +65,7 @@ def current_mode(training: bool) -> str:
 
 
 class Backend:
-    """One per TrainModule: hands each graph dynamo captures to the pipeline (capture/pipeline.py),
-    the step it returns to the runtime, and the capture's record to its CaptureInfo.
-
-    ``executor`` compiles the aten graphs and says what it supports (the profiler passes its own,
-    which runs marked copies on fake tensors); ``examples`` is where the passes read the capturing
-    batch (dynamo's placeholders unless the caller knows better: the profiler, whose inputs are
-    fake, knows their values); ``plugins`` what else a tool plugs into the pipeline.
-    """
+    """One per TrainModule; ``plugins``: what a tool plugs into its captures (the profiler)."""
 
     def __init__(self, info: CaptureInfo, options: Options, training: Callable[[], bool],
                  owner: str = "model", on_graph: Optional[Callable[[], None]] = None,

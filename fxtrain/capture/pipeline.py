@@ -70,17 +70,13 @@ class Partition:
     memory_plan: Optional[MemoryPlan]
     traced: Split          # AOTAutograd's trace: its runtime, and the baseline graphs' backward
 
-    @property
-    def baseline(self) -> bool:
-        """The graphs are the trace's own (not a memory plan's re-cut)."""
-        return self.forward_graph is self.traced.forward_graph
+    baseline = property(lambda self: self.forward_graph is self.traced.forward_graph)   # not a plan's re-cut
 
 
 @dataclass(frozen=True)
 class Compiled:
     forward: Optional[Callable[[List[Any]], Any]]
     backward: Optional[AbsentGradBackward]
-    aot_callable: Optional[Callable[..., Any]]
 
 
 def compile_step(gm: torch.fx.GraphModule, example_inputs: List[Any],
@@ -94,7 +90,7 @@ def compile_step(gm: torch.fx.GraphModule, example_inputs: List[Any],
                         inference=parts.inference, spec=parts.spec, not_replayable=parts.not_replayable,
                         backward_reports=parts.backward_reports, forward_reports=parts.forward_reports,
                         compiled_forward=compiled.forward, backward=compiled.backward,
-                        aot_callable=compiled.aot_callable, memory_plan=parts.memory_plan)
+                        aot_callable=parts.traced.aot_callable, memory_plan=parts.memory_plan)
     reports = dict(rewritten.reports)
     reports.update((r.name, str(r)) for r in parts.forward_reports + parts.backward_reports)
     return step, reports
@@ -124,15 +120,14 @@ def partition(graph: torch.fx.GraphModule, example_inputs: List[Any], context: C
     executor, budget = context.executor, context.budget
     traced = split(graph, example_inputs, executor,
                    keep_joint=budget is not None or context.on_budget_state is not None)
-    spec, why = None, ""
-    if traced.forward_graph is None or traced.metadata is None:
-        why = "AOTAutograd produced no forward graph"
-    else:
-        try:
+    spec, why = None, "AOTAutograd produced no forward graph"
+    try:
+        if traced.forward_graph is not None and traced.metadata is not None:
             spec = replay_spec(traced.metadata, len(example_inputs), traced.inference)
             check_graph_arity(traced.forward_graph, traced.backward_graph, spec, example_inputs)
-        except NotReplayable as e:
-            spec, why = None, str(e)
+            why = ""
+    except NotReplayable as e:
+        spec, why = None, str(e)
     parts = Partition(traced.forward_graph, traced.backward_graph, traced.inference, spec, why,
                       list(traced.forward_reports), list(traced.backward_reports), None, traced)
     if traced.inference:
@@ -160,12 +155,11 @@ def compile_graphs(parts: Partition, executor: Executor) -> Compiled:
     """The executor's callables for the partition's graphs, compiled once. The backward compiles
     at capture (still inside dynamo's compile of this graph, so shape guards a code generator adds
     join the capture's) where the executor ``compiles_ahead``, else at its first call."""
-    traced = parts.traced
-    fw = parts.forward_graph
+    traced, fw = parts.traced, parts.forward_graph
     if fw is None:
-        return Compiled(None, traced.backward, traced.aot_callable)
-    kind = "inference" if parts.inference else "forward"
-    forward = executor.compile(fw, kind, traced.forward_inputs if parts.baseline else tp.placeholder_examples(fw))
+        return Compiled(None, traced.backward)
+    forward = executor.compile(fw, "inference" if parts.inference else "forward",
+                               traced.forward_inputs if parts.baseline else tp.placeholder_examples(fw))
     backward = traced.backward
     if parts.baseline:
         traced.link(forward)   # AOTAutograd's runtime (the "aot" mode) runs these graphs
@@ -173,4 +167,4 @@ def compile_graphs(parts: Partition, executor: Executor) -> Compiled:
         backward = backward_of(parts.backward_graph, executor)
     if executor.compiles_ahead and backward is not None:
         backward.compile_full()
-    return Compiled(forward, backward, traced.aot_callable)
+    return Compiled(forward, backward)

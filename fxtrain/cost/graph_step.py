@@ -180,15 +180,3 @@ class GraphStepCoster:
                                  optimizer_state_bytes=tracker.initial.get("optimizer state", 0),
                                  seconds=time.perf_counter() - started)
 
-
-def cost_graph_step(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, spec: ReplaySpec,
-                    example_inputs: Sequence[Any], optimizer: OptimizerSpec = None,
-                    sizes: Optional[Dict[Any, int]] = None, keep_outputs: bool = True) -> GraphStepCost:
-    """Cost one step of ``forward``/``backward`` (see ``GraphStepCoster``).
-
-    ``example_inputs``: the graph's inputs as dynamo handed them to the backend; those that require
-    grad are the parameters, which get gradients and optimizer state. ``optimizer``: a name, class,
-    instance or factory (``cost/step.py``), or None.
-    """
-    coster = GraphStepCoster(graph_inputs(forward, example_inputs), optimizer, sizes, keep_outputs)
-    return coster.cost(forward, backward, spec)

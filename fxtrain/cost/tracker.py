@@ -236,9 +236,6 @@ class CostTracker(TorchDispatchMode):
         spans = self._output_spans + [(nbytes, born, self._events + 1) for nbytes, born in self._outputs.values()]
         return sum(nbytes for nbytes, born, died in spans if born <= self._peak_event < died)
 
-    def live_bytes(self, category: Optional[str] = None) -> int:
-        return self.current if category is None else self.by_category.get(category, 0)
-
     def pack_saved(self, t: torch.Tensor) -> torch.Tensor:
         """saved_tensors_hooks pack: remember what the forward keeps for the backward."""
         st = _storage(t)
@@ -257,9 +254,6 @@ class CostTracker(TorchDispatchMode):
         return dict(out)
 
     # ---------------------------------------------------------------------------------- values
-    def shadow(self, fake: torch.Tensor, real: torch.Tensor) -> None:
-        self.shadows.set(fake, real)
-
     def _shadow_of(self, x: Any) -> Any:
         if isinstance(x, FakeTensor):
             return self.shadows.get(x)

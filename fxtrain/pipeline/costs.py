@@ -306,11 +306,6 @@ def _nbytes(node: torch.fx.Node) -> int:
     return ex.numel() * ex.element_size() if ex is not None else 0
 
 
-def node_bytes(gm: torch.fx.GraphModule) -> List[float]:
-    """Bytes moved per node in a training step (``traffic_of``), dense: before label sparsity."""
-    return [float(sum(traffic_of(n))) for n in gm.graph.nodes]
-
-
 def node_time(gm: torch.fx.GraphModule, flops_per_byte: Optional[float] = None) -> List[float]:
     """What each node costs in time, in FLOP-equivalents: FLOPs plus bytes moved, after label sparsity.
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, Optional
+from typing import Any, Dict, Iterable, Optional
 
 import torch
 
@@ -58,9 +58,6 @@ class LiveBytes(TorchDispatchMode):
 
     def _free(self, key: int) -> None:
         self.current -= self._live.pop(key, 0)
-
-    def reset_peak(self) -> None:
-        self.peak = self.current
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}

@@ -54,36 +54,15 @@ class GraphRecord:
     cache_recipe: Optional[Any] = field(default=None, repr=False)   # what the on-disk cache needs
     from_cache: bool = False
 
-    @property
-    def forward_graph(self) -> Optional[torch.fx.GraphModule]:
-        return self.step.forward_graph if self.step is not None else None
-
-    @property
-    def backward_graph(self) -> Optional[torch.fx.GraphModule]:
-        return self.step.backward_graph if self.step is not None else None
-
-    @property
-    def backward_runner(self) -> Optional[Any]:
-        """The runtime object running ``backward_graph`` (the executor's compiled code)."""
-        return self.step.backward if self.step is not None else None
-
-    @property
-    def inference(self) -> bool:
-        """An inference pair: no backward graph."""
-        return bool(self.step is not None and self.step.inference)
-
-    @property
-    def memory_plan(self) -> Optional[Any]:
-        """Options.memory_budget's plan for this graph (capture/budget.py: MemoryPlan), or None."""
-        return self.step.memory_plan if self.step is not None else None
-
-    @property
-    def runtime(self) -> str:
-        """How the runtime runs this capture ("autograd" | "graph" | "aot") and why (runtime/runner.py)."""
-        if self.run is None:
-            return ""
-        return f"{self.run}{' (cache hit)' if self.from_cache else ''}"
-
+    # Read from the step and the runtime, not copied: the aten graphs, the backward's runtime
+    # object (the executor's code), an inference pair, Options.memory_budget's plan (MemoryPlan),
+    # how the runtime runs the capture ("autograd" | "graph" | "aot") and why.
+    forward_graph = property(lambda self: self.step.forward_graph)
+    backward_graph = property(lambda self: self.step.backward_graph)
+    backward_runner = property(lambda self: self.step.backward)
+    inference = property(lambda self: self.step.inference)
+    memory_plan = property(lambda self: self.step.memory_plan)
+    runtime = property(lambda self: f"{self.run}{' (cache hit)' if self.from_cache else ''}")
 
 @dataclass
 class CaptureInfo:
