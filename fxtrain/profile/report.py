@@ -203,7 +203,7 @@ class ProfileReport:
         budget would be (``recompute_plan``: the least recomputation that fits). Needs the capture's
         batch axis to be symbolic (the profiler's default, ``dynamic=True``).
         """
-        states = self._session.budget_states() if self._session is not None else []
+        states = self._session.budget_states if self._session is not None else []
         if not states:
             raise RuntimeError("no training capture to plan (the step was costed eagerly, or "
                                "fxtrain's runtime cannot replay its graphs)")

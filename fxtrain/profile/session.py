@@ -60,6 +60,7 @@ class Session:
         # leaves torch, the captured graph without passes stands in; see _warm_up.)
         self.eager = not optimizations
         self.optimizer_spec = optimizer
+        self.budget_states: List[Any] = []
         self.tm = None if self.eager else self._profiling_module(optimizations)
         self.modules: Optional[ModuleAttribution] = None
         self.fallback_reason: Optional[str] = None
@@ -71,16 +72,13 @@ class Session:
         self.capture_seconds = 0.0
 
     def _profiling_module(self, optimizations: bool) -> Any:
-        self._budget_states: List[Any] = []
+        # What re-planning the module's training captures for a memory budget needs (capture/budget.py).
+        self.budget_states = []
         tm = profiling_module(self.model, optimizations, self.options, ShadowExamples(self.shadows),
-                              self._budget_states.append)
+                              self.budget_states.append)
         # A memory budget (Options.memory_budget) counts the optimizer the profile costs.
         tm.attach_optimizer(self.optimizer_spec)
         return tm
-
-    def budget_states(self) -> List[Any]:
-        """What re-planning the training captures for a memory budget needs (capture/budget.py)."""
-        return list(self._budget_states) if self.tm is not None else []
 
     # ---------------------------------------------------------------------------- model state
     def _make_fakes(self, device: torch.device) -> None:
@@ -108,7 +106,7 @@ class Session:
         self.optimizer_spec = spec
         self.optimizer = None
         self.optimizer_ready = False
-        for state in self.budget_states():
+        for state in self.budget_states:
             state.set_optimizer(spec)
         if self.tm is not None and self.tm.options.memory_budget is not None:
             # The captured plans counted the previous optimizer's state: plan (capture) again.

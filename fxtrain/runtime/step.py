@@ -20,17 +20,19 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch.fx
 
 from .absent_grads import AbsentGradBackward
+from .deferred import DeferredPlan
+from .dense_route import BatchGuard
 from .replay import ReplaySpec
 
 
 @dataclass
 class Plans:
     # runtime/deferred.py: outputs computed on first use instead of in the step.
-    deferred: Optional[Any] = None                                 # DeferredPlan
+    deferred: Optional[DeferredPlan] = None
     # runtime/density.py: (what, placeholder index, absent value) measured per call.
     probes: List[Tuple[str, int, int]] = field(default_factory=list)
     # runtime/dense_route.py: conditions a batch must meet for the rewritten graph to serve it.
-    guard: Optional[Any] = None                                    # BatchGuard
+    guard: Optional[BatchGuard] = None
     # While the passes run: the builder ``guard`` came from, so that a later pass adds its conditions
     # and row counts to the same guard (one host transfer per step). run_passes drops it.
     guard_builder: Optional[Any] = field(default=None, repr=False, compare=False)  # GuardBuilder
