@@ -1,13 +1,8 @@
-"""The partition stage's tracing: a rewritten dynamo graph split into aten forward and backward
-graphs (AOTAutograd), handed back as values and compiled by nobody yet.
-
-AOTAutograd is used for its tracing and partitioning. The partition hook gets the backward graph at
-capture time (AOTAutograd would compile it only at the first backward) and runs fxtrain's backward
-passes on it; the forward compiler runs the forward graph passes on the forward graph and compiles
-nothing: the pipeline's compile stage compiles the graphs the partition stage settles on (a memory
-budget's plan, possibly), once. The callable AOTAutograd returns is kept only for graphs fxtrain's
-runtime cannot replay (``runtime/replay.py: NotReplayable``); its forward calls what the compile
-stage linked (``Split.link``).
+"""The partition stage's trace: a rewritten dynamo graph split by AOTAutograd into aten forward
+and backward graphs, compiled by nobody yet (the pipeline's compile stage compiles the graphs the
+partition settles on, once). The partition hook runs fxtrain's backward passes on the backward
+graph at capture time; the forward compiler runs the forward graph passes. AOTAutograd's own
+runtime is kept for graphs fxtrain's runtime cannot replay (``runtime/replay.py: NotReplayable``).
 """
 from __future__ import annotations
 

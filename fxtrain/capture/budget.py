@@ -50,6 +50,7 @@ import torch
 import torch.fx
 
 from .. import torch_private as tp
+from ..cost.step import optimizer_name
 from ..errors import Error, FxtrainWarning
 
 logger = logging.getLogger("fxtrain")
@@ -634,16 +635,6 @@ def replay_spec_for(forward: torch.fx.GraphModule, spec: Any, num_fwd_outputs: i
                                symints=slice(-sizes, None) if sizes else slice(0, 0))
 
 
-def optimizer_label(optimizer: Any) -> str:
-    if optimizer is None:
-        return "none"
-    if isinstance(optimizer, str):
-        return optimizer.lower()
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return type(optimizer).__name__
-    return getattr(optimizer, "__name__", type(optimizer).__name__)
-
-
 class BudgetState:
     """What planning a capture for a budget needs, kept so that it can be planned again.
 
@@ -750,7 +741,7 @@ class BudgetState:
             saved_bytes=max(0, baseline.saved_bytes - chosen.saved_bytes),
             extra_flops=max(0, chosen.flops_backward - baseline.flops_backward),
             recomputed_ops=kinds, dropped_values=dropped, candidates=candidates,
-            optimizer=optimizer_label(self.optimizer), peak_phase=chosen.peak_phase, costings=costings)
+            optimizer=optimizer_name(self.optimizer) or "none", peak_phase=chosen.peak_phase, costings=costings)
         plan.seconds = time.perf_counter() - started
         return plan, k
 

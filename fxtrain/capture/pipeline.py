@@ -1,21 +1,8 @@
-"""The capture pipeline: dynamo's graph in, the compiled step out, through three named stages.
-
-``compile_step`` is the one place to read what a capture does; each stage returns a new value:
-
-1. **passes** (``rewrite``): the forward passes rewrite the torch-level graph and fill its ``Plans``
-   → ``Rewritten`` (the graph, the graph before any pass, the plans, the passes' reports).
-2. **partition** (``partition``): AOTAutograd traces and splits it into aten forward and backward
-   graphs (the executor's partitioner; fxtrain's graph passes on both) and, under a memory budget,
-   the budget's partitioner re-cuts the joint graph, saving less → ``Partition``. The budget is a
-   partitioner's choice made here, so a budgeted step is compiled once and never rewritten.
-3. **compile** (``compile_graphs``): the executor compiles the chosen graphs → ``Compiled``.
-
-The result is a frozen ``CapturedStep`` and the capture's reports (what ``CaptureInfo`` records).
-What varies between callers comes in with the ``CaptureContext``, as parameters: the executor, the
-example source the passes read the batch from (the profiler's knows the values behind its fake
-inputs), the budget request, and an observer of each capture's budget state (the profiler plans
-again at other batch sizes). The runtime (runtime/runner.py) then turns the step into a callable;
-its choices (mode and why) are its own value, not written back into the step.
+"""The capture pipeline: dynamo's graph in, the compiled step out, through named stages that each
+return a new value (docs/architecture.md, "The capture pipeline"): passes (``rewrite``), partition
+(``partition``: AOTAutograd's split, re-cut by the memory budget's planner when there is one, so a
+budgeted step is compiled once and never rewritten), compile (``compile_graphs``). What varies
+between callers (the profiler, the cache, the budget) comes in as parameters, in ``CaptureContext``.
 """
 from __future__ import annotations
 

@@ -89,6 +89,15 @@ def held_by_outputs(out: Any, loss: torch.Tensor) -> List[torch.Tensor]:
     return found
 
 
+def optimizer_name(spec: OptimizerSpec) -> Optional[str]:
+    """How reports name an optimizer spec (None: no optimizer)."""
+    if spec is None or isinstance(spec, str):
+        return spec.lower() if spec is not None else None
+    if isinstance(spec, torch.optim.Optimizer):
+        return type(spec).__name__
+    return getattr(spec, "__name__", type(spec).__name__)
+
+
 def optimizer_factory(spec: OptimizerSpec) -> Optional[Callable[[Any], torch.optim.Optimizer]]:
     """How to build the optimizer for a set of parameters (ours are fake copies of the user's).
 
@@ -158,10 +167,8 @@ def warm_optimizer_state(optimizer: Optional[torch.optim.Optimizer], params: Lis
     optimizer.zero_grad(set_to_none=True)
 
 
-def make_optimizer(spec: OptimizerSpec, model: torch.nn.Module) -> torch.optim.Optimizer:
+def make_optimizer(spec: OptimizerSpec, model: torch.nn.Module) -> Optional[torch.optim.Optimizer]:
     """The optimizer a real step uses: the instance itself, or one built over ``model``'s parameters."""
     if isinstance(spec, torch.optim.Optimizer):
         return spec
-    factory = optimizer_factory(spec)
-    assert factory is not None
-    return factory([p for p in model.parameters() if p.requires_grad])
+    return optimizer_over(spec, [p for p in model.parameters() if p.requires_grad])

@@ -21,7 +21,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from ..cost.flops import attention_flops, conv_flops   # the profiler's formulas, on shapes
+from ..cost.flops import attention_flops, bmm_flops, conv_flops, mm_flops   # the profiler's formulas
 from ..torch_private import NN_LINEAR, NN_SDPA
 
 CostFn = Callable[[torch.fx.GraphModule], List[float]]
@@ -47,20 +47,18 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 def matmul_flops(a: torch.Tensor, b: torch.Tensor) -> int:
-    """2*n*k*m per (broadcast) batch entry, with torch.matmul's 1-D promotions."""
+    """torch.matmul (1-D promotions, broadcast batch) as the profiler's batched product."""
     ash, bsh = list(a.shape), list(b.shape)
     if len(ash) == 1:
         ash = [1] + ash
     if len(bsh) == 1:
         bsh = bsh + [1]
-    n, k, m = ash[-2], ash[-1], bsh[-1]
-    batch = torch.broadcast_shapes(tuple(ash[:-2]), tuple(bsh[:-2]))
-    return 2 * _numel(batch) * n * k * m
+    batch = _numel(torch.broadcast_shapes(tuple(ash[:-2]), tuple(bsh[:-2])))
+    return bmm_flops([batch] + ash[-2:], [batch] + bsh[-2:])
 
 
 def linear_flops(x: torch.Tensor, w: torch.Tensor) -> int:
-    out_features = w.shape[0] if w.dim() == 2 else 1
-    return 2 * _numel(x.shape[:-1]) * x.shape[-1] * out_features
+    return mm_flops([_numel(x.shape[:-1]), x.shape[-1]], [x.shape[-1], w.shape[0] if w.dim() == 2 else 1])
 
 
 def einsum_flops(equation: str, operands: Sequence[torch.Tensor]) -> int:

@@ -89,7 +89,7 @@ def measure_step(model: torch.nn.Module, *args: Any, optimizer: Any = None,
     ``params_model`` is the module owning the parameters when ``model`` wraps it (a TrainModule).
     """
     owner = params_model if params_model is not None else model
-    opt = make_optimizer(optimizer, owner) if optimizer is not None else None
+    opt = make_optimizer(optimizer, owner)
 
     def step(counter: Optional[LiveBytes]) -> float:
         out = model(*args, **kwargs)
