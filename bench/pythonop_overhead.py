@@ -3,13 +3,16 @@ PythonOp inside a TrainModule graph (``fxtrain``: AOTAutograd's graphs replayed 
 backward through ``python_op_backward``) and inside the dynamo-level graph run directly under eager
 autograd (``autograd``: ``python_op``'s Autograd kernel builds the gradient).
 
-A tiny Function (``x * 2`` / ``g * 2`` on a small tensor) makes the per-call bookkeeping the whole
-cost. Each model chains the Function ``calls`` times; the per-call figure is the step-time slope
+``inductor``: the TrainModule with ``Options(executor="inductor")``, whose compiled aten graphs call
+the op pair. A tiny Function (``x * 2`` / ``g * 2`` on a small tensor) makes the per-call bookkeeping
+the whole cost. Each model chains the Function ``calls`` times; the per-call figure is the step-time slope
 between the long chain and a chain of one, so fixed per-step costs (graph launch, optimizer-free
 loss.backward()) cancel out. Eager and fxtrain run interleaved round by round in one process, in
-alternating order, because the machine is shared and noisy: compare the two columns of one run.
+alternating order, because the machine is shared and noisy: compare the columns of one run.
+``--clock cpu`` times the thread's CPU time instead of the wall clock (one torch thread): on a
+machine that other processes load, waiting for a core then does not count.
 
-    python bench/pythonop_overhead.py [--calls 33] [--rounds 15] [--steps 40] [--size 8]
+    python bench/pythonop_overhead.py [--calls 33] [--rounds 15] [--steps 40] [--size 8] [--clock cpu]
 """
 from __future__ import annotations
 
@@ -95,18 +98,22 @@ def _forward_no_grad(model: nn.Module, x: torch.Tensor) -> None:
         model(x)
 
 
-def _time(fn: Callable[[nn.Module, torch.Tensor], None], model: nn.Module, x: torch.Tensor, steps: int) -> float:
-    start = time.perf_counter()
+def _time(fn: Callable[[nn.Module, torch.Tensor], None], model: nn.Module, x: torch.Tensor, steps: int,
+          clock: Callable[[], float]) -> float:
+    start = clock()
     for _ in range(steps):
         fn(model, x)
-    return (time.perf_counter() - start) / steps
+    return (clock() - start) / steps
 
 
-def measure(calls: int, rounds: int, steps: int, size: int) -> Dict[str, Dict[str, float]]:
+def measure(calls: int, rounds: int, steps: int, size: int, clock: Callable[[], float] = time.perf_counter
+            ) -> Dict[str, Dict[str, float]]:
     x = torch.randn(size, size)
     models: Dict[str, Dict[int, nn.Module]] = {
         "eager": {n: Chain(n, size) for n in (1, calls)},
         "fxtrain": {n: fxtrain.TrainModule(Chain(n, size), fxtrain.Options(fallback="raise")) for n in (1, calls)},
+        "inductor": {n: fxtrain.TrainModule(Chain(n, size), fxtrain.Options(fallback="raise", executor="inductor"))
+                     for n in (1, calls)},
         "autograd": {n: DynamoGraph(AutogradChain(n, size)) for n in (1, calls)},
     }
     kinds = {"train step": _train_step, "forward, no_grad": _forward_no_grad}
@@ -120,8 +127,8 @@ def measure(calls: int, rounds: int, steps: int, size: int) -> Dict[str, Dict[st
         order = list(models) if r % 2 == 0 else list(reversed(list(models)))
         for kind, fn in kinds.items():
             for mode in order:
-                long_chain = _time(fn, models[mode][calls], x, steps)
-                short_chain = _time(fn, models[mode][1], x, steps)
+                long_chain = _time(fn, models[mode][calls], x, steps, clock)
+                short_chain = _time(fn, models[mode][1], x, steps, clock)
                 samples[kind][mode].append((long_chain - short_chain) / (calls - 1))
     info = models["fxtrain"][calls].capture_info()
     assert info.graph_breaks == 0 and info.python_ops, "the Function must be a PythonOp in one graph"
@@ -136,21 +143,27 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=40, help="steps per timing sample")
     parser.add_argument("--size", type=int, default=8, help="the tensor is size x size")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="cpu: this thread's CPU time (torch.set_num_threads(1)), blind to other processes' load")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args()
     logging.getLogger("fxtrain").setLevel(logging.WARNING)
     torch.manual_seed(0)
-    result = measure(args.calls, args.rounds, args.steps, args.size)
+    if args.clock == "cpu":
+        torch.set_num_threads(1)
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    result = measure(args.calls, args.rounds, args.steps, args.size, clock)
     if args.json:
         print(json.dumps(result, indent=2))
         return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, tensor {args.size}x{args.size}, "
-          f"{args.calls} vs 1 chained calls, median of {args.rounds} interleaved rounds x {args.steps} steps")
+          f"{args.calls} vs 1 chained calls, median of {args.rounds} interleaved rounds x {args.steps} steps, "
+          f"{args.clock} clock")
     print(f"{'per Function call':<20} {'eager us':>10} {'fxtrain us':>11} {'extra us':>9} "
-          f"{'autograd us':>12} {'extra us':>9}")
+          f"{'inductor us':>12} {'extra us':>9} {'autograd us':>12} {'extra us':>9}")
     for kind, per_mode in result.items():
-        e, f, a = per_mode["eager"], per_mode["fxtrain"], per_mode["autograd"]
-        print(f"{kind:<20} {e:>10.1f} {f:>11.1f} {f - e:>9.1f} {a:>12.1f} {a - e:>9.1f}")
+        e, f, i, a = per_mode["eager"], per_mode["fxtrain"], per_mode["inductor"], per_mode["autograd"]
+        print(f"{kind:<20} {e:>10.1f} {f:>11.1f} {f - e:>9.1f} {i:>12.1f} {i - e:>9.1f} {a:>12.1f} {a - e:>9.1f}")
 
 
 if __name__ == "__main__":

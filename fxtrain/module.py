@@ -26,7 +26,7 @@ from .capture.scalars import ScalarWatch
 from .capture.settings import dynamo_settings
 from .capture.sizes import SizesPolicy
 from .options import Options, resolve
-from .pythonop import forget_runs, raised_as_eager, routing
+from .pythonop import close_step_log, forget_runs, offer_step, open_step_log, raised_as_eager, routing
 from .torch_private import dims_static, dynamo_config_patch, dynamo_recompile_limit_error
 from .runtime.dense_route import SparseBatchError
 from .errors import Error, FxtrainWarning
@@ -158,13 +158,17 @@ class TrainModule(nn.Module):
                autocast_state(device, args, kwargs))
         may_capture = key not in self._seen
         self._rollback.begin(may_capture)
+        enclosing = open_step_log()
         try:
-            out = self._call(key, may_capture, args, kwargs, tuple(shapes))
+            try:
+                out = self._call(key, may_capture, args, kwargs, tuple(shapes))
+            finally:
+                log = close_step_log(enclosing)
         except SparseBatchError:
             raise  # Options(sparsity_guard="raise") asked for it; raised before anything ran
         except Exception as exc:
             # Whatever failed, on the first call or the thousandth: the fallback policy decides.
-            return self._after_capture_failure(exc, args, kwargs)
+            return self._after_capture_failure(exc, args, kwargs, log)
         self._rollback.end()
         return out
 
@@ -319,8 +323,21 @@ class TrainModule(nn.Module):
         entries.append(entry)
         return True
 
-    def _after_capture_failure(self, exc: Exception, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    def _after_capture_failure(self, exc: Exception, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                               log: List[Any]) -> Any:
         """Decide between a user error (eager fails too: raise eager's error) and a capture failure."""
+        # Whatever failed, the eager rerun below takes the runs of the Functions this call's graphs
+        # already made, instead of running their forwards again.
+        if offer_step(self, log, exc):
+            # A Function's forward raised inside a graph, which has no branch for it: the step runs
+            # eagerly, its Function calls taking what the graphs' calls of them did (the failing one
+            # raising that error again), so the model's own try/except sees it as in eager and each
+            # forward runs once. Not a capture failure: later steps run the graphs.
+            self._rollback.restore()
+            try:
+                return self.module(*args, **kwargs)
+            finally:
+                forget_runs(self)
         if raised_as_eager(exc):
             # A Function's forward raised on the capturing call and the model let it through: its
             # Python call of apply raised that run's error again, where eager's raises it. A rerun

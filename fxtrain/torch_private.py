@@ -690,6 +690,18 @@ ForceDispatchKeyGuard = torch._C._ForceDispatchKeyGuard
 dispatch_mode_depth = torch._C._len_torch_dispatch_stack
 #: ``torch._C._current_autograd_node()``: the autograd node whose backward runs now, or None.
 current_autograd_node = torch._C._current_autograd_node
+#: ``torch._C._is_torch_function_mode_enabled()``: whether a TorchFunctionMode is active.
+torch_function_mode_enabled = torch._C._is_torch_function_mode_enabled
+#: ``torch._C._autograd._profiler_enabled()``: whether the autograd profiler records now.
+profiler_enabled = torch._C._autograd._profiler_enabled
+
+
+def function_class_of(node: Any) -> Optional[type]:
+    """The ``autograd.Function`` class whose backward an autograd node runs
+    (``BackwardCFunction._forward_cls``), None for any other node."""
+    return getattr(node, "_forward_cls", None)
+
+
 #: The autograd engine's ``run_backward(roots, grads, keep_graph, create_graph, inputs,
 #: allow_unreachable, accumulate_grad)`` (``torch.autograd.Variable._execution_engine``).
 run_backward = torch.autograd.Variable._execution_engine.run_backward

@@ -800,33 +800,85 @@ def test_symbolic_size_and_changing_float_arguments():
     assert tm.capture_info().fallback_reason is None
 
 
-def test_forward_raising_on_a_later_call_follows_the_fallback_policy():
-    """The graph cannot branch on an exception: a forward that raises on a later call only (the model
-    catching it) makes that call fail, and fallback="eager" (the default) runs it and every later
-    one eagerly, with eager's results."""
-    def build():
-        class Guarded(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, x):
-                if float(x.abs().max()) > 100:
-                    raise OverflowError("too large")
-                return x * 2
+def _guarded(calls: Dict[str, Any]) -> Tuple[Any, Any]:
+    """A Function that raises on large values only, after a Function that does not."""
+    class Counted(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            calls["counted"].append(tuple(x.shape))
+            return x + 1
 
-            @staticmethod
-            def backward(ctx, g):
-                return g * 2
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    class Guarded(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            calls["guarded"].append(float(x.abs().max()))
+            if float(x.abs().max()) > 100:
+                raise OverflowError("too large")
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+    return Counted, Guarded
+
+
+@pytest.mark.parametrize("backward,split", [("graph", False), ("auto", True)])
+def test_forward_raising_on_a_later_call_is_caught_by_the_model(backward, split):
+    """The graph cannot branch on an exception: the call whose forward raised runs eagerly, its
+    Function calls taking what the graph's calls did, so the model's ``except`` catches the very
+    error, each forward runs once (the Function before it too, also in an earlier graph of the
+    call: ``split``), and later calls run the graph. Both runtimes: the aten graphs ("graph") and
+    the torch-level graph under eager autograd ("auto")."""
+    def build():
+        calls: Dict[str, Any] = {"counted": [], "guarded": [], "caught": 0}
+        Counted, Guarded = _guarded(calls)
 
         def use(h):
+            a = Counted.apply(h)
+            if split:
+                torch._dynamo.graph_break()
             try:
-                return Guarded.apply(h)
+                return Guarded.apply(a)
             except OverflowError:
-                return h.clamp(-1, 1)
-        return Scaled(use), None
+                calls["caught"] += 1
+                return a.clamp(-1, 1)
+        return Scaled(use), calls
     g = torch.Generator().manual_seed(0)
-    batches = [torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g) * 1e4, torch.randn(3, 4, generator=g)]
-    with pytest.warns(fxtrain.FallbackWarning, match="too large"):
-        tm = parity(build, batches, options={})
-    assert "OverflowError" in tm.capture_info().fallback_reason
+    batches = [torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g) * 1e4, torch.randn(5, 4, generator=g),
+               torch.randn(3, 4, generator=g) * 1e4]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxtrain.FallbackWarning)
+        tm = parity(build, batches, options={"fallback": "raise", "backward": backward})
+    info = tm.capture_info()
+    # The first call's graphs, and batch size 5's.
+    assert (info.graphs, info.fallback_reason, info.python_op_handoffs) == (6 if split else 2, None, []), str(info)
+
+
+def test_forward_raising_on_a_later_call_uncaught_is_eagers_error_once():
+    torch.manual_seed(0)
+    calls: Dict[str, Any] = {"counted": [], "guarded": [], "caught": 0}
+    ref_calls: Dict[str, Any] = {"counted": [], "guarded": [], "caught": 0}
+    Counted, Guarded = _guarded(calls)
+    RefCounted, RefGuarded = _guarded(ref_calls)
+    model = Scaled(lambda h: Guarded.apply(Counted.apply(h)))
+    ref = Scaled(lambda h: RefGuarded.apply(RefCounted.apply(h)))
+    ref.load_state_dict(model.state_dict())
+    tm = fxtrain.TrainModule(model, fxtrain.Options(fallback="raise"))
+    g = torch.Generator().manual_seed(0)
+    small, large = torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g) * 1e4
+    assert_same(tm(small), ref(small))
+    with pytest.raises(OverflowError, match="too large"):
+        ref(large)
+    with pytest.raises(OverflowError, match="too large"):
+        tm(large)
+    assert_same(calls, ref_calls, "Python state")
+    assert_same(tm(small), ref(small))
+    assert_same(calls, ref_calls, "Python state")
+    _clean(tm)
 
 
 def test_random_numbers_drawn_by_a_function_shaped_by_its_real_run():
@@ -1078,3 +1130,128 @@ def test_failed_capture_rerun_eagerly_runs_each_forward_once(kind):
     with pytest.warns(fxtrain.FallbackWarning):
         tm = parity(build, _batches(3), options={"fullgraph": True})
     assert tm.capture_info().fallback_reason is not None
+
+
+# ------------------------------------------- the backward op's direct call of the Function's node
+def _adjusted(kind: str) -> Any:
+    """A Function whose backward returns what the autograd engine adjusts or refuses: the PythonOp
+    calls the node itself and must leave those results to the engine, as eager does."""
+    class Adjusted(torch.autograd.Function):
+        calls: List[Tuple[int, ...]] = []
+
+        @staticmethod
+        def forward(ctx, x, y, k):
+            ctx.k = k
+            return x * k + y
+
+        @staticmethod
+        def backward(ctx, g):
+            Adjusted.calls.append(tuple(g.shape))
+            gx = g * ctx.k
+            if kind == "broadcast":      # an expanded gradient: the engine sums it back to x's shape
+                return gx.expand(2, *gx.shape), None, None
+            if kind == "dtype":          # float64 for a float32 input: the engine casts it
+                return gx.double(), g, None
+            if kind == "extra_none":     # more results than arguments, the extra ones None
+                return gx, None, None, None
+            if kind == "count":          # too few results: eager's error
+                return (gx,)
+            if kind == "shape":          # a shape the engine cannot reduce: eager's error
+                return gx[:1], None, None
+            return gx, g, None           # plain: y's gradient counts only where y takes one
+    return Adjusted
+
+
+@pytest.mark.parametrize("kind", ["plain", "twice", "broadcast", "dtype", "extra_none"])
+def test_backward_results_the_engine_adjusts_are_eagers(kind):
+    """backward="graph" runs the AOTAutograd graphs, where python_op_backward calls the Function's
+    node without a nested engine run."""
+    backward = "graph"
+    def build():
+        F = _adjusted(kind)
+
+        def use(h):
+            y = h if kind == "twice" else h.detach() * 3   # the same tensor twice, or one without grad
+            return F.apply(h, y, 0.5)
+        return Scaled(use), F.calls
+    tm = parity(build, _batches(3), options={"fallback": "raise", "backward": backward})
+    _clean(tm)
+
+
+@pytest.mark.parametrize("kind", ["count", "shape"])
+def test_backward_results_the_engine_refuses_raise_eagers_error(kind):
+    torch.manual_seed(0)
+    F = _adjusted(kind)
+    model = Scaled(lambda h: F.apply(h, h.detach(), 0.5))
+    ref = Scaled(lambda h: F.apply(h, h.detach(), 0.5))
+    ref.load_state_dict(model.state_dict())
+    tm = fxtrain.TrainModule(model, fxtrain.Options(fallback="raise", backward="graph"))
+    x = torch.randn(3, 4)
+    with pytest.raises(RuntimeError) as eager_error:
+        ref(x).sum().backward()
+    with pytest.raises(RuntimeError) as error:
+        tm(x).sum().backward()
+    assert str(error.value) == str(eager_error.value)
+    assert F.calls == [(3, 4), (3, 4)]   # the user's backward ran once for each
+
+
+def test_same_tensor_returned_twice_gets_eagers_gradients():
+    """Eager's node sees one output (the later position) for a tensor returned twice: the first
+    position's gradient is zeros and the second gets both uses' sum."""
+    def build():
+        seen: List[Tuple[float, float]] = []
+
+        class Twice(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                y = x * 2
+                return y, y
+
+            @staticmethod
+            def backward(ctx, g1, g2):
+                seen.append((float(g1.sum()), float(g2.sum())))
+                return g1 * 10 + g2
+
+        def use(h):
+            a, b = Twice.apply(h)
+            return a * 3 + b
+        return Scaled(use), seen
+    tm = parity(build, _batches(3), options={"fallback": "raise", "backward": "graph"})
+    _clean(tm)
+
+
+def test_failed_recapture_after_a_graph_ran_takes_that_graphs_function_runs():
+    """A later call's capture fails (the recompile limit, in the frame after a graph break) after the
+    call's first graph ran a Function: the eager rerun takes that run, so the forward ran once on
+    that step too."""
+    class Flagged(nn.Module):
+        def __init__(self, fn: Any) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4))
+            self.fn, self.scale = fn, 2
+
+        def forward(self, x):
+            a = self.fn(x * self.w)
+            torch._dynamo.graph_break()
+            return a * self.scale
+
+    torch.manual_seed(0)
+    calls: Dict[str, Any] = {"counted": [], "guarded": [], "caught": 0}
+    ref_calls: Dict[str, Any] = {"counted": [], "guarded": [], "caught": 0}
+    counted, ref_counted = _guarded(calls)[0], _guarded(ref_calls)[0]
+    model, ref = Flagged(lambda h: counted.apply(h)), Flagged(lambda h: ref_counted.apply(h))
+    ref.load_state_dict(model.state_dict())
+    tm = fxtrain.TrainModule(model, fxtrain.Options(recompile_limit=1))
+    for step, x in enumerate(_batches(3)):
+        model.scale = ref.scale = 2 + step   # the second frame's guard fails on each later call
+        if step == 1:
+            with pytest.warns(fxtrain.FallbackWarning, match="recompile limit"):
+                out = tm(x)
+        else:
+            out = tm(x)
+        r = ref(x)
+        assert_same(out, r, f"step {step} output")
+        out.sum().backward()
+        r.sum().backward()
+        torch.testing.assert_close(model.w.grad, ref.w.grad)
+        assert_same(calls, ref_calls, f"step {step} Python state")

@@ -4,8 +4,10 @@ and ``fxtrain::python_op_backward`` (backward graph).
 At run time the forward op calls the user's real ``apply`` on detached copies of its inputs with
 autograd recording, so torch itself builds the Function's node and ctx exactly as in eager
 (``needs_input_grad``, ``save_for_backward``, ``mark_non_differentiable``, ``set_materialize_grads``,
-``setup_context``, ``once_differentiable`` all behave as usual). The backward op replays the user's
-real ``backward`` through that node with the autograd engine. Between the two, the node and its
+``setup_context``, ``once_differentiable`` all behave as usual). The backward op runs the user's
+real ``backward`` through that node: it calls the node itself, as the engine would, for a plain call
+(``_direct_backward``; a nested engine run costs more than the rest of the pair), and runs the engine
+otherwise. Between the two, the node and its
 inputs wait in a pool under an integer handle that the graph carries as a 0-d int64 tensor; the pool
 entry goes when the backward ran or when the handle tensor is freed (no backward ever came).
 
@@ -16,7 +18,10 @@ A call whose capture ran the Function for real (one dynamo could not trace) take
 first time the graph runs it (pending.py), so the step's forward runs once. Calls that are more than
 positional tensors and constants in, tensors out (structure.py: keyword arguments, containers,
 Python numbers returned, inputs updated in place) rebuild their arguments and collect their
-outputs from the spec's trees; the plain ones keep the flat per-call path.
+outputs from the spec's trees; the plain ones keep the flat per-call path. Inside a TrainModule
+call each call's run (or what it raised) goes to the call's log (pending.offer_step): a forward
+that raises inside a graph is then raised again where the model's own code calls it, in the eager
+rerun of that step, which takes the other calls' runs instead of running them again.
 
 Cost. Both ops run once per Function call per step, so their dispatch is kept lean: the ops are
 declared with ``torch.library.custom_op`` (torch then knows them as custom ops: fake kernels, the
@@ -25,12 +30,14 @@ by plain functions, without custom_op's Python wrappers (``backend_impl``/``wrap
 ``autograd_impl``, about 20 us per call). The Autograd kernel of ``python_op`` goes straight to the
 kernel below when no gradient is wanted (the aten replay, where AOTAutograd's node owns the
 gradient); when one is wanted it applies the user's Function itself on plain tensors (the graph run
-under eager autograd: ``_apply_eagerly``) and ``_Formula``, the op's autograd formula
+under eager autograd: ``_apply_eagerly``, which that graph calls without the dispatcher:
+``calling_directly``) and ``_Formula``, the op's autograd formula
 (``_setup_context``/``_backward``), on fake or functional tensors and under dispatch modes (tracers,
 the profiler), which must see the op pair.
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import threading
 import warnings
@@ -52,8 +59,9 @@ from .structure import Mismatch, collect, rebuild_call
 
 _lock = threading.Lock()
 _handles = itertools.count(1)
-# handle -> (inputs, outputs, weakref to the handle tensor whose death drops the entry)
-POOL: Dict[int, Tuple[List[torch.Tensor], List[torch.Tensor], Any]] = {}
+# handle -> (inputs, outputs, weakref to the handle tensor whose death drops the entry, the Function's
+# node when the backward op may call it directly)
+POOL: Dict[int, Tuple[List[torch.Tensor], List[torch.Tensor], Any, Any]] = {}
 _CPU = torch.device("cpu")
 _AUTOGRAD_KEYS = (DispatchKey.AutogradFunctionality, DispatchKey.AutogradOther,
                   DispatchKey.AutogradNestedTensor, DispatchKey.ADInplaceOrView)
@@ -259,19 +267,27 @@ def run_at_capture(fn_cls: type, args: List[Any], kwargs: Dict[str, Any], values
 @torch.library.custom_op("fxtrain::python_op", mutates_args=())
 def python_op(key: int, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
     spec = SPECS[key]
+    log = _pending.state.log
     if spec.plain and spec.pending is None and not _pending.state.evaluating:
-        # The per-step path (positional tensors and constants in, tensors out): no Run, no tree.
-        if spec.record:
-            state = _enter_user_autograd()
-            try:
-                inputs = [t.detach().requires_grad_(d) for t, d in zip(tensors, spec.differentiable)]
-                result = spec.fn_cls.apply(*spec.arguments(inputs))
-            finally:
-                _exit_user_autograd(state)
-        else:
-            inputs = list(tensors)
-            with torch.no_grad():
-                result = spec.fn_cls.apply(*spec.arguments(inputs))
+        # The per-step path (positional tensors and constants in, tensors out): no tree.
+        try:
+            if spec.record:
+                state = _enter_user_autograd()
+                try:
+                    inputs = [t.detach().requires_grad_(d) for t, d in zip(tensors, spec.differentiable)]
+                    result = spec.fn_cls.apply(*spec.arguments(inputs))
+                finally:
+                    _exit_user_autograd(state)
+            else:
+                inputs = list(tensors)
+                with torch.no_grad():
+                    result = spec.fn_cls.apply(*spec.arguments(inputs))
+        except Exception as e:
+            if log is not None:
+                log.append((key, tensors, None, e))
+            raise
+        if log is not None:
+            log.append((key, tensors, Run(inputs, inputs, result, ())))
         outs = _outputs(spec, result, inputs)
     else:
         run = None
@@ -280,9 +296,16 @@ def python_op(key: int, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
         if spec.pending is not None:
             run = _pending.claim(spec, tensors)
         if run is None:
-            run = _run(spec, tensors)
+            try:
+                run = _run(spec, tensors)
+            except Exception as e:
+                if log is not None and not _pending.state.evaluating:
+                    log.append((key, tensors, None, e))
+                raise
             if _pending.state.evaluating:
                 _pending.keep(spec, key, tensors, run)
+        if log is not None and not _pending.state.evaluating:
+            log.append((key, tensors, run))
         inputs = run.inputs
         outs = collect_outputs(spec, run)
     # A custom op may not return its inputs or views of them, nor one tensor twice: copy only those.
@@ -298,7 +321,8 @@ def python_op(key: int, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
             handle_id = next(_handles)
         handle = _new_handle(handle_id)
         # The entry holds the weak reference, so its callback dies with the entry once the backward ran.
-        POOL[handle_id] = (inputs, outs, weakref.ref(handle, _forget(handle_id)))
+        POOL[handle_id] = (inputs, outs, weakref.ref(handle, _forget(handle_id)),
+                           _own_node(spec, outs) if spec.direct else None)
     else:
         handle = _new_handle(0)
     returned.append(handle)
@@ -345,7 +369,11 @@ def python_op_backward(key: int, handle: torch.Tensor, grads: List[Optional[torc
     if entry is None:
         raise RuntimeError(f"fxtrain: the forward state of {spec.name} is gone: was backward called twice "
                            f"on a graph that was not retained?")
-    inputs, outs = entry[0], entry[1]
+    inputs, outs, _, node = entry
+    if node is not None and all(g is not None for g in grads) and not torch.is_anomaly_enabled() \
+            and not tp.profiler_enabled():
+        wanted = [i for i, d in zip(inputs, spec.differentiable) if d]
+        return _finish_grads(_direct_backward(spec, node, grads, inputs), wanted, grads)
     roots, root_grads = [], []
     for o, g in zip(outs, grads):
         if g is not None and o.requires_grad:
@@ -362,6 +390,11 @@ def python_op_backward(key: int, handle: torch.Tensor, grads: List[Optional[torc
             _exit_user_autograd(state)
     else:
         result = (None,) * len(wanted)
+    return _finish_grads(result, wanted, grads)
+
+
+def _finish_grads(result: Sequence[Optional[torch.Tensor]], wanted: Sequence[torch.Tensor],
+                  grads: Sequence[Optional[torch.Tensor]]) -> List[torch.Tensor]:
     out = []
     for g, i in zip(result, wanted):
         if g is None:  # an op cannot return None: no gradient from the user's backward is zeros
@@ -370,6 +403,95 @@ def python_op_backward(key: int, handle: torch.Tensor, grads: List[Optional[torc
             g = g.clone()
         out.append(g)
     return out
+
+
+def _own_node(spec: CallSpec, outs: Sequence[torch.Tensor]) -> Any:
+    """The Function's autograd node, when every output comes straight from it, each at its own
+    position (a tensor returned twice is one output of the node, at the later position, as eager's
+    engine sees it): the backward op can then call the user's backward through the node without a
+    re-entrant autograd engine run (most of a PythonOp's per-call cost), as the engine would."""
+    node = None
+    for o, position in zip(outs, spec.output_positions):
+        fn = o.grad_fn
+        if fn is None or (node is not None and fn is not node) or o.output_nr != position:
+            return None
+        node = fn
+    return node if tp.function_class_of(node) is spec.fn_cls else None
+
+
+def _direct_backward(spec: CallSpec, node: Any, grads: Sequence[torch.Tensor],
+                     inputs: Sequence[torch.Tensor]) -> List[Optional[torch.Tensor]]:
+    """The user's backward called through its node, as the engine calls it: grad mode off (the
+    engine's, without create_graph), autograd dispatch on, a constant output's gradient None, the
+    saved tensors released afterwards unless the graph is retained. What the engine then checks and
+    adjusts (the number of gradients, None for constant arguments, shapes, dtypes, devices) is checked
+    here; anything but the plain case goes through the engine after all (``_through_engine``), with
+    the gradients already computed, so eager's errors and conversions apply and the backward still
+    runs once."""
+    state = _enter_user_autograd()
+    set_grad_enabled(False)
+    try:
+        returned = node.apply(*[None if j is None else grads[j] for j in spec.grad_slots])
+    finally:
+        _exit_user_autograd(state)
+    tp.release_saved_tensors(node)
+    result = _plain_gradients(spec, returned, inputs)
+    return result if result is not None else _through_engine(spec, returned, inputs)
+
+
+def _plain_gradients(spec: CallSpec, returned: Any, inputs: Sequence[torch.Tensor]) -> Optional[List[Any]]:
+    """The gradients of the differentiable inputs when ``returned`` is what the engine takes as is."""
+    if type(returned) is not tuple:
+        returned = (returned,)
+    slots = spec.arg_slots
+    if len(returned) < len(slots) or any(g is not None for g in returned[len(slots):]):
+        return None
+    summed: List[Any] = [None] * len(inputs)
+    for g, i in zip(returned, slots):
+        if g is None:
+            continue
+        if i is None or type(g) is not torch.Tensor:
+            return None
+        if not spec.differentiable[i]:
+            continue
+        t = inputs[i]
+        if g.shape != t.shape or g.dtype != t.dtype or g.device != t.device or g.layout != torch.strided:
+            return None
+        summed[i] = g if summed[i] is None else summed[i] + g
+    return [g for g, d in zip(summed, spec.differentiable) if d]
+
+
+class _Returned(torch.autograd.Function):
+    """Stands in for a Function whose backward already ran: its node hands the engine what that
+    backward returned. Subclassed per Function under the Function's own name, so that the engine's
+    errors name it as eager's do (``ScaleBackward returned an invalid gradient ...``)."""
+
+    @staticmethod
+    def forward(ctx: Any, *args: Any) -> torch.Tensor:  # type: ignore[override]
+        return torch.zeros(())
+
+    @staticmethod
+    def backward(ctx: Any, _: Any) -> Any:  # type: ignore[override]
+        return ctx.returned
+
+
+_stand_ins: Dict[type, type] = {}
+
+
+def _through_engine(spec: CallSpec, returned: Any, inputs: Sequence[torch.Tensor]) -> List[Optional[torch.Tensor]]:
+    stand_in = _stand_ins.get(spec.fn_cls)
+    if stand_in is None:
+        stand_in = _stand_ins[spec.fn_cls] = type(spec.fn_cls.__name__, (_Returned,),
+                                                  {"__qualname__": spec.fn_cls.__qualname__})
+    state = _enter_user_autograd()
+    try:
+        leaves = [t.detach().requires_grad_(d) for t, d in zip(inputs, spec.differentiable)]
+        out = stand_in.apply(*spec.arguments(leaves))
+        out.grad_fn.returned = returned
+        wanted = tuple(t for t, d in zip(leaves, spec.differentiable) if d)
+        return list(_run_backward((out,), (torch.zeros(()),), False, False, wanted, True, False))
+    finally:
+        _exit_user_autograd(state)
 
 
 @python_op_backward.register_fake
@@ -430,12 +552,19 @@ def _apply_eagerly(keyset: Any, key: int, tensors: List[torch.Tensor]) -> List[t
     spec = SPECS[key]
     if spec.pending is not None:
         return list(_Formula.apply(keyset, key, *tensors))
-    if spec.plain:
-        outs = _outputs(spec, spec.fn_cls.apply(*spec.arguments(tensors)), tensors)
-    else:
-        call_inputs = _call_inputs(spec, list(tensors))
+    call_inputs = _call_inputs(spec, list(tensors)) if not spec.plain else tensors
+    try:
         result, containers = _apply(spec, call_inputs)
-        outs = collect_outputs(spec, Run(list(tensors), call_inputs, result, containers))
+    except Exception as e:
+        log = _pending.state.log
+        if log is not None:
+            log.append((key, tensors, None, e))
+        raise
+    run = Run(list(tensors), call_inputs, result, containers)
+    log = _pending.state.log
+    if log is not None:
+        log.append((key, tensors, run))
+    outs = _outputs(spec, result, tensors) if spec.plain else collect_outputs(spec, run)
     outs.append(_new_handle(0))
     return outs
 
@@ -463,6 +592,7 @@ def _python_op_backward_autograd(keyset: Any, key: int, handle: torch.Tensor,
 
 
 _FORWARD_OP = torch.ops.fxtrain.python_op.default
+_FORWARD_PACKET = torch.ops.fxtrain.python_op
 _BACKWARD_OP = torch.ops.fxtrain.python_op_backward.default
 _redispatch_forward = tp.redispatcher(_FORWARD_OP)
 _redispatch_backward = tp.redispatcher(_BACKWARD_OP)
@@ -470,6 +600,38 @@ _forward_impl = tp.custom_op_impl(python_op)
 _backward_impl = tp.custom_op_impl(python_op_backward)
 # The formula as custom_op metadata too (what torch reads of a custom op); the kernel below runs it.
 python_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def call_directly(key: int, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    """``python_op`` as a graph run as plain Python under eager autograd calls it (the runtime's
+    autograd mode, ``calling_directly``): the kernel the dispatcher would pick, without the
+    dispatcher, whose round trip into a Python kernel costs more than a tiny Function's whole eager
+    call. Anything a tracer, a mode or a tensor subclass must see (and the capturing call's kept run,
+    taken by the opaque formula) still goes through the op."""
+    if dispatch_mode_depth() or tp.torch_function_mode_enabled() or SPECS[key].pending is not None:
+        return _FORWARD_OP(key, tensors)
+    for t in tensors:
+        if type(t) not in _PLAIN_TYPES or t.is_meta:
+            return _FORWARD_OP(key, tensors)
+    if is_grad_enabled() and any_requires_grad(tensors):
+        return _apply_eagerly(None, key, tensors)
+    return _forward_impl(key, tensors)
+
+
+def calling_directly(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``graph`` (a torch-level graph that runs under eager autograd) whose PythonOp calls
+    go to ``call_directly``; ``graph`` itself, kept for the cache and dumps, keeps the op."""
+    if not any(n.target in (_FORWARD_OP, _FORWARD_PACKET) for n in graph.graph.nodes):
+        return graph
+    copied = torch.fx.GraphModule(graph, copy.deepcopy(graph.graph))
+    for n in copied.graph.nodes:
+        if n.target in (_FORWARD_OP, _FORWARD_PACKET):
+            n.target = call_directly
+    copied.recompile()
+    return copied
 
 
 def _register_lean_kernels() -> None:

@@ -104,6 +104,9 @@ class _State(threading.local):
         self.owner: Any = None
         self.trace = 0
         self.evaluating = 0
+        # While a TrainModule call runs its graphs: the Function calls they made, (spec key, op
+        # inputs, run) or (spec key, op inputs, None, error), for ``offer_step``.
+        self.log: Optional[List[Tuple[Any, ...]]] = None
 
 
 _state = state = _State()   # ``state.evaluating`` is read by the op on every call
@@ -229,3 +232,37 @@ def keep(spec: Any, key: int, tensors: Sequence[torch.Tensor], run: Run) -> None
     Python call of the same call, should the graph never run it)."""
     spec.pending = add(signature(spec.fn_cls, spec.args, spec.kwargs), [t.detach() for t in tensors], run)
     python_call.offer(spec.pending, key)
+
+
+def open_step_log() -> Optional[List[Tuple[Any, ...]]]:
+    """A TrainModule call starts running graphs: log its Function calls (returns the enclosing
+    call's log, for ``close_step_log``: a TrainModule may run inside a Function's forward)."""
+    previous = _state.log
+    _state.log = []
+    return previous
+
+
+def close_step_log(previous: Optional[List[Tuple[Any, ...]]]) -> List[Tuple[Any, ...]]:
+    log = _state.log
+    _state.log = previous
+    return log or []
+
+
+def offer_step(owner: Any, log: List[Tuple[Any, ...]], error: BaseException) -> bool:
+    """``owner``'s call failed with ``error`` after its graphs made the Function calls in ``log``: offer
+    each call's outcome to Python's own calls of ``apply``, as a capture's runs are offered
+    (python_call.py), so that the eager rerun of the step takes the runs rather than run each
+    forward a second time. True when ``error`` is what a Function's forward raised inside a graph
+    (a graph has no branch for an exception, so the model's own ``try`` could not see it there):
+    that call's Python call then raises the very error again, where eager's call raises it."""
+    kept = _by_owner.setdefault(owner, [])
+    for entry in log:
+        key, tensors, run = entry[0], entry[1], entry[2]
+        pending = PendingRun(("step",), [t.detach() for t in tensors], run, 0)
+        if len(entry) == 4:
+            pending.error = entry[3]
+        kept.append(pending)
+        python_call.offer(pending, key)
+        if pending.error is error:
+            return True
+    return False

@@ -202,6 +202,8 @@ def _take(runs: List[Any], args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
             _local.raised = error
             raise error
         spec = SPECS[run.key]
+        if spec.pending is None:   # a run a graph made on this step (pending.offer_step): the op takes it
+            spec.pending = run
         call, containers = this
         return make_call(run.key, spec, spec.convert)(*call, *containers)
     return _NOT_KEPT

@@ -97,6 +97,14 @@ class CallSpec:
     n_out: int = field(init=False)
     # Outputs shaped by a real run: (op output j, sizes, dtype), checked against every call's.
     checks: List[Tuple[int, List[Any], torch.dtype]] = field(init=False)
+    # For the backward op's direct call of the Function's node (op.py): per output of forward, the op
+    # output whose gradient it gets (None: a constant, whose gradient is None in eager too); and per
+    # argument of apply, the op tensor it is (None: a constant). ``direct``: a plain recorded call
+    # without non-differentiable outputs (whose gradient depends on ctx flags Python cannot read).
+    grad_slots: List[Optional[int]] = field(init=False)
+    arg_slots: List[Optional[int]] = field(init=False)
+    output_positions: List[int] = field(init=False)    # per op output, its position among forward's
+    direct: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.name = qualified_name(self.fn_cls)
@@ -110,6 +118,11 @@ class CallSpec:
         self.dirty_inputs = frozenset(i for i, _ in self.dirty)
         self.n_out = len(self.meta)
         self.checks = [(j, m.sizes, m.dtype) for j, m in enumerate(self.meta) if m.sizes is not None and m.sizes]
+        op_outputs = itertools.count()
+        self.grad_slots = [None if kind == CONSTANT else next(op_outputs) for kind, _ in self.outputs]
+        self.arg_slots = [v if kind == TENSOR else None for kind, v in self.template]
+        self.output_positions = [p for p, j in enumerate(self.grad_slots) if j is not None]
+        self.direct = self.plain and self.record and all(kind != DETACHED for kind, _ in self.outputs)
 
     def arguments(self, tensors: Sequence[torch.Tensor]) -> List[Any]:
         """The positional arguments of apply (what a Function's ``flops`` static method takes)."""

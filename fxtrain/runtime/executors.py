@@ -22,6 +22,7 @@ import torch
 import torch.fx
 
 from .. import torch_private as tp
+from ..pythonop.op import calling_directly
 from .direct import direct
 
 Compiled = Callable[[List[Any]], Any]   # boxed: takes the argument list, may clear it
@@ -71,6 +72,9 @@ class Executor:
 class EagerExecutor(Executor):
     name = "eager"
     autograd_mode = True
+
+    def torch_level(self, graph: torch.fx.GraphModule) -> Callable[..., Any]:
+        return direct(calling_directly(graph))
 
     def compile(self, graph: torch.fx.GraphModule, kind: str, example_inputs: Sequence[Any]) -> Compiled:
         return tp.boxed_copy(graph).forward
