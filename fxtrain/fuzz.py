@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import functools
 import os
 import random
@@ -34,6 +33,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from . import models
+from .cost.step import loss_of
 from .module import TrainModule
 from .module_with_loss import ModuleWithLoss
 from .options import ENV_PREFIX
@@ -296,10 +296,6 @@ def _differs(a: Any, b: Any, atol: float = ATOL) -> Optional[str]:
     return None
 
 
-def _loss_of(out: Any) -> torch.Tensor:
-    return out["loss"] if hasattr(out, "keys") else out[0]
-
-
 class _Pair:
     """The fxtrain model and its eager twin, with their optimizers."""
 
@@ -385,7 +381,7 @@ def _one_batch(pair: _Pair, batch: Dict[str, torch.Tensor], index: int, read_bef
     captures = pair.tm.capture_info().graphs
     try:
         ref_out = pair.ref(**batch)
-        ref_loss = _loss_of(ref_out)
+        ref_loss = loss_of(ref_out)
         ref_loss.backward()
     except Exception as e:  # eager refuses the batch: fxtrain must refuse it the same way
         pair.ref.zero_grad(set_to_none=True)
@@ -398,7 +394,7 @@ def _one_batch(pair: _Pair, batch: Dict[str, torch.Tensor], index: int, read_bef
         return [("ran where eager raised", f"eager: {type(e).__name__}: {e}")]
     try:
         out = pair.tm(**batch)
-        out_loss = _loss_of(out)
+        out_loss = loss_of(out)
         problem = _differs(out_loss, ref_loss)
         if problem:
             found.append(("loss differs", problem))

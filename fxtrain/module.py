@@ -14,7 +14,7 @@ from torch import nn
 
 from .cache.call import MISS
 from .cache.session import ModuleCache
-from .capture.backend import Backend, RecompileLimitReached, current_mode
+from .capture.backend import Backend, Plugins, RecompileLimitReached, current_mode
 from .capture.breaks import call_breaks, close_window, open_window
 from .capture.entry import make_entry
 from .capture_state import in_fake_run
@@ -26,9 +26,7 @@ from .capture.scalars import ScalarWatch
 from .capture.settings import dynamo_settings
 from .capture.sizes import SizesPolicy
 from .options import Options, resolve
-from .passes import ExampleSource
 from .pythonop import close_step_log, forget_runs, offer_step, open_step_log, raised_as_eager, routing
-from .runtime.executors import Executor
 from .torch_private import dims_static, dynamo_config_patch, dynamo_recompile_limit_error
 from .runtime.dense_route import SparseBatchError
 from .errors import Error, FxtrainWarning
@@ -82,11 +80,10 @@ class TrainModule(nn.Module):
     """
 
     def __init__(self, module: nn.Module, options: Optional[Options] = None, *,
-                 executor: Optional[Executor] = None, examples: Optional[ExampleSource] = None) -> None:
-        """``executor``: an Executor object to compile the captured graphs with, instead of the one
-        ``options.executor`` names (the profiler passes one that runs marked copies). ``examples``:
-        where the passes read the capturing batch, instead of dynamo's placeholders (the profiler's
-        inputs are fake; it passes their values)."""
+                 plugins: Optional[Plugins] = None) -> None:
+        """``plugins``: what a tool plugs into the capture pipeline (capture/backend.py: Plugins):
+        the profiler's executor that runs marked copies, its example source that knows the values
+        behind its fake inputs, its observer of budget states."""
         if not isinstance(module, nn.Module):
             raise TypeError(f"fxtrain.TrainModule wraps a torch.nn.Module, got {type(module).__name__}")
         if isinstance(module, TrainModule):
@@ -96,6 +93,7 @@ class TrainModule(nn.Module):
         # The same object, read without nn.Module.__getattr__ on the hot path (~1 µs a read).
         self.__dict__["_wrapped"] = module
         self._options = resolve(options)
+        executor = plugins.executor if plugins is not None else None
         self._info = CaptureInfo(executor=executor.name if executor is not None else self._options.executor)
         self._rollback = Rollback(module)
         # dynamo keeps every backend it was given for the life of the process (until
@@ -104,8 +102,7 @@ class TrainModule(nn.Module):
         me = weakref.ref(self)
         self._backend = Backend(self._info, self._options, lambda: _alive(me).training,
                                f"{type(module).__name__}-{next(_instances)}",
-                               on_graph=lambda: _alive(me)._rollback.on_graph(), executor=executor,
-                               examples=examples)
+                               on_graph=lambda: _alive(me)._rollback.on_graph(), plugins=plugins)
         # One entry (so one dynamo cache) per mode: train and eval are captured separately even
         # for models whose code never reads `self.training`.
         self._compiled = {mode: make_entry(self._backend, self._options.dynamic, self._options.fullgraph,

@@ -5,6 +5,7 @@ gradients, buffers), a user's own error must surface as eager raises it, and the
 must be this module's own, with its reasons.
 """
 import copy
+import dataclasses
 import inspect
 import os
 import re
@@ -17,6 +18,7 @@ from torch import nn
 
 import fxtrain
 import fxtrain.capture.backend as backend
+import fxtrain.capture.pipeline as pipeline
 from fxtrain import models
 from utils import assert_grads_equal, assert_state_equal, wrap_pair
 
@@ -181,7 +183,7 @@ def test_recompile_limit_on_hf_bert_batch_size_change_falls_back(monkeypatch):
 
 def _failing_passes(monkeypatch, fail_on_call):
     """run_passes raises on its ``fail_on_call``-th invocation (1-based) and after."""
-    real, calls = backend.run_passes, []
+    real, calls = pipeline.run_passes, []
 
     def flaky(gm, examples, options, plans):
         calls.append(1)
@@ -189,7 +191,7 @@ def _failing_passes(monkeypatch, fail_on_call):
             raise NotImplementedError("pass cannot handle aten.frobnicate")
         return real(gm, examples, options, plans)
 
-    monkeypatch.setattr(backend, "run_passes", flaky)
+    monkeypatch.setattr(pipeline, "run_passes", flaky)
 
 
 @pytest.mark.parametrize("fallback", ["eager", "raise"])
@@ -222,10 +224,11 @@ def _failing_runtime(monkeypatch, fail_on_run, graphs=lambda index: True, after=
     real, runs, built = backend.runner.build, [], []
 
     def build(step, executor, context, preference="auto"):
-        compiled = real(step, executor, context, preference)
+        runtime = real(step, executor, context, preference)
+        compiled = runtime.call
         built.append(step)
         if not graphs(len(built) - 1):
-            return compiled
+            return runtime
 
         def run(*args):
             runs.append(1)
@@ -235,7 +238,7 @@ def _failing_runtime(monkeypatch, fail_on_run, graphs=lambda index: True, after=
             if len(runs) == fail_on_run:
                 raise RuntimeError("fxtrain runtime: replay buffer exhausted")
             return out
-        return run
+        return dataclasses.replace(runtime, call=run)
 
     monkeypatch.setattr(backend.runner, "build", build)
 

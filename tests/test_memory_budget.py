@@ -189,3 +189,33 @@ def test_a_cache_hit_runs_and_reports_the_plan(tmp_path, eager_peak: int) -> Non
             torch.testing.assert_close(a.grad, b.grad)
         else:
             assert torch.equal(a.grad, b.grad)
+
+
+def test_a_budgeted_step_is_compiled_once_and_then_frozen() -> None:
+    """The budget is the partition stage's choice (capture/pipeline.py: compile_step): the executor
+    compiles the plan's graphs once (not the default split's first, then the plan's), and nothing
+    writes into the step afterwards."""
+    import dataclasses
+    from fxtrain.capture.backend import Plugins
+    from fxtrain.runtime.executors import EagerExecutor
+    compiled = []
+
+    class Counting(EagerExecutor):
+        def compile(self, graph, kind, example_inputs):
+            compiled.append((kind, graph))
+            return super().compile(graph, kind, example_inputs)
+
+    peak = measure_step(_gpt2(), **_batch()).peak_bytes
+    eager = _gpt2()
+    tm = fxtrain.TrainModule(_gpt2(), Options(memory_budget=int(0.62 * peak), fallback="raise"),
+                             plugins=Plugins(executor=Counting()))
+    torch.testing.assert_close(_step(tm, 1), _step(eager, 1))
+    for (name, e), b in zip(eager.named_parameters(), tm.module.parameters()):
+        torch.testing.assert_close(b.grad, e.grad, rtol=1e-5, atol=1e-6, msg=name)
+    record = tm.capture_info().records[0]
+    assert record.memory_plan.fits and record.memory_plan.dropped_values > 0
+    assert [kind for kind, _ in compiled] == ["forward", "backward"], compiled
+    assert compiled[0][1] is record.forward_graph
+    assert record.runtime.startswith("graph: memory budget")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        record.step.forward_graph = None

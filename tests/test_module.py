@@ -410,12 +410,12 @@ def test_inductor_executor_matches_eager():
 
 
 def test_backend_failure_falls_back_with_root_cause(monkeypatch):
-    import fxtrain.capture.backend as backend
+    import fxtrain.capture.pipeline as pipeline
 
     def broken(*_a, **_k):
         raise NotImplementedError("executor cannot handle aten.frobnicate")
 
-    monkeypatch.setattr(backend, "split", broken)
+    monkeypatch.setattr(pipeline, "split", broken)
     torch.manual_seed(0)
     tm, ref = wrap_pair(MLP(), fallback="eager")
     x = torch.randn(3, 8)

@@ -133,13 +133,13 @@ def test_sparse_bert_mlm_step_syncs_once(backward):
 def test_sparse_bert_mlm_step_in_the_aot_mode_syncs_once(monkeypatch):
     """AOTAutograd's runtime (graphs the replay does not handle): made to run it by declaring the
     capture not replayable; the guard wraps it like the other modes' cores (runtime/runner.py)."""
-    from fxtrain.capture import backend
+    from fxtrain.capture import pipeline
     from fxtrain.runtime.replay import NotReplayable
 
     def not_replayable(*_args, **_kwargs):
         raise NotReplayable("declared by the test")
 
-    monkeypatch.setattr(backend, "replay_spec", not_replayable)
+    monkeypatch.setattr(pipeline, "replay_spec", not_replayable)
     tm, ref = wrap_pair(_bert(), executor="eager", backward="graph")
     batches = _bert_batches()
     counter, loss = _steady(tm, batches, lambda out: out.loss)

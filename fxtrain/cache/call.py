@@ -13,7 +13,7 @@ import torch
 from .. import torch_private as tp
 from ..runtime.step import CapturedStep, Plans
 from ..runtime import runner
-from ..runtime.absent_grads import AbsentGradBackward
+from ..capture.aot import backward_of
 from ..runtime.dense_route import DenseRoute
 from ..runtime.executors import Executor
 from .entry import Entry
@@ -37,19 +37,17 @@ class CachedCall:
         self.guard = compile(recipe.guard_code, "<fxtrain cache guards>", "eval") if recipe.guard_code else None
         self.names = [f"t{i}" for i in range(len(recipe.sources))]
         forward, backward, spec = entry.forward_graph, entry.backward_graph, entry.spec
-        step = CapturedStep(graph=entry.graph, dense_graph=None, forward_graph=forward, backward_graph=backward,
-                            plans=Plans(deferred=recipe.plan, probes=list(recipe.probes), guard=recipe.guard),
-                            inference=spec.inference, spec=spec, memory_plan=entry.memory_plan)
-        step.compiled_forward = executor.compile(forward, "inference" if spec.inference else "forward",
-                                                 tp.placeholder_examples(forward))
-        if backward is not None:
-            # Each graph compiled with its own placeholders' values: the whole backward, its
-            # absent-gradient specialisations (same inputs) and its B/W parts (weight_split.py).
-            step.backward = AbsentGradBackward(backward, lambda g: executor.compile(g, "backward", tp.placeholder_examples(g)))
-        self.step = step
+        self.step = CapturedStep(
+            graph=entry.graph, dense_graph=None, forward_graph=forward, backward_graph=backward,
+            plans=Plans(deferred=recipe.plan, probes=list(recipe.probes), guard=recipe.guard),
+            inference=spec.inference, spec=spec, memory_plan=entry.memory_plan,
+            compiled_forward=executor.compile(forward, "inference" if spec.inference else "forward",
+                                              tp.placeholder_examples(forward)),
+            backward=backward_of(backward, executor) if backward is not None else None)
         if preference == "auto":   # as the live capture chose (it saw the backward passes' reports)
             preference = "autograd" if entry.mode == "autograd" else "graph"
-        self.compiled = runner.build(step, executor, context, preference)
+        self.runtime = runner.build(self.step, executor, context, preference)
+        self.compiled = self.runtime.call
 
     def flat_inputs(self, module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         try:

@@ -18,7 +18,7 @@ import torch.fx
 
 from .. import torch_private as tp
 from ..runtime.shapes import VALUE_KEY, value_info
-from ..runtime.replay import NotReplayable, ReplaySpec, check_graph_arity, replay_spec
+from ..runtime.replay import NotReplayable, ReplaySpec, check_graph_arity
 from .key import versions
 from ..capture.recipe import Recipe
 
@@ -79,7 +79,7 @@ def build(record: Any, recipe: Recipe, out: Any, about: Dict[str, Any]) -> Entry
     treespec, leaves = output_recipe(out, recipe.last_outputs)
     header = dict(about, format=FORMAT, created=time.time(), **versions())
     return Entry(recipe=recipe, spec=spec, forward_graph=step.forward_graph, backward_graph=step.backward_graph,
-                 graph=step.graph if step.mode == "autograd" else None, mode=step.mode,
+                 graph=step.graph if record.run.mode == "autograd" else None, mode=record.run.mode,
                  treespec=treespec, leaves=leaves, header=header, memory_plan=step.memory_plan)
 
 

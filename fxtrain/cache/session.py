@@ -112,7 +112,7 @@ class ModuleCache:
         try:
             guard = entry.recipe.guard
             route = DenseRoute(guard, self.info.dense_batches, self.options.sparsity_guard, self.owner) \
-                if guard is not None and self.executor.measures_batches else None
+                if guard is not None and self.context.measures_batches else None
             call = CachedCall(entry, self.executor, self.context, route, self.options.backward)
             out = call(module, args, kwargs)
         except Exception as e:
@@ -125,21 +125,12 @@ class ModuleCache:
         self.scalars.record(key, args, kwargs)
         self.modules = tuple(map(id, module.modules()))
         self.info.cache_hits += 1
-        self._register(entry, mode, call.step)
+        self.info.add(GraphRecord(index=len(self.info.records), mode=mode, dynamo_graph=None,
+                                  optimizations=dict(entry.optimizations), step=call.step, run=call.runtime,
+                                  from_cache=True))
         self._note("hit %s (%s): %d graph(s) loaded and run in %.2f s", disk_key[:12], mode,
                    1 + (entry.backward_graph is not None), time.perf_counter() - started)
         return out
-
-    def _register(self, entry: entries.Entry, mode: str, step: Any) -> None:
-        record = GraphRecord(index=len(self.info.records), mode=mode, dynamo_graph=None,  # type: ignore[arg-type]
-                             forward_graph=entry.forward_graph, backward_graph=entry.backward_graph,
-                             optimizations=dict(entry.optimizations), step=step,
-                             runtime=f"{step.mode}: {step.mode_reason} (cache hit)")
-        record.from_cache = True  # type: ignore[attr-defined]
-        record.memory_plan = entry.memory_plan
-        self.info.records.append(record)
-        self.info.graphs += 1
-        self.info.optimizations.update(entry.optimizations)
 
     # ------------------------------------------------------------------------------------- store
     def stored_after_capture(self, key: Hashable, record: GraphRecord, out: Any, mode: str, model: str,

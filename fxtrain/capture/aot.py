@@ -1,11 +1,8 @@
-"""Split a rewritten dynamo graph into aten forward and backward graphs (AOTAutograd), as values.
-
-AOTAutograd is used for its tracing and partitioning; what it compiles is handed back here, not
-kept in closures: the partition hook gets the backward graph at capture time (AOTAutograd would
-compile it only at the first backward), runs fxtrain's backward passes on it (the forward compiler
-runs the forward graph passes on the forward graph), and the result is a
-``Split`` the capture puts into its ``CapturedStep``. The callable AOTAutograd returns is kept only
-for graphs fxtrain's runtime cannot replay (``runtime/replay.py: NotReplayable``).
+"""The partition stage's trace: a rewritten dynamo graph split by AOTAutograd into aten forward
+and backward graphs, compiled by nobody yet (the pipeline's compile stage compiles the graphs the
+partition settles on, once). The partition hook runs fxtrain's backward passes on the backward
+graph at capture time; the forward compiler runs the forward graph passes. AOTAutograd's own
+runtime is kept for graphs fxtrain's runtime cannot replay (``runtime/replay.py: NotReplayable``).
 """
 from __future__ import annotations
 
@@ -26,11 +23,16 @@ from ..runtime.executors import Executor
 
 @dataclass
 class Split:
+    """What AOTAutograd's hooks saw: filled while it traces (its hooks are callbacks), read by the
+    partition stage, which returns its own value."""
+
     forward_graph: Optional[torch.fx.GraphModule] = None
     backward_graph: Optional[torch.fx.GraphModule] = None
     metadata: Any = None                     # AOTAutograd's ViewAndMutationMeta
     inference: bool = False
-    compiled_forward: Optional[Callable[[List[Any]], Any]] = None
+    forward_inputs: List[Any] = field(default_factory=list)   # the forward compiler's example inputs
+    # The backward of ``backward_graph``, compiled lazily by the executor: the one AOTAutograd's
+    # runtime calls, so the compile stage compiles this very object for these graphs.
     backward: Optional[AbsentGradBackward] = None
     backward_reports: List[PassReport] = field(default_factory=list)
     forward_reports: List[PassReport] = field(default_factory=list)
@@ -39,12 +41,16 @@ class Split:
     # budget (capture/budget.py) can split it again, saving less.
     joint: Optional[torch.fx.GraphModule] = None
     partition_kwargs: Dict[str, Any] = field(default_factory=dict)
+    # The compiled forward AOTAutograd's runtime calls, set once by the compile stage.
+    linked: List[Callable[[List[Any]], Any]] = field(default_factory=list, repr=False)
+
+    def link(self, compiled_forward: Callable[[List[Any]], Any]) -> None:
+        self.linked[:] = [compiled_forward]
 
 
 def split(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], executor: Executor,
           keep_joint: bool = False) -> Split:
-    """``keep_joint``: keep a copy of the joint graph (a memory budget re-partitions it); the
-    executor then compiles nothing ahead, since the graphs may still change."""
+    """``keep_joint``: keep a copy of the joint graph (a memory budget re-partitions it)."""
     result = Split()
 
     def partition(joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
@@ -56,9 +62,7 @@ def split(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], executor: Exe
         fw, bw = executor.partition(joint, joint_inputs, before_cut=keep if keep_joint else None, **kwargs)
         result.backward_reports.extend(run_backward_passes(bw, executor))
         result.backward_graph = bw
-        # Each graph compiled with its own placeholders' values: the whole backward, its
-        # absent-gradient specialisations (same inputs) and its B/W parts (weight_split.py).
-        result.backward = AbsentGradBackward(bw, lambda g: executor.compile(g, "backward", tp.placeholder_examples(g)))
+        result.backward = backward_of(bw, executor)
         return fw, bw
 
     def forward_compiler(fw: torch.fx.GraphModule, inputs: List[Any], inference: bool = False) -> Callable[..., Any]:
@@ -66,11 +70,11 @@ def split(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], executor: Exe
         result.forward_graph = fw
         result.metadata = tp.aot_metadata()
         result.inference = inference
-        result.compiled_forward = executor.compile(fw, "inference" if inference else "forward", inputs)
-        compiled = result.compiled_forward
+        result.forward_inputs = list(inputs)
+        linked = result.linked
 
         def run(args: List[Any]) -> Any:
-            return compiled(args)
+            return linked[0](args)
         run._boxed_call = True  # type: ignore[attr-defined]
         # Read by absent_grads.release_materialization when AOTAutograd's runtime runs this graph.
         run.fxtrain_accepts_none = lambda: result.backward is not None and result.backward.accepts_none  # type: ignore[attr-defined]
@@ -90,7 +94,11 @@ def split(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], executor: Exe
     if decompositions is not None:
         kwargs["decompositions"] = decompositions
     result.aot_callable = tp.aot_autograd(**kwargs)(gm, example_inputs)
-    if executor.compiles_ahead and result.backward is not None and not keep_joint:
-        # Still inside dynamo's compile of this graph: guards the compiler adds join the capture's.
-        result.backward.compile_full()
     return result
+
+
+def backward_of(bw: torch.fx.GraphModule, executor: Executor) -> AbsentGradBackward:
+    """``bw``'s runtime object, compiling with ``executor`` when first needed: each graph compiled
+    with its own placeholders' values (the whole backward, its absent-gradient specialisations,
+    its B/W parts: runtime/weight_split.py)."""
+    return AbsentGradBackward(bw, lambda g: executor.compile(g, "backward", tp.placeholder_examples(g)))

@@ -1,6 +1,8 @@
-"""The dynamo backend: receives each graph dynamo captures, runs our passes, hands it to an executor."""
+"""The dynamo backend: each graph dynamo captures goes through the pipeline (capture/pipeline.py)
+to the runtime, and its record into the module's CaptureInfo."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import warnings
@@ -12,16 +14,14 @@ import torch.fx
 from .. import torch_private as tp
 from . import recipe as cache_recipe
 from ..options import Options
-from ..passes import DynamoExamples, ExampleSource, Plans, run_passes
+from ..passes import DynamoExamples, ExampleSource
 from ..runtime import runner
 from ..runtime.executors import Executor, executor_named
-from ..runtime.replay import NotReplayable, check_graph_arity, replay_spec
-from .aot import split
 from .breaks import graph_break_site
-from .budget import BudgetRequest, BudgetState, MemoryBudgetWarning, plan_step
+from .budget import BudgetRequest, BudgetState, MemoryBudgetWarning
 from .dump import dump_capture
+from .pipeline import CaptureContext, compile_step
 from ..runtime.info import CaptureInfo, GraphRecord
-from ..runtime.step import CapturedStep
 from ..runtime.tiered import Tier
 from ..errors import Error
 
@@ -48,6 +48,17 @@ class RecompileLimitReached(Error, RuntimeError):
     and tells the backend whether a new call may capture."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Plugins:
+    """What a tool around TrainModule plugs into its captures (the profiler: fake batches)."""
+
+    executor: Optional[Executor] = None        # compiles the aten graphs (default: Options.executor's)
+    examples: Optional[ExampleSource] = None   # where the passes read the batch (default: dynamo's)
+    on_budget_state: Optional[Callable[[BudgetState], None]] = None   # observer (capture/pipeline.py)
+    real_batches: bool = True                  # calls see real values: batch guards, density probes
+    budget_fallback: Optional[str] = None      # policy below the smallest peak, if not Options.fallback's
+
+
 def current_mode(training: bool) -> str:
     if not torch.is_grad_enabled():
         return "no_grad"
@@ -55,25 +66,19 @@ def current_mode(training: bool) -> str:
 
 
 class Backend:
-    """One per TrainModule: owns the CaptureInfo that capture fills in.
-
-    Each graph dynamo hands over becomes a ``CapturedStep`` (passes, plans, AOTAutograd's split)
-    and then the runtime's callable for it. ``executor`` compiles the aten graphs and says what it
-    supports (the profiler passes its own, which runs marked copies on fake tensors). ``examples``
-    is where the passes read the capturing batch: dynamo's placeholders unless the caller knows
-    better (the profiler, whose inputs are fake, knows their values).
-    """
+    """One per TrainModule; ``plugins``: what a tool plugs into its captures (the profiler)."""
 
     def __init__(self, info: CaptureInfo, options: Options, training: Callable[[], bool],
                  owner: str = "model", on_graph: Optional[Callable[[], None]] = None,
-                 executor: Optional[Executor] = None, examples: Optional[ExampleSource] = None) -> None:
+                 plugins: Optional[Plugins] = None) -> None:
         self.info = info
         self.owner = owner
         self.options = options
-        self.executor = executor if executor is not None else executor_named(options.executor)
-        self.examples = examples if examples is not None else DynamoExamples()
+        self.plugins = plugins if plugins is not None else Plugins()
+        self.executor = self.plugins.executor or executor_named(options.executor)
+        self.examples = self.plugins.examples or DynamoExamples()
         self.context = runner.RunContext(info.density, options.log_density, info.dense_batches,
-                                         options.sparsity_guard, owner)
+                                         options.sparsity_guard, owner, self.plugins.real_batches)
         self.training = training
         # Called first for every graph, before anything of it runs (TrainModule copies buffers there).
         self.on_graph = on_graph
@@ -84,11 +89,11 @@ class Backend:
 
     def budget_request(self) -> Optional[BudgetRequest]:
         """What Options.memory_budget asks of the next capture (None without a budget). Below the
-        smallest achievable peak the policy is the fallback's: the profiler's executor, which
-        captures under fallback="raise", says the user's own (``budget_fallback``)."""
+        smallest achievable peak the policy is the fallback's: the profiler, which captures under
+        fallback="raise", says the user's own (``Plugins.budget_fallback``)."""
         if self.options.memory_budget is None:
             return None
-        fallback = self.executor.budget_fallback or self.options.fallback
+        fallback = self.plugins.budget_fallback or self.options.fallback
         return BudgetRequest(int(self.options.memory_budget), "raise" if fallback == "raise" else "warn",
                              self._warn_once)
 
@@ -109,87 +114,31 @@ class Backend:
             raise RecompileLimitReached(f"{self.options.recompile_limit} calls captured already")
         if self.on_graph is not None:
             self.on_graph()
-        record = GraphRecord(index=len(self.info.records), mode=current_mode(self.training()), dynamo_graph=gm,
-                             reason=dynamo_recompile_reason(), break_site=graph_break_site(gm))
+        mode, reason, site = current_mode(self.training()), dynamo_recompile_reason(), graph_break_site(gm)
         recipe = cache_recipe.start(gm) if self.options.cache_dir else None
-        dense = torch.fx.GraphModule(gm, _copy_graph(gm.graph))
-        plans = Plans()
-        record.optimizations = run_passes(gm, self.examples, self.options, plans)
-        if plans.guard is None:
-            dense = None  # no batch can need the graph without the passes
-        step = capture_step(gm, dense, plans, example_inputs, self.executor, self.budget_request(), self.optimizer)
-        for report in step.forward_reports + step.backward_reports:
-            record.optimizations[report.name] = str(report)
+        context = CaptureContext(self.options, self.executor, self.examples, self.budget_request(),
+                                 self.optimizer, self.plugins.on_budget_state)
+        step, reports = compile_step(gm, example_inputs, context)
+        index, tiers = len(self.info.records), []
         tier = None
         if self.executor.compiles_later:
             def tier(core: Callable[..., Any]) -> Callable[..., Any]:
-                record.tier = Tier(step, core, self.options.compile_timeout, f"{self.owner} graph {record.index}")
-                return record.tier
-        compiled = runner.build(step, self.executor, self.context, self.options.backward, tier)
-        record.step = step
-        record.forward_graph, record.backward_graph = step.forward_graph, step.backward_graph
-        record.backward_runner, record.inference = step.backward, step.inference
-        record.runtime = f"{step.mode}: {step.mode_reason}"
-        record.memory_plan = step.memory_plan
+                # The tier keeps the step's graphs, not AOTAutograd's runtime (dropped below).
+                kept = dataclasses.replace(step, aot_callable=None)
+                tiers.append(Tier(kept, core, self.options.compile_timeout, f"{self.owner} graph {index}"))
+                return tiers[-1]
+        runtime = runner.build(step, self.executor, self.context, self.options.backward, tier)
+        if runtime.mode != "aot":
+            step = dataclasses.replace(step, aot_callable=None)   # AOTAutograd's runtime: not needed
+        compiled = runtime.call
         if recipe is not None:
-            cache_recipe.finish(recipe, gm)
-            recipe.plan = plans.deferred.portable() if plans.deferred is not None else None
-            recipe.probes = list(plans.probes)
-            recipe.guard = plans.guard
-            record.cache_recipe = recipe
+            cache_recipe.finish(recipe, gm, step.plans)
             compiled = cache_recipe.watch(recipe, compiled)
-        self.info.records.append(record)
-        self.info.graphs += 1
-        self.info.optimizations.update(record.optimizations)
+        record = self.info.add(GraphRecord(index=index, mode=mode, dynamo_graph=gm, reason=reason,
+                                           break_site=site, optimizations=reports, step=step, run=runtime,
+                                           tier=tiers[0] if tiers else None, cache_recipe=recipe))
         if self.options.save_graphs_dir:
             dump_capture(self.options.save_graphs_dir, self.owner, self.info, record)
         logger.info("captured graph %d (%s): %d nodes, executor %s, runtime %s", record.index, record.mode,
                     len(gm.graph.nodes), self.executor.name, record.runtime)
         return compiled
-
-
-def capture_step(gm: torch.fx.GraphModule, dense: Optional[torch.fx.GraphModule], plans: Plans,
-                 example_inputs: List[object], executor: Executor,
-                 budget: Optional[BudgetRequest] = None, optimizer: Any = None) -> CapturedStep:
-    """The rewritten graph, split by AOTAutograd into aten graphs compiled by ``executor``; with a
-    memory budget, split again until the step fits (capture/budget.py). ``optimizer``: what a
-    budget counts the state of (Options.optimizer or TrainModule.attach_optimizer's)."""
-    parts = split(gm, example_inputs, executor, keep_joint=budget is not None or executor.keeps_budget_state)
-    step = CapturedStep(graph=gm, dense_graph=dense, plans=plans, forward_graph=parts.forward_graph,
-                        backward_graph=parts.backward_graph, inference=parts.inference,
-                        backward_reports=parts.backward_reports, forward_reports=parts.forward_reports,
-                        compiled_forward=parts.compiled_forward,
-                        backward=parts.backward, aot_callable=parts.aot_callable)
-    if parts.forward_graph is None or parts.metadata is None:
-        step.not_replayable = "AOTAutograd produced no forward graph"
-        return step
-    try:
-        step.spec = replay_spec(parts.metadata, len(example_inputs), parts.inference)
-        check_graph_arity(parts.forward_graph, parts.backward_graph, step.spec, example_inputs)
-    except NotReplayable as e:
-        step.not_replayable = str(e)
-    replayable = step.spec is not None and not step.not_replayable
-    if parts.joint is not None and replayable and not step.inference:
-        state = BudgetState(step, parts.joint, parts.partition_kwargs, example_inputs, optimizer, executor)
-        if executor.keeps_budget_state:
-            step.budget_state = state
-        if budget is not None:
-            step.memory_plan = plan_step(step, state, executor, budget.bytes, budget.below_minimum, budget.warn)
-    elif budget is not None and not step.inference:
-        if budget.warn is not None:
-            budget.warn(f"fxtrain: memory budget not applied to a graph fxtrain's runtime cannot replay "
-                        f"({step.not_replayable or 'no joint graph'}); it runs as captured")
-    if parts.joint is not None and step.memory_plan is None and executor.compiles_ahead and step.backward is not None:
-        step.backward.compile_full()   # split() left it to us: the graphs might have changed
-    return step
-
-
-def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
-    """The graph as dynamo traced it, before any pass: what a batch the passes cannot serve runs.
-    Nodes are copied (metadata shallowly), so the passes' rewrites of ``graph`` do not reach it."""
-    copy = torch.fx.Graph()
-    copy._codegen = graph._codegen
-    env: dict = {}
-    out = copy.graph_copy(graph, env)
-    copy.output(out)
-    return copy

@@ -18,8 +18,8 @@ How a plan is made:
    anything outside aten (PythonOps run user code).
 3. **Order: cheapest recomputation per byte first** (greedy, re-costed as the plan grows). Dropping a
    group costs recomputing it and whatever it needs that is neither saved nor already recomputed,
-   up to saved values and primals: FLOPs (``cost/flops.py``) plus ``BYTE_COST`` FLOP-equivalents
-   per byte each recomputed op reads and writes. Elementwise ops and norms come first (no FLOPs,
+   up to saved values and primals: FLOPs plus the bytes each recomputed op reads and writes, at
+   ``cost/flops.py: FLOPS_PER_BYTE`` (``flop_equivalent``, the pipeline planner's time cost too). Elementwise ops and norms come first (no FLOPs,
    one pass over memory), then attention probabilities, then matmul outputs; the residual stream
    between layers is last, and once a layer's other values are gone, dropping its input means
    recomputing the whole layer from the previous one: whole layers when needed.
@@ -50,14 +50,12 @@ import torch
 import torch.fx
 
 from .. import torch_private as tp
+from ..cost.step import optimizer_name
 from ..errors import Error, FxtrainWarning
 
 logger = logging.getLogger("fxtrain")
 aten = torch.ops.aten
 
-# FLOP-equivalents per byte a recomputed op reads or writes: on a CPU core a matmul does ~10-20
-# FLOPs in the time an elementwise kernel moves one byte. Only the order of candidates uses it.
-BYTE_COST = 16
 SMALL_BYTES = 4096
 
 _MATMUL = {"mm", "addmm", "bmm", "baddbmm", "convolution", "_convolution", "matmul", "linear"}
@@ -221,11 +219,12 @@ def _shaped(value: Any) -> Any:
 
 
 def _node_cost(node: torch.fx.Node) -> Tuple[int, int]:
-    """(FLOPs, cost) of running ``node`` once more: FLOPs by fxtrain's formulas, cost adding
-    ``BYTE_COST`` per byte read and written."""
+    """(FLOPs, cost) of running ``node`` once more: FLOPs by fxtrain's formulas, cost adding the
+    bytes read and written at the cost model's one rate (``FLOPS_PER_BYTE``: measured, where the
+    budget's own 16 was a guess; only the order of candidates uses it)."""
     if _kind(node) is None:
         return 0, 0
-    from ..cost.flops import op_flops
+    from ..cost.flops import flop_equivalent, op_flops
 
     def value(a: Any) -> Any:
         return _shaped(_val(a)) if isinstance(a, torch.fx.Node) else a
@@ -236,7 +235,7 @@ def _node_cost(node: torch.fx.Node) -> Tuple[int, int]:
     except Exception:
         flops = 0
     traffic = _tensor_bytes(_val(node)) + sum(_tensor_bytes(_val(a)) for a in node.all_input_nodes)
-    return int(flops), int(flops + BYTE_COST * traffic)
+    return int(flops), int(flop_equivalent(flops, traffic))
 
 
 # ------------------------------------------------------------------------------------ planner
@@ -636,38 +635,30 @@ def replay_spec_for(forward: torch.fx.GraphModule, spec: Any, num_fwd_outputs: i
                                symints=slice(-sizes, None) if sizes else slice(0, 0))
 
 
-def optimizer_label(optimizer: Any) -> str:
-    if optimizer is None:
-        return "none"
-    if isinstance(optimizer, str):
-        return optimizer.lower()
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return type(optimizer).__name__
-    return getattr(optimizer, "__name__", type(optimizer).__name__)
-
-
 class BudgetState:
     """What planning a capture for a budget needs, kept so that it can be planned again.
 
-    A capture with a budget plans once, for its own sizes (``apply``). The profiler keeps this
-    object on its captures (``Executor.keeps_budget_state``) to plan at other sizes without
+    The partition stage plans a capture with a budget once, for its own sizes. The profiler observes
+    this object on each capture (``CaptureContext.on_budget_state``) to plan at other sizes without
     capturing again (``plan(budget, sizes)``: the largest batch that fits with recomputation). The
     greedy order is made once, at the capture's sizes: batch and sequence scale every candidate
     alike, so the order holds; each plan is still costed at its own sizes.
     """
 
-    def __init__(self, step: Any, joint: torch.fx.GraphModule, partition_kwargs: Dict[str, Any],
-                 example_inputs: Sequence[Any], optimizer: Any = None, executor: Any = None) -> None:
-        self.joint = joint
+    def __init__(self, split: Any, spec: Any, example_inputs: Sequence[Any], optimizer: Any = None,
+                 executor: Any = None) -> None:
+        """``split``: the baseline partition (capture/aot.py: Split, with its joint graph); ``spec``
+        its ReplaySpec."""
+        self.joint = split.joint
         self.executor = executor   # whose backward passes run on each plan's graphs
-        self.num = int(partition_kwargs["num_fwd_outputs"])
-        self.static = partition_kwargs.get("static_lifetime_input_indices")
+        self.num = int(split.partition_kwargs["num_fwd_outputs"])
+        self.static = split.partition_kwargs.get("static_lifetime_input_indices")
         from ..cost.graph_step import graph_inputs
-        self.inputs = graph_inputs(step.forward_graph, example_inputs)
+        self.inputs = graph_inputs(split.forward_graph, example_inputs)
         self.optimizer = optimizer
-        self.spec = step.spec
-        self.baseline_graphs = (step.forward_graph, step.backward_graph)
-        self.baseline_reports = list(step.backward_reports)
+        self.spec = spec
+        self.baseline_graphs = (split.forward_graph, split.backward_graph)
+        self.baseline_reports = list(split.backward_reports)
         self._planner: Optional[Planner] = None
         self._graphs: Dict[int, Tuple[torch.fx.GraphModule, torch.fx.GraphModule, List[Any]]] = {}
         self._costers: Dict[Any, Any] = {}
@@ -750,23 +741,9 @@ class BudgetState:
             saved_bytes=max(0, baseline.saved_bytes - chosen.saved_bytes),
             extra_flops=max(0, chosen.flops_backward - baseline.flops_backward),
             recomputed_ops=kinds, dropped_values=dropped, candidates=candidates,
-            optimizer=optimizer_label(self.optimizer), peak_phase=chosen.peak_phase, costings=costings)
+            optimizer=optimizer_name(self.optimizer) or "none", peak_phase=chosen.peak_phase, costings=costings)
         plan.seconds = time.perf_counter() - started
         return plan, k
-
-    def apply(self, step: Any, k: int, executor: Any) -> None:
-        """Put plan ``k``'s graphs into ``step``, compiled by ``executor``."""
-        from ..runtime.absent_grads import AbsentGradBackward
-        if k:
-            fw, bw, reports = self.graphs(k)
-            step.forward_graph, step.backward_graph = fw, bw
-            step.spec = self.spec_for(fw)
-            step.backward_reports = list(reports)
-            step.compiled_forward = executor.compile(fw, "forward", tp.placeholder_examples(fw))
-            examples = tp.placeholder_examples(bw)
-            step.backward = AbsentGradBackward(bw, lambda g: executor.compile(g, "backward", examples))
-        if executor.compiles_ahead and step.backward is not None:
-            step.backward.compile_full()
 
 
 def below_minimum_message(plan: MemoryPlan) -> str:
@@ -777,18 +754,15 @@ def below_minimum_message(plan: MemoryPlan) -> str:
             f"{plan.optimizer})")
 
 
-def plan_step(step: Any, state: BudgetState, executor: Any, budget: int, below_minimum: str = "warn",
-              warn: Optional[Callable[[str], None]] = None) -> MemoryPlan:
-    """Make ``step`` (a CapturedStep with its baseline graphs, replayable) fit ``budget`` bytes:
-    its graphs, spec and compiled pieces become the plan's. ``below_minimum``: "raise"
-    (MemoryBudgetError) or "warn" (``warn(message)``, then the smallest plan) when no plan fits."""
-    plan, k = state.plan(budget)
-    state.apply(step, k, executor)
+def plan_budget(state: BudgetState, request: BudgetRequest) -> Tuple[MemoryPlan, int]:
+    """The plan that fits ``request.bytes`` and its step count (``state.graphs(k)`` are its graphs).
+    Below the smallest peak: raise (MemoryBudgetError) or warn, then the smallest plan."""
+    plan, k = state.plan(request.bytes)
     if not plan.fits:
         plan.note = below_minimum_message(plan) + "; running the smallest plan"
-        if below_minimum == "raise":
+        if request.below_minimum == "raise":
             raise MemoryBudgetError(below_minimum_message(plan))
-        if warn is not None:
-            warn(plan.note)
+        if request.warn is not None:
+            request.warn(plan.note)
     logger.info("memory plan: %s", str(plan).replace("\n", "; "))
-    return plan
+    return plan, k

@@ -100,8 +100,12 @@ def start(gm: torch.fx.GraphModule) -> Recipe:
     return recipe
 
 
-def finish(recipe: Recipe, gm: torch.fx.GraphModule) -> None:
-    """Called after compilation, when every shape guard (dynamo's and AOTAutograd's) is known."""
+def finish(recipe: Recipe, gm: torch.fx.GraphModule, plans: Any) -> None:
+    """Called after compilation, when every shape guard (dynamo's and AOTAutograd's) is known;
+    ``plans``: the step's (runtime/step.py: Plans), which a hit runs with."""
+    recipe.plan = plans.deferred.portable() if plans.deferred is not None else None
+    recipe.probes = list(plans.probes)
+    recipe.guard = plans.guard
     values = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
     shape_env = next((v.fake_mode.shape_env for v in values if isinstance(v, torch.Tensor)
                       and getattr(v, "fake_mode", None) is not None), None)

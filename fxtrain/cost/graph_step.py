@@ -34,7 +34,7 @@ import torch.fx
 from .. import torch_private as tp
 from ..runtime.absent_grads import AbsentGradBackward
 from ..runtime.replay import ReplaySpec, replayed
-from .step import OptimizerSpec, _rebuild, optimizer_factory
+from .step import OptimizerSpec, optimizer_over, warm_optimizer_state
 from .tracker import CostTracker
 
 
@@ -81,33 +81,6 @@ def _concrete(value: Any, requires_grad: bool, mode: Any, sizes: Optional[Dict[A
     if requires_grad:
         out.requires_grad_(True)
     return out
-
-
-def _make_optimizer(spec: OptimizerSpec, params: List[torch.Tensor]) -> Optional[torch.optim.Optimizer]:
-    if spec is None or not params:
-        return None
-    if isinstance(spec, torch.optim.Optimizer):
-        return _rebuild(spec, params)
-    factory = optimizer_factory(spec)
-    assert factory is not None
-    return factory(params)
-
-
-def _optimizer_state(optimizer: torch.optim.Optimizer, params: List[torch.Tensor]) -> None:
-    """The steady-state optimizer state: one step on stand-in gradients (foreach where it exists:
-    the same state in a few fake ops; ``Session._make_optimizer_state`` does the same)."""
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    groups = [g for g in optimizer.param_groups if "foreach" in g and not g.get("fused")]
-    saved = [g["foreach"] for g in groups]
-    for g in groups:
-        g["foreach"] = True
-    try:
-        optimizer.step()
-    finally:
-        for g, value in zip(groups, saved):
-            g["foreach"] = value
-    optimizer.zero_grad(set_to_none=True)
 
 
 def _loss(returns: Sequence[Any]) -> torch.Tensor:
@@ -163,9 +136,9 @@ class GraphStepCoster:
             state: List[Any] = []
             with mode, warm, torch.enable_grad():
                 if first:
-                    opt = _make_optimizer(self.optimizer, params)
+                    opt = optimizer_over(self.optimizer, params)
                     if opt is not None:
-                        _optimizer_state(opt, params)
+                        warm_optimizer_state(opt, params)
                         state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
                     self._state_layout = [(list(t.shape), list(t.stride()), t.dtype, t.device) for t in state]
                 else:
@@ -207,15 +180,3 @@ class GraphStepCoster:
                                  optimizer_state_bytes=tracker.initial.get("optimizer state", 0),
                                  seconds=time.perf_counter() - started)
 
-
-def cost_graph_step(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, spec: ReplaySpec,
-                    example_inputs: Sequence[Any], optimizer: OptimizerSpec = None,
-                    sizes: Optional[Dict[Any, int]] = None, keep_outputs: bool = True) -> GraphStepCost:
-    """Cost one step of ``forward``/``backward`` (see ``GraphStepCoster``).
-
-    ``example_inputs``: the graph's inputs as dynamo handed them to the backend; those that require
-    grad are the parameters, which get gradients and optimizer state. ``optimizer``: a name, class,
-    instance or factory (``cost/step.py``), or None.
-    """
-    coster = GraphStepCoster(graph_inputs(forward, example_inputs), optimizer, sizes, keep_outputs)
-    return coster.cost(forward, backward, spec)

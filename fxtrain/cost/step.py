@@ -29,12 +29,10 @@ _BY_NAME: Dict[str, Callable[..., torch.optim.Optimizer]] = {
 }
 
 
-def loss_of(out: Any) -> torch.Tensor:
-    """The tensor a training loop calls ``backward()`` on.
-
-    ``out.loss`` / ``out["loss"]`` (HF outputs), else the output itself or its first element; a
-    non-scalar tensor is summed, which is what ``backward()`` with a gradient of ones computes.
-    """
+def find_loss(out: Any) -> Optional[torch.Tensor]:
+    """fxtrain's one rule for the loss in a model's output (the profiler, the pipeline planner and
+    the fuzzer read it alike): ``out.loss`` / ``out["loss"]`` (HF outputs), else the output itself
+    or its first element (nested); None when that is no tensor."""
     loss = getattr(out, "loss", None)
     if loss is None and isinstance(out, dict):
         loss = out.get("loss")
@@ -42,7 +40,14 @@ def loss_of(out: Any) -> torch.Tensor:
         loss = out
         while isinstance(loss, (tuple, list)) and loss:
             loss = loss[0]
-    if not isinstance(loss, torch.Tensor):
+    return loss if isinstance(loss, torch.Tensor) else None
+
+
+def loss_of(out: Any) -> torch.Tensor:
+    """The tensor a training loop calls ``backward()`` on (``find_loss``); a non-scalar tensor is
+    summed, which is what ``backward()`` with a gradient of ones computes."""
+    loss = find_loss(out)
+    if loss is None:
         raise TypeError(f"fxtrain.profile: cannot find a loss in the model's output of type {type(out).__name__}; "
                         f"return a tensor, a tuple starting with one, or an object with a .loss")
     return loss if loss.dim() == 0 else loss.sum()
@@ -84,6 +89,15 @@ def held_by_outputs(out: Any, loss: torch.Tensor) -> List[torch.Tensor]:
     return found
 
 
+def optimizer_name(spec: OptimizerSpec) -> Optional[str]:
+    """How reports name an optimizer spec (None: no optimizer)."""
+    if spec is None or isinstance(spec, str):
+        return spec.lower() if spec is not None else None
+    if isinstance(spec, torch.optim.Optimizer):
+        return type(spec).__name__
+    return getattr(spec, "__name__", type(spec).__name__)
+
+
 def optimizer_factory(spec: OptimizerSpec) -> Optional[Callable[[Any], torch.optim.Optimizer]]:
     """How to build the optimizer for a set of parameters (ours are fake copies of the user's).
 
@@ -117,10 +131,44 @@ def _rebuild(opt: torch.optim.Optimizer, params: Any) -> torch.optim.Optimizer:
     return type(opt)(groups, **opt.defaults)
 
 
-def make_optimizer(spec: OptimizerSpec, model: torch.nn.Module) -> torch.optim.Optimizer:
+def optimizer_over(spec: OptimizerSpec, params: List[torch.Tensor],
+                   mapping: Optional[Dict[Any, Any]] = None) -> Optional[torch.optim.Optimizer]:
+    """The optimizer ``spec`` names, over ``params`` (fake copies of the user's); an instance is
+    rebuilt group by group through ``mapping`` ({user's parameter: copy}) when given."""
+    if spec is None or not params:
+        return None
+    if isinstance(spec, torch.optim.Optimizer):
+        return _rebuild(spec, mapping if mapping is not None else params)
+    factory = optimizer_factory(spec)
+    assert factory is not None
+    return factory(params)
+
+
+def warm_optimizer_state(optimizer: Optional[torch.optim.Optimizer], params: List[torch.Tensor]) -> None:
+    """The steady-state optimizer state: one step on stand-in gradients of ``params``.
+
+    The step runs with the multi-tensor (foreach) implementation where the optimizer has one: it
+    allocates the same state as the per-tensor loop in a few dozen fake ops instead of thousands.
+    Measured steps run the implementation the optimizer would choose itself.
+    """
+    if optimizer is None:
+        return
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    groups = [g for g in optimizer.param_groups if "foreach" in g and not g.get("fused")]
+    saved = [g["foreach"] for g in groups]
+    for g in groups:
+        g["foreach"] = True
+    try:
+        optimizer.step()
+    finally:
+        for g, value in zip(groups, saved):
+            g["foreach"] = value
+    optimizer.zero_grad(set_to_none=True)
+
+
+def make_optimizer(spec: OptimizerSpec, model: torch.nn.Module) -> Optional[torch.optim.Optimizer]:
     """The optimizer a real step uses: the instance itself, or one built over ``model``'s parameters."""
     if isinstance(spec, torch.optim.Optimizer):
         return spec
-    factory = optimizer_factory(spec)
-    assert factory is not None
-    return factory([p for p in model.parameters() if p.requires_grad])
+    return optimizer_over(spec, [p for p in model.parameters() if p.requires_grad])

@@ -58,10 +58,13 @@ class Unknown:
 
 @dataclass
 class ModuleCost:
+    """One module's share: its own parameters and the ops that ran inside it (not in its children).
+    The tracker fills the FLOPs; the profile report adds parameters and saved bytes."""
+
+    params: int = 0
     flops_forward: int = 0
     flops_backward: int = 0
     saved_bytes: int = 0
-    allocated_bytes: int = 0
 
 
 def _storage(t: torch.Tensor) -> Optional[torch.UntypedStorage]:
@@ -233,9 +236,6 @@ class CostTracker(TorchDispatchMode):
         spans = self._output_spans + [(nbytes, born, self._events + 1) for nbytes, born in self._outputs.values()]
         return sum(nbytes for nbytes, born, died in spans if born <= self._peak_event < died)
 
-    def live_bytes(self, category: Optional[str] = None) -> int:
-        return self.current if category is None else self.by_category.get(category, 0)
-
     def pack_saved(self, t: torch.Tensor) -> torch.Tensor:
         """saved_tensors_hooks pack: remember what the forward keeps for the backward."""
         st = _storage(t)
@@ -254,9 +254,6 @@ class CostTracker(TorchDispatchMode):
         return dict(out)
 
     # ---------------------------------------------------------------------------------- values
-    def shadow(self, fake: torch.Tensor, real: torch.Tensor) -> None:
-        self.shadows.set(fake, real)
-
     def _shadow_of(self, x: Any) -> Any:
         if isinstance(x, FakeTensor):
             return self.shadows.get(x)
@@ -443,7 +440,6 @@ class CostTracker(TorchDispatchMode):
         if not self.counting or self._in_python_op:
             return
         cost = self.modules[module]
-        cost.allocated_bytes += allocated
         if flops == -1:
             try:
                 flops = op_flops(func, args, kwargs, out, value_of=self._value_list)

@@ -24,6 +24,7 @@ from torch import nn
 
 from ..capture.entry import make_entry
 from ..capture.settings import dynamo_settings
+from ..cost.step import find_loss
 from ..options import Options
 from ..pythonop import routing
 from ..torch_private import dynamo_config_patch, dynamo_unsupported
@@ -67,20 +68,6 @@ class _Captured(Error):
     """Raised by our backend's compiled function: the graph is all we wanted, not a run."""
 
 
-def loss_of(output: Any) -> Any:
-    """The training loss inside a model's output: a scalar tensor, ``.loss``, ``["loss"]`` or the first item."""
-    if isinstance(output, torch.Tensor):
-        return output
-    loss = getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor):
-        return loss
-    if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
-        return output["loss"]
-    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        return output[0]
-    return None
-
-
 class _WithLoss(nn.Module):
     """The model followed by its loss, as one module for dynamo to trace."""
 
@@ -94,7 +81,7 @@ class _WithLoss(nn.Module):
         out = self.model(*args, **kwargs)
         if self.loss_fn is not None:
             return self.loss_fn(out, target)
-        loss = loss_of(out)
+        loss = find_loss(out)
         if loss is None or not self.want_loss:
             return out
         return loss

@@ -21,6 +21,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
+from ..cost.flops import attention_flops, bmm_flops, conv_flops, mm_flops   # the profiler's formulas
 from ..torch_private import NN_LINEAR, NN_SDPA
 
 CostFn = Callable[[torch.fx.GraphModule], List[float]]
@@ -46,35 +47,18 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 def matmul_flops(a: torch.Tensor, b: torch.Tensor) -> int:
-    """2*n*k*m per (broadcast) batch entry, with torch.matmul's 1-D promotions."""
+    """torch.matmul (1-D promotions, broadcast batch) as the profiler's batched product."""
     ash, bsh = list(a.shape), list(b.shape)
     if len(ash) == 1:
         ash = [1] + ash
     if len(bsh) == 1:
         bsh = bsh + [1]
-    n, k, m = ash[-2], ash[-1], bsh[-1]
-    batch = torch.broadcast_shapes(tuple(ash[:-2]), tuple(bsh[:-2]))
-    return 2 * _numel(batch) * n * k * m
+    batch = _numel(torch.broadcast_shapes(tuple(ash[:-2]), tuple(bsh[:-2])))
+    return bmm_flops([batch] + ash[-2:], [batch] + bsh[-2:])
 
 
 def linear_flops(x: torch.Tensor, w: torch.Tensor) -> int:
-    out_features = w.shape[0] if w.dim() == 2 else 1
-    return 2 * _numel(x.shape[:-1]) * x.shape[-1] * out_features
-
-
-def conv_flops(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, transposed: bool = False) -> int:
-    """2 * (output elements) * (input channels per group) * (kernel size); transposed: by input elements."""
-    kernel = _numel(w.shape[2:])
-    if transposed:
-        return 2 * x.numel() * w.shape[1] * kernel
-    return 2 * out.numel() * w.shape[1] * kernel
-
-
-def attention_flops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
-    """Q·Kᵀ and P·V: 2·B·L·S·(E + Ev), B the product of q's leading dims."""
-    batch = _numel(q.shape[:-2])
-    length, source = q.shape[-2], k.shape[-2]
-    return 2 * batch * length * source * (q.shape[-1] + v.shape[-1])
+    return mm_flops([_numel(x.shape[:-1]), x.shape[-1]], [x.shape[-1], w.shape[0] if w.dim() == 2 else 1])
 
 
 def einsum_flops(equation: str, operands: Sequence[torch.Tensor]) -> int:
@@ -124,12 +108,12 @@ def flops_of(node: torch.fx.Node) -> int:
             x, w, out = _example(node.args[0]), _example(node.args[1]), _example(node)
             if x is None or w is None or out is None:
                 return 0
-            return _train(conv_flops(x, w, out, target in _CONV_T_FUNCTIONS), x, w)
+            return _train(conv_flops(x.shape, w.shape, out.shape, target in _CONV_T_FUNCTIONS), x, w)
         if target in _SDPA:
             q, k, v = (_example(_arg(node, i, n)) for i, n in enumerate(("query", "key", "value")))
             if q is None or k is None or v is None:
                 return 0
-            fwd = attention_flops(q, k, v)
+            fwd = attention_flops(q.shape, k.shape, v.shape)
             return fwd + (2 * fwd if _grads(q, k, v) else 0)
         if target is torch.einsum and node.args and isinstance(node.args[0], str):
             ops = node.args[1:]
@@ -171,7 +155,7 @@ def forward_flops_of(node: torch.fx.Node) -> int:
         return 0
     if node.op == "call_function" and target in _SDPA:
         q, k, v = (_example(_arg(node, i, n)) for i, n in enumerate(("query", "key", "value")))
-        return attention_flops(q, k, v)
+        return attention_flops(q.shape, k.shape, v.shape)
     return total // (1 + _grads(*[_example(a) for a in _product_operands(node)]))
 
 
@@ -318,11 +302,6 @@ def traffic_of(node: torch.fx.Node) -> Tuple[int, int]:
 def _nbytes(node: torch.fx.Node) -> int:
     ex = _example(node)
     return ex.numel() * ex.element_size() if ex is not None else 0
-
-
-def node_bytes(gm: torch.fx.GraphModule) -> List[float]:
-    """Bytes moved per node in a training step (``traffic_of``), dense: before label sparsity."""
-    return [float(sum(traffic_of(n))) for n in gm.graph.nodes]
 
 
 def node_time(gm: torch.fx.GraphModule, flops_per_byte: Optional[float] = None) -> List[float]:

@@ -10,11 +10,13 @@ order is untouched: the marked graphs release values exactly where the unmarked 
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
 import torch.fx
 
+from ..capture.backend import Plugins
+from ..capture.budget import BudgetState
 from ..module import TrainModule
 from ..options import Options
 from ..passes import DynamoExamples, ExampleSource
@@ -34,18 +36,13 @@ class MarkedExecutor(EagerExecutor):
     mode (small dense models) can peak a few percent higher (GPT-2 tiny: +5%)."""
 
     autograd_mode = False
-    measures_batches = False
-    keeps_budget_state = True   # report.max_batch_recomputed plans the capture again at other sizes
 
-    def __init__(self, base: Optional[Executor] = None, budget_fallback: Optional[str] = None) -> None:
+    def __init__(self, base: Optional[Executor] = None) -> None:
         """``base``: the executor whose graphs to cost (its partitioner and decompositions: what
-        inductor would compile, before fusion); the graphs themselves run marked, op by op.
-        ``budget_fallback``: the user's ``Options.fallback``, which decides what a memory budget
-        below the smallest achievable peak does (the profiler itself captures under "raise")."""
+        inductor would compile, before fusion); the graphs themselves run marked, op by op."""
         self.base = base if base is not None else EagerExecutor()
         self.name = f"{self.base.name} (profiler)"
         self.skips_backward_passes = self.base.skips_backward_passes   # the base's graphs, pass for pass
-        self.budget_fallback = budget_fallback
 
     def partition(self, joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], before_cut: Any = None,
                   **kwargs: Any) -> Any:
@@ -76,11 +73,15 @@ class ShadowExamples(DynamoExamples):
 
 
 def profiling_module(model: torch.nn.Module, optimizations: bool, options: Optional[Options] = None,
-                     examples: Optional[ExampleSource] = None) -> TrainModule:
-    """A TrainModule around ``model`` that captures as fxtrain does, for the profiler's fake runs.
+                     examples: Optional[ExampleSource] = None,
+                     on_budget_state: Optional[Callable[[BudgetState], None]] = None) -> TrainModule:
+    """A TrainModule around ``model`` that captures as fxtrain does, for the profiler's fake runs:
+    its calls see no real batch (no batch guard, no density probes), and a memory budget below the
+    smallest peak does what the user's ``Options.fallback`` says (the profiler captures under "raise").
 
     ``optimizations=False`` turns the FLOP-reduction passes off: the graph is then the model's own
     computation, what eager PyTorch runs. ``examples``: where the passes read the batch's values.
+    ``on_budget_state``: gets each capture's budget state (report.max_batch_recomputed plans again).
     """
     base = options or Options()
     # One capture costs every batch size: symbolic sizes unless the caller asked for static ones.
@@ -90,6 +91,6 @@ def profiling_module(model: torch.nn.Module, optimizations: bool, options: Optio
         updates.update(label_sparsity="off", padding_elimination="off", upstream_slicing="off")
     import dataclasses
     # A graph loaded from Options.cache_dir runs marked too: no capture, same attribution.
-    return TrainModule(model, dataclasses.replace(base, **updates),
-                       executor=MarkedExecutor(executor_named(base.executor), budget_fallback=base.fallback),
-                       examples=examples)
+    plugins = Plugins(executor=MarkedExecutor(executor_named(base.executor)), examples=examples,
+                      on_budget_state=on_budget_state, real_batches=False, budget_fallback=base.fallback)
+    return TrainModule(model, dataclasses.replace(base, **updates), plugins=plugins)

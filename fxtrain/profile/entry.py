@@ -12,7 +12,7 @@ from ..options import Options
 from .inputs import batch_size
 from .report import ProfileReport, build_report
 from .session import Session
-from ..cost.step import OptimizerSpec
+from ..cost.step import OptimizerSpec, optimizer_name
 
 logger = logging.getLogger("fxtrain")
 
@@ -23,16 +23,6 @@ logger = logging.getLogger("fxtrain")
 # model is let go (profiling it again captures again).
 MAX_MODELS_KEPT = 4
 _sessions: "OrderedDict[int, Tuple[torch.nn.Module, Dict[Tuple[Any, ...], Session]]]" = OrderedDict()
-
-
-def _optimizer_name(spec: OptimizerSpec) -> Optional[str]:
-    if spec is None:
-        return None
-    if isinstance(spec, str):
-        return spec.lower()
-    if isinstance(spec, torch.optim.Optimizer):
-        return type(spec).__name__
-    return getattr(spec, "__name__", type(spec).__name__)
 
 
 def _session_for(model: torch.nn.Module, optimizer: OptimizerSpec, optimizations: bool,
@@ -79,4 +69,4 @@ def profile(model: torch.nn.Module, *args: Any, optimizer: OptimizerSpec = None,
         model = model.module
     session = _session_for(model, optimizer, optimizations, options, reuse)
     cost = session.run(args, kwargs, keep_outputs=keep_outputs)
-    return build_report(session, cost, type(model).__name__, batch_size((args, kwargs)), _optimizer_name(optimizer))
+    return build_report(session, cost, type(model).__name__, batch_size((args, kwargs)), optimizer_name(optimizer))

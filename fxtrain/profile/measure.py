@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, Optional
+from typing import Any, Dict, Iterable, Optional
 
 import torch
 
@@ -59,9 +59,6 @@ class LiveBytes(TorchDispatchMode):
     def _free(self, key: int) -> None:
         self.current -= self._live.pop(key, 0)
 
-    def reset_peak(self) -> None:
-        self.peak = self.current
-
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         impl = custom_op_impl_of(func)
@@ -92,7 +89,7 @@ def measure_step(model: torch.nn.Module, *args: Any, optimizer: Any = None,
     ``params_model`` is the module owning the parameters when ``model`` wraps it (a TrainModule).
     """
     owner = params_model if params_model is not None else model
-    opt = make_optimizer(optimizer, owner) if optimizer is not None else None
+    opt = make_optimizer(optimizer, owner)
 
     def step(counter: Optional[LiveBytes]) -> float:
         out = model(*args, **kwargs)

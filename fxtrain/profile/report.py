@@ -10,22 +10,12 @@ import torch
 
 from ..report import format_table, human_bytes, human_flops
 from .session import Session, StepCost
-from ..cost.tracker import OPTIMIZER, OUTSIDE
+from ..cost.tracker import OPTIMIZER, OUTSIDE, ModuleCost
 
 
 # What each tracker category holds, for people.
 _CATEGORY = {"forward": "made in forward (activations)", "backward": "made in backward (grads, temporaries)",
              "optimizer": "optimizer step temporaries", "setup": "other"}
-
-
-@dataclass
-class ModuleCost:
-    """One module's share: its own parameters and the ops that ran inside it (not in its children)."""
-
-    params: int = 0
-    flops_forward: int = 0
-    flops_backward: int = 0
-    saved_bytes: int = 0
 
 
 @dataclass
@@ -213,7 +203,7 @@ class ProfileReport:
         budget would be (``recompute_plan``: the least recomputation that fits). Needs the capture's
         batch axis to be symbolic (the profiler's default, ``dynamic=True``).
         """
-        states = self._session.budget_states() if self._session is not None else []
+        states = self._session.budget_states if self._session is not None else []
         if not states:
             raise RuntimeError("no training capture to plan (the step was costed eagerly, or "
                                "fxtrain's runtime cannot replay its graphs)")

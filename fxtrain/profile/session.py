@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -24,7 +24,7 @@ from ..torch_private import FakeTensorMode, reparametrize_module
 from .capture import ShadowExamples, profiling_module
 from .eager_modules import ModuleAttribution
 from .inputs import fake_values, target_device, to_fake
-from ..cost.step import OptimizerSpec, _rebuild, held_by_outputs, loss_of, optimizer_factory
+from ..cost.step import OptimizerSpec, held_by_outputs, loss_of, optimizer_over, warm_optimizer_state
 from ..cost.shadows import Shadows
 from ..cost.tracker import CostTracker, ProfileError
 
@@ -60,6 +60,7 @@ class Session:
         # leaves torch, the captured graph without passes stands in; see _warm_up.)
         self.eager = not optimizations
         self.optimizer_spec = optimizer
+        self.budget_states: List[Any] = []
         self.tm = None if self.eager else self._profiling_module(optimizations)
         self.modules: Optional[ModuleAttribution] = None
         self.fallback_reason: Optional[str] = None
@@ -71,17 +72,13 @@ class Session:
         self.capture_seconds = 0.0
 
     def _profiling_module(self, optimizations: bool) -> Any:
-        tm = profiling_module(self.model, optimizations, self.options, ShadowExamples(self.shadows))
+        # What re-planning the module's training captures for a memory budget needs (capture/budget.py).
+        self.budget_states = []
+        tm = profiling_module(self.model, optimizations, self.options, ShadowExamples(self.shadows),
+                              self.budget_states.append)
         # A memory budget (Options.memory_budget) counts the optimizer the profile costs.
         tm.attach_optimizer(self.optimizer_spec)
         return tm
-
-    def budget_states(self) -> List[Any]:
-        """What re-planning the training captures for a memory budget needs (capture/budget.py)."""
-        if self.tm is None:
-            return []
-        return [r.step.budget_state for r in self.tm.capture_info().records
-                if r.step is not None and getattr(r.step, "budget_state", None) is not None]
 
     # ---------------------------------------------------------------------------- model state
     def _make_fakes(self, device: torch.device) -> None:
@@ -109,23 +106,12 @@ class Session:
         self.optimizer_spec = spec
         self.optimizer = None
         self.optimizer_ready = False
-        for state in self.budget_states():
+        for state in self.budget_states:
             state.set_optimizer(spec)
         if self.tm is not None and self.tm.options.memory_budget is not None:
             # The captured plans counted the previous optimizer's state: plan (capture) again.
             self.tm = self._profiling_module(self.optimizations)
             self.warm = False
-
-    def _make_optimizer(self) -> Optional[torch.optim.Optimizer]:
-        spec = self.optimizer_spec
-        if spec is None:
-            return None
-        trainable = [p for p in self.fake_params if p.requires_grad]
-        if isinstance(spec, torch.optim.Optimizer):
-            return _rebuild(spec, self._param_map)
-        factory = optimizer_factory(spec)
-        assert factory is not None
-        return factory(trainable)
 
     @contextlib.contextmanager
     def _active(self, tracker: CostTracker) -> Iterator[None]:
@@ -228,11 +214,12 @@ class Session:
         started = time.perf_counter()
         warm = CostTracker(self.mode, hints)
         warm.shadows = self.shadows
+        trainable = [p for p in self.fake_params if p.requires_grad]
         with self._active(warm):
             if self.optimizer is None:
-                self.optimizer = self._make_optimizer()
+                self.optimizer = optimizer_over(self.optimizer_spec, trainable, self._param_map)
             if self.eager or self.warm:
-                self._make_optimizer_state()
+                warm_optimizer_state(self.optimizer, trainable)
             else:
                 # Capturing needs the whole step (AOTAutograd compiles the backward at the first
                 # backward); graphs loaded from Options.cache_dir come with their backward.
@@ -241,7 +228,7 @@ class Session:
                 out = self._forward(warm, fake_args, fake_kwargs)
                 if self.tm.capture_info().cache_hits > hits:
                     del out
-                    self._make_optimizer_state()
+                    warm_optimizer_state(self.optimizer, trainable)
                 else:
                     self._rest_of_step(warm, [out])
         if not self.warm:
@@ -249,29 +236,6 @@ class Session:
         self.warm = True
         self.optimizer_ready = True
         logger.info("fxtrain profile: warm-up (capture, first fake step) took %.2f s", self.capture_seconds)
-
-    def _make_optimizer_state(self) -> None:
-        """One optimizer step on stand-in gradients: the state exists, as in steady state.
-
-        The step runs with the multi-tensor (foreach) implementation where the optimizer has one:
-        it allocates the same state as the per-tensor loop in a few dozen fake ops instead of
-        thousands. Measured steps run the implementation the optimizer would choose itself.
-        """
-        if self.optimizer is None:
-            return
-        for p in self.fake_params:
-            if p.requires_grad:
-                p.grad = torch.zeros_like(p)
-        groups = [g for g in self.optimizer.param_groups if "foreach" in g and not g.get("fused")]
-        saved = [g["foreach"] for g in groups]
-        for g in groups:
-            g["foreach"] = True
-        try:
-            self.optimizer.step()
-        finally:
-            for g, value in zip(groups, saved):
-                g["foreach"] = value
-        self.optimizer.zero_grad(set_to_none=True)
 
     def _captures(self) -> int:
         info = self.tm.capture_info() if self.tm is not None else None

@@ -35,22 +35,14 @@ class Executor:
 
     ``autograd_mode``: the runtime may skip the aten graphs and run the torch-level graph under eager
     autograd (only an executor that runs ops as written can promise eager's numbers there).
-    ``measures_batches``: calls see real values (density probes, batch guards); false on fake tensors.
     ``kind``: "forward", "backward" or "inference".
     """
 
     name = "executor"
     autograd_mode = False
-    measures_batches = True
     # Compiling may add shape guards (a code generator specialises): the backward is then compiled
     # at capture, with the forward, so its guards join the capture's before any call relies on them.
     compiles_ahead = False
-    # Keep what planning a memory budget needs on each capture (capture/budget.py: BudgetState), so
-    # that it can be planned again at other sizes (the profiler's largest batch with recomputation).
-    keeps_budget_state = False
-    # What a memory budget below the smallest achievable peak does, if not Options.fallback's policy
-    # (the profiler captures under fallback="raise" but must apply the user's).
-    budget_fallback: Optional[str] = None
     # Backward passes this executor does not want (name -> why, shown in capture_info()): their ops
     # are then decomposed like any other, so the code generator sees and fuses them.
     skips_backward_passes: Dict[str, str] = {}

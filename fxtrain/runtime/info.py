@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from collections import Counter
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 import torch.fx
@@ -39,31 +39,34 @@ class Densities(Mapping[str, float]):
 
 @dataclass
 class GraphRecord:
-    """One captured graph: the dynamo-level graph and the aten forward/backward graphs made from it."""
+    """One captured graph: the dynamo-level graph, the step made of it and how the runtime runs it."""
 
     index: int
     mode: str                                   # "train" | "eval" | "no_grad"
-    dynamo_graph: torch.fx.GraphModule
+    dynamo_graph: Optional[torch.fx.GraphModule]   # None for a step loaded from the cache
     # Why this capture happened ("first call", "new input schema", "guard failed: ...", "after a
     # graph break") and, when the graph ends at a graph break, dynamo's reason and where it is.
     reason: str = ""
     break_site: Optional[Tuple[str, str]] = None
-    forward_graph: Optional[torch.fx.GraphModule] = None
-    backward_graph: Optional[torch.fx.GraphModule] = None
-    backward_runner: Optional[Any] = None       # runtime object running backward_graph (executor's)
     optimizations: Dict[str, str] = field(default_factory=dict)
-    inference: bool = False                     # an inference pair: no backward graph
-    # How the runtime runs this capture ("autograd" | "graph" | "aot") and why (runtime/runner.py).
-    runtime: str = ""
-    # Options.memory_budget's plan for this graph (capture/budget.py: MemoryPlan), or None.
-    memory_plan: Optional[Any] = None
-    # The captured step itself (runtime/step.py) and what the on-disk cache needs of the capture.
+    # The captured step (runtime/step.py: CapturedStep) and the runtime built from it (runner.Runtime).
     step: Optional[Any] = field(default=None, repr=False)
+    run: Optional[Any] = field(default=None, repr=False)
     # executor="auto": which code runs this capture, since when, and why it stays on the eager
     # executor (runtime/tiered.py: Tier).
     tier: Optional[Any] = field(default=None, repr=False)
-    cache_recipe: Optional[Any] = field(default=None, repr=False)
+    cache_recipe: Optional[Any] = field(default=None, repr=False)   # what the on-disk cache needs
+    from_cache: bool = False
 
+    # Read from the step and the runtime, not copied: the aten graphs, the backward's runtime
+    # object (the executor's code), an inference pair, Options.memory_budget's plan (MemoryPlan),
+    # how the runtime runs the capture ("autograd" | "graph" | "aot") and why.
+    forward_graph = property(lambda self: self.step.forward_graph)
+    backward_graph = property(lambda self: self.step.backward_graph)
+    backward_runner = property(lambda self: self.step.backward)
+    inference = property(lambda self: self.step.inference)
+    memory_plan = property(lambda self: self.step.memory_plan)
+    runtime = property(lambda self: f"{self.run}{' (cache hit)' if self.from_cache else ''}")
 
 @dataclass
 class CaptureInfo:
@@ -94,6 +97,13 @@ class CaptureInfo:
     # without the passes, with eager's numbers.
     dense_batches: Dict[str, int] = field(default_factory=dict)
     records: List[GraphRecord] = field(default_factory=list, repr=False)
+
+    def add(self, record: GraphRecord) -> GraphRecord:
+        """The one place a capture (live, or loaded from the cache) is recorded."""
+        self.records.append(record)
+        self.graphs += 1
+        self.optimizations.update(record.optimizations)
+        return record
 
     @property
     def memory_plan(self) -> Optional[Any]:

@@ -48,13 +48,30 @@ MODES = ("auto", "autograd", "graph")
 
 @dataclass
 class RunContext:
-    """Where a step's calls report (the module's CaptureInfo) and how they behave."""
+    """Where a step's calls report (the module's CaptureInfo) and how they behave.
+
+    ``measures_batches``: calls see real values, so the batch guard and the density probes run
+    (false for the profiler, whose calls run on fake tensors)."""
 
     density: Optional[Densities]
     log_density: bool
     dense_batches: Dict[str, int]
     sparsity_guard: str
     owner: str
+    measures_batches: bool = True
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What the runtime made of a step: the callable dynamo runs, and the mode it runs in and why.
+    The runtime's own value: the step it was built from is left as it was."""
+
+    call: Callable[..., Any]
+    mode: str       # "autograd" | "graph" | "aot"
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.mode}: {self.reason}"
 
 
 def choose_mode(step: CapturedStep, executor: Executor, preference: str = "auto") -> Tuple[str, str]:
@@ -96,33 +113,33 @@ def _aot_runtime(aot_callable: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def build(step: CapturedStep, executor: Executor, context: RunContext, preference: str = "auto",
-          tiered: Optional[Callable[[Callable[..., Any]], Callable[..., Any]]] = None) -> Callable[..., Any]:
-    """The callable for ``step``: flat graph inputs in, the dynamo graph's outputs out. ``tiered``
-    wraps the core (what runs the graphs), inside the deferred outputs, dense route and probes,
-    so that a core swapped later (runtime/tiered.py) keeps them."""
-    step.mode, step.mode_reason = choose_mode(step, executor, preference)
-    if step.mode == "autograd":
+          tiered: Optional[Callable[[Callable[..., Any]], Callable[..., Any]]] = None) -> Runtime:
+    """The runtime for ``step``: its ``call`` takes the flat graph inputs and returns the dynamo
+    graph's outputs. (Only the "aot" mode needs ``step.aot_callable``: a caller keeping the step
+    may drop it, ``dataclasses.replace(step, aot_callable=None)``, with what AOTAutograd holds.)
+    ``tiered`` wraps the core (what runs the graphs), inside the deferred outputs, dense route and
+    probes, so that a core swapped later (runtime/tiered.py) keeps them."""
+    mode, reason = choose_mode(step, executor, preference)
+    if mode == "autograd":
         assert step.graph is not None
         core: Callable[..., Any] = executor.torch_level(step.graph)
-    elif step.mode == "graph":
+    elif mode == "graph":
         assert step.spec is not None and step.compiled_forward is not None
         core = replayed(step.compiled_forward, step.backward, step.spec)
     else:
         assert step.aot_callable is not None
         core = _aot_runtime(step.aot_callable)
-    if step.mode != "aot":
-        step.aot_callable = None  # AOTAutograd's runtime and what it holds: not needed
-    logger.debug("%s: runtime mode %s (%s)", context.owner, step.mode, step.mode_reason)
+    logger.debug("%s: runtime mode %s (%s)", context.owner, mode, reason)
     if tiered is not None:
         core = tiered(core)
     plans = step.plans
     if plans.deferred is not None:
         core = with_deferred(core, plans.deferred)
-    if plans.guard is not None and executor.measures_batches:
+    if plans.guard is not None and context.measures_batches:
         route = DenseRoute(plans.guard, context.dense_batches, context.sparsity_guard, context.owner)
         if step.dense_graph is not None:   # a cache hit has none: cache/call.py runs the module instead
             core = route.wrap(core, direct(step.dense_graph))
-    if plans.probes and executor.measures_batches and context.density is not None:
+    if plans.probes and context.measures_batches and context.density is not None:
         core = with_density_probes(core, plans.probes, context.density, context.log_density)
-    return core
+    return Runtime(core, mode, reason)
 

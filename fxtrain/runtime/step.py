@@ -1,8 +1,11 @@
-"""The captured step: one explicit value from capture to runtime.
+"""The captured step: one explicit value from capture to runtime, immutable once built.
 
-Capture fills it (dynamo's graph, the passes' rewrite and plans, AOTAutograd's split), the cache
-stores and loads it, and ``runtime/runner.py`` turns it into the callable dynamo runs: nothing
-reaches the runtime by another way (no ``gm.meta`` entries, no attributes found on a ``grad_fn``).
+The capture pipeline (capture/pipeline.py: ``compile_step``) builds it in one go from its stages'
+values (the passes' rewrite and plans, the partition, the executor's compiled callables), a cache
+hit builds it from an entry, and ``runtime/runner.py`` turns it into the callable dynamo runs:
+nothing reaches the runtime by another way (no ``gm.meta`` entries, no attributes found on a
+``grad_fn``), and nothing writes into it afterwards (the runtime's choices live in its own
+``Runtime`` value), so a step can be handed to another executor or runtime as it is.
 Its parts that the passes fill (``Plans``, ``PassReport``) live here with it, below the passes,
 so that the runtime and the cache read them without importing any pass.
 
@@ -17,17 +20,19 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch.fx
 
 from .absent_grads import AbsentGradBackward
+from .deferred import DeferredPlan
+from .dense_route import BatchGuard
 from .replay import ReplaySpec
 
 
 @dataclass
 class Plans:
     # runtime/deferred.py: outputs computed on first use instead of in the step.
-    deferred: Optional[Any] = None                                 # DeferredPlan
+    deferred: Optional[DeferredPlan] = None
     # runtime/density.py: (what, placeholder index, absent value) measured per call.
     probes: List[Tuple[str, int, int]] = field(default_factory=list)
     # runtime/dense_route.py: conditions a batch must meet for the rewritten graph to serve it.
-    guard: Optional[Any] = None                                    # BatchGuard
+    guard: Optional[BatchGuard] = None
     # While the passes run: the builder ``guard`` came from, so that a later pass adds its conditions
     # and row counts to the same guard (one host transfer per step). run_passes drops it.
     guard_builder: Optional[Any] = field(default=None, repr=False, compare=False)  # GuardBuilder
@@ -48,7 +53,7 @@ class PassReport:
         return f"{'on' if self.applied else 'off'}: {self.reason}"
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class CapturedStep:
     # The torch-level graph after the forward passes: what the autograd mode runs.
     graph: Optional[torch.fx.GraphModule]
@@ -67,11 +72,6 @@ class CapturedStep:
     compiled_forward: Optional[Callable[[List[Any]], Any]] = None
     backward: Optional[AbsentGradBackward] = None
     aot_callable: Optional[Callable[..., Any]] = None   # AOTAutograd's runtime, for unreplayable graphs
-    mode: str = ""                               # "autograd" | "graph" | "aot", chosen by the runtime
-    mode_reason: str = ""
     # Options.memory_budget's plan (capture/budget.py: MemoryPlan): the graphs above are the plan's,
     # made for the graph runtime, which must then run them.
     memory_plan: Optional[Any] = None
-    # What re-planning this capture needs (capture/budget.py: BudgetState), for executors that
-    # keep it (the profiler's: the largest batch that fits with recomputation).
-    budget_state: Optional[Any] = field(default=None, repr=False)

@@ -1,0 +1,157 @@
+"""The capture pipeline: dynamo's graph in, the compiled step out, through named stages that each
+return a new value (docs/architecture.md, "The capture pipeline"): passes (``rewrite``), partition
+(``partition``: AOTAutograd's split, re-cut by the memory budget's planner when there is one, so a
+budgeted step is compiled once and never rewritten), compile (``compile_graphs``). What varies
+between callers (the profiler, the cache, the budget) comes in as parameters, in ``CaptureContext``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.fx
+
+from .. import torch_private as tp
+from ..options import Options
+from ..passes import ExampleSource, Plans, run_passes
+from ..runtime.absent_grads import AbsentGradBackward
+from ..runtime.executors import Executor
+from ..runtime.replay import NotReplayable, ReplaySpec, check_graph_arity, replay_spec
+from ..runtime.step import CapturedStep, PassReport
+from .aot import Split, backward_of, split
+from .budget import BudgetRequest, BudgetState, MemoryPlan, plan_budget
+
+
+@dataclass(frozen=True)
+class CaptureContext:
+    """What one capture is made with, besides dynamo's graph and its example inputs."""
+
+    options: Options
+    executor: Executor
+    examples: ExampleSource
+    budget: Optional[BudgetRequest] = None     # Options.memory_budget's partitioner; None: the executor's
+    optimizer: Any = None                      # whose state a budget counts
+    # Observer: gets each replayable training capture's BudgetState (the profiler's max_batch_recomputed).
+    on_budget_state: Optional[Callable[[BudgetState], None]] = None
+
+
+@dataclass(frozen=True)
+class Rewritten:
+    graph: torch.fx.GraphModule                    # dynamo's graph, rewritten in place by the passes
+    dense_graph: Optional[torch.fx.GraphModule]    # the graph before any pass (None: no batch guard needs it)
+    plans: Plans
+    reports: Dict[str, str]
+
+
+@dataclass(frozen=True)
+class Partition:
+    forward_graph: Optional[torch.fx.GraphModule]
+    backward_graph: Optional[torch.fx.GraphModule]
+    inference: bool
+    spec: Optional[ReplaySpec]
+    not_replayable: str
+    forward_reports: List[PassReport]
+    backward_reports: List[PassReport]
+    memory_plan: Optional[MemoryPlan]
+    traced: Split          # AOTAutograd's trace: its runtime, and the baseline graphs' backward
+
+    baseline = property(lambda self: self.forward_graph is self.traced.forward_graph)   # not a plan's re-cut
+
+
+@dataclass(frozen=True)
+class Compiled:
+    forward: Optional[Callable[[List[Any]], Any]]
+    backward: Optional[AbsentGradBackward]
+
+
+def compile_step(gm: torch.fx.GraphModule, example_inputs: List[Any],
+                 context: CaptureContext) -> Tuple[CapturedStep, Dict[str, str]]:
+    """dynamo's graph (rewritten in place) → the compiled step and the capture's pass reports."""
+    rewritten = rewrite(gm, context)
+    parts = partition(rewritten.graph, example_inputs, context)
+    compiled = compile_graphs(parts, context.executor)
+    step = CapturedStep(graph=rewritten.graph, dense_graph=rewritten.dense_graph, plans=rewritten.plans,
+                        forward_graph=parts.forward_graph, backward_graph=parts.backward_graph,
+                        inference=parts.inference, spec=parts.spec, not_replayable=parts.not_replayable,
+                        backward_reports=parts.backward_reports, forward_reports=parts.forward_reports,
+                        compiled_forward=compiled.forward, backward=compiled.backward,
+                        aot_callable=parts.traced.aot_callable, memory_plan=parts.memory_plan)
+    reports = dict(rewritten.reports)
+    reports.update((r.name, str(r)) for r in parts.forward_reports + parts.backward_reports)
+    return step, reports
+
+
+# ------------------------------------------------------------------------------------- passes
+def rewrite(gm: torch.fx.GraphModule, context: CaptureContext) -> Rewritten:
+    dense = torch.fx.GraphModule(gm, _copy_graph(gm.graph))
+    plans = Plans()
+    reports = run_passes(gm, context.examples, context.options, plans)
+    return Rewritten(gm, dense if plans.guard is not None else None, plans, reports)
+
+
+def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """The graph as dynamo traced it, before any pass: what a batch the passes cannot serve runs.
+    Nodes are copied (metadata shallowly), so the passes' rewrites of ``graph`` do not reach it."""
+    copy = torch.fx.Graph()
+    copy._codegen = graph._codegen
+    env: dict = {}
+    out = copy.graph_copy(graph, env)
+    copy.output(out)
+    return copy
+
+
+# ---------------------------------------------------------------------------------- partition
+def partition(graph: torch.fx.GraphModule, example_inputs: List[Any], context: CaptureContext) -> Partition:
+    executor, budget = context.executor, context.budget
+    traced = split(graph, example_inputs, executor,
+                   keep_joint=budget is not None or context.on_budget_state is not None)
+    spec, why = None, "AOTAutograd produced no forward graph"
+    try:
+        if traced.forward_graph is not None and traced.metadata is not None:
+            spec = replay_spec(traced.metadata, len(example_inputs), traced.inference)
+            check_graph_arity(traced.forward_graph, traced.backward_graph, spec, example_inputs)
+            why = ""
+    except NotReplayable as e:
+        spec, why = None, str(e)
+    parts = Partition(traced.forward_graph, traced.backward_graph, traced.inference, spec, why,
+                      list(traced.forward_reports), list(traced.backward_reports), None, traced)
+    if traced.inference:
+        return parts
+    if traced.joint is None or spec is None:
+        if budget is not None and budget.warn is not None:
+            budget.warn(f"fxtrain: memory budget not applied to a graph fxtrain's runtime cannot replay "
+                        f"({why or 'no joint graph'}); it runs as captured")
+        return parts
+    state = BudgetState(traced, spec, example_inputs, context.optimizer, executor)
+    if context.on_budget_state is not None:
+        context.on_budget_state(state)
+    if budget is None:
+        return parts
+    plan, k = plan_budget(state, budget)
+    if not k:
+        return dataclasses.replace(parts, memory_plan=plan)
+    fw, bw, reports = state.graphs(k)
+    return dataclasses.replace(parts, forward_graph=fw, backward_graph=bw, spec=state.spec_for(fw),
+                               backward_reports=list(reports), memory_plan=plan)
+
+
+# ------------------------------------------------------------------------------------ compile
+def compile_graphs(parts: Partition, executor: Executor) -> Compiled:
+    """The executor's callables for the partition's graphs, compiled once. The backward compiles
+    at capture (still inside dynamo's compile of this graph, so shape guards a code generator adds
+    join the capture's) where the executor ``compiles_ahead``, else at its first call."""
+    traced, fw = parts.traced, parts.forward_graph
+    if fw is None:
+        return Compiled(None, traced.backward)
+    forward = executor.compile(fw, "inference" if parts.inference else "forward",
+                               traced.forward_inputs if parts.baseline else tp.placeholder_examples(fw))
+    backward = traced.backward
+    if parts.baseline:
+        traced.link(forward)   # AOTAutograd's runtime (the "aot" mode) runs these graphs
+    elif parts.backward_graph is not None:
+        backward = backward_of(parts.backward_graph, executor)
+    if executor.compiles_ahead and backward is not None:
+        backward.compile_full()
+    return Compiled(forward, backward)
