@@ -223,8 +223,8 @@ def _failing_runtime(monkeypatch, fail_on_run, graphs=lambda index: True, after=
     ``after``: once the graph ran (its in-place buffer updates written), not before."""
     real, runs, built = backend.runner.build, [], []
 
-    def build(step, executor, context, preference="auto"):
-        runtime = real(step, executor, context, preference)
+    def build(step, executor, context, preference="auto", tiered=None):
+        runtime = real(step, executor, context, preference, tiered)
         compiled = runtime.call
         built.append(step)
         if not graphs(len(built) - 1):
