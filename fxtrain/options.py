@@ -46,7 +46,8 @@ class Options:
     dynamic: Optional[bool] = field(default=None, metadata={
         "help": "Symbolic sizes. None: capture with the first batch's sizes (fastest capture); when a size "
                 "changes, capture once more with the input dimensions seen to change symbolic and every other "
-                "one static (a dimension whose symbolic reasoning proves expensive stays static: a capture per "
+                "one static (image height and width: static for the first three distinct sizes; a dimension "
+                "whose symbolic reasoning proves expensive stays static: a capture per "
                 "size of it), and again only if another dimension changes; True: every size symbolic from the "
                 "first capture; False: a capture per size."})
     fullgraph: bool = field(default=False, metadata={
