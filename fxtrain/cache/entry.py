@@ -17,6 +17,7 @@ import torch
 import torch.fx
 
 from .. import torch_private as tp
+from ..runtime.absent_grads import values_read
 from ..runtime.shapes import VALUE_KEY, value_info
 from ..runtime.replay import NotReplayable, ReplaySpec, check_graph_arity
 from .key import versions
@@ -83,7 +84,6 @@ def build(record: Any, recipe: Recipe, out: Any, about: Dict[str, Any]) -> Entry
                  treespec=treespec, leaves=leaves, header=header, memory_plan=step.memory_plan)
 
 
-_KEEP_VAL = {torch.ops.aten.add.Tensor}
 _MODULE_KEYS = ("nn_module_stack", "fwd_nn_module_stack")
 _MODULE_META = "fxtrain_module"
 
@@ -97,14 +97,7 @@ def _lean_meta(gm: Optional[torch.fx.GraphModule], keep_values: bool, keep_fakes
         yield
         return
     saved = {n: n.meta for n in gm.graph.nodes}
-    keep = set()
-    if keep_values:
-        for n in gm.graph.nodes:
-            if n.op == "placeholder":
-                keep.add(n)
-            elif n.op == "call_function" and n.target in _KEEP_VAL:
-                keep.add(n)
-                keep.update(a for a in n.args if isinstance(a, torch.fx.Node))
+    keep = values_read(gm) if keep_values else set()
     try:
         for n in gm.graph.nodes:
             info = value_info(n) if n in keep else None

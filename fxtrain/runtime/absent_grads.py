@@ -24,6 +24,20 @@ logger = logging.getLogger("fxtrain")
 _ADDS = (torch.ops.aten.add.Tensor,)
 
 
+def values_read(gm: torch.fx.GraphModule) -> set:
+    """The nodes whose fake values a graph kept without the others still needs: the placeholders
+    (what a compile is traced with) and the adds with their operands (what the absent-gradient
+    specialisation reads, ``_eliminate``). The cache's entries and the tier's worker both keep these."""
+    keep = set()
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            keep.add(n)
+        elif n.op == "call_function" and n.target in _ADDS:
+            keep.add(n)
+            keep.update(a for a in n.args if isinstance(a, torch.fx.Node))
+    return keep
+
+
 def _python_op_backward() -> Any:
     import fxtrain.pythonop.op  # noqa: F401  (registers the op)
     return torch.ops.fxtrain.python_op_backward.default

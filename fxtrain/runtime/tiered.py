@@ -49,13 +49,12 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from .. import torch_private as tp
-from .absent_grads import AbsentGradBackward
+from .absent_grads import AbsentGradBackward, values_read
 from .executors import InductorExecutor, inductor_compile_graph
 from .replay import replayed
 
 logger = logging.getLogger("fxtrain")
 
-_ADD = torch.ops.aten.add.Tensor
 # Steps timed on each tier, back to back, before the compiled graphs are kept, and how much slower
 # than the eager executor's they may measure before the capture goes back to it (no margin: where the
 # two are as fast, either will do).
@@ -117,13 +116,7 @@ def _lean(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     graph._codegen = gm.graph._codegen
     env: dict = {}
     graph.output(graph.graph_copy(gm.graph, env))
-    keep = set()
-    for n in gm.graph.nodes:
-        if n.op == "placeholder":
-            keep.add(n)
-        elif n.op == "call_function" and n.target is _ADD:
-            keep.add(n)
-            keep.update(a for a in n.args if isinstance(a, torch.fx.Node))
+    keep = values_read(gm)
     for old, new in env.items():
         new.meta = {"val": old.meta["val"]} if old in keep and "val" in old.meta else {}
     return torch.fx.GraphModule(gm, graph)
