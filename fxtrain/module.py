@@ -290,7 +290,7 @@ class TrainModule(nn.Module):
         logger.debug("fxtrain: compiled %s in %.2f s (%.2f s in sympy, at most %.0f%% of %.0f s)", code_name,
                      seconds, watch.sympy_seconds, 100 * watch.peak_share, WINDOW)
         self._hint_cache(seconds)
-        self._sizes.compiled(code_name, seconds)
+        self._sizes.compiled(code_name, watch.cpu_seconds())
 
     def _hint_cache(self, seconds: float) -> None:
         """Once per process, at INFO: where the on-disk cache would save this capture time. Training

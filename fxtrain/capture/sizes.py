@@ -150,10 +150,15 @@ class SizesPolicy:
         expensive (capture/watch.py adds: and sympy most of the time lately), or None: not stopped.
         Only a symbolic capture of the entry frame is stopped (nothing of the call has run, so the
         call can run again). Half the first (static) capture, at least 1 s: stopped there, the
-        retry keeps the total near 3x the first capture (HF Swin with a new image size: 2.9x)."""
+        retry keeps the total near 3x the first capture (HF Swin with a new image size: 2.9x).
+        The whole first capture where only leading (batch) dimensions are symbolic: their retry is
+        a capture per batch size, the costlier outcome, and a symbolic batch size that ends well
+        can spend over half the first capture in sympy (HF Swin: 1.55 s of a 2.9 s first capture).
+        Seconds of process CPU time (capture/watch.py says why)."""
         if self.call is None or not self.symbolic.get(self.call[0]) or not _entry_frame(code_name):
             return None
-        return max(1.0, 0.5 * (self.first_compile_seconds or 0.0))
+        share = 1.0 if all(d == 0 for _, d in self.symbolic[self.call[0]]) else 0.5
+        return max(1.0, share * (self.first_compile_seconds or 0.0))
 
     def compiled(self, code_name: Optional[str], seconds: float) -> None:
         if self.call is None and self.first_compile_seconds is None and _entry_frame(code_name):

@@ -15,6 +15,12 @@ bytecodes, and reads its own stack safely. ``ITIMER_PROF`` (process CPU time) le
 main thread: a compile on another thread is not sampled (never stopped; still warned about). A
 handler the process had is put back after the compile.
 
+Why process CPU time, not wall time, for every measure the stop reads (the sympy seconds, the
+window, the first capture that sets the budget): the timer fires per 50 ms of CPU, so under load the
+wall gap between two samples grows, and charging a whole gap to sympy made a machine busy with other
+work look like a capture sunk in sympy (CI stopped HF Swin's symbolic batch size, which spends at
+most 40% of a window in sympy, and the model then captured once per batch size).
+
 Why stop it with an exception raised from the handler: the compile runs inside dynamo, which has no
 cancellation. ``ExpensiveSymbolicSizes`` is raised at the compiling thread's current bytecode,
 which is sympy's pure-Python code; dynamo unwinds as for any error in a compile, and TrainModule
@@ -73,10 +79,15 @@ class CompileWatch:
         self.peak_share = 0.0      # the largest share of sympy in any window of WINDOW seconds
         self.stopped = False
         self.sampled = False
-        self._started = self._last = time.perf_counter()
+        self._started = time.perf_counter()
+        self._cpu_started = self._last = time.process_time()
         self._recent: Deque[Tuple[float, float]] = collections.deque()   # (when, seconds in sympy)
         self._recent_sympy = 0.0
         self._done = threading.Event()
+
+    def cpu_seconds(self) -> float:
+        """Process CPU time since the compile started: the unit of every measure the stop reads."""
+        return time.process_time() - self._cpu_started
 
     def warn_when_slow(self) -> None:
         if not self._done.wait(self.warn_after):
@@ -86,7 +97,7 @@ class CompileWatch:
         """SIGPROF handler: runs on the compiling thread, ``frame`` is where it was interrupted."""
         if self._done.is_set() or self.stopped:
             return
-        now = time.perf_counter()
+        now = time.process_time()
         spent = now - self._last if _in_sympy(frame) else 0.0
         self._last = now
         self.sympy_seconds += spent
@@ -94,13 +105,13 @@ class CompileWatch:
         self._recent_sympy += spent
         while self._recent and self._recent[0][0] < now - WINDOW:
             self._recent_sympy -= self._recent.popleft()[1]
-        if now - self._started >= WINDOW:
+        if now - self._cpu_started >= WINDOW:
             self.peak_share = max(self.peak_share, self._recent_sympy / WINDOW)
         if (self.sympy_budget is not None and self.sympy_seconds > self.sympy_budget
                 and self._recent_sympy > _SHARE * WINDOW):
             self.stopped = True
-            logger.debug("fxtrain: compile stopped after %.1f s, %.1f s of it in sympy",
-                         now - self._started, self.sympy_seconds)
+            logger.debug("fxtrain: compile stopped after %.1f s of CPU time, %.1f s of it in sympy",
+                         now - self._cpu_started, self.sympy_seconds)
             raise ExpensiveSymbolicSizes()
 
 
