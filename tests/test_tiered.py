@@ -133,3 +133,47 @@ def test_random_ops_stay_eager_with_the_reason():
 def test_auto_is_an_option_and_an_environment_override(monkeypatch):
     monkeypatch.setenv("FXTRAIN_EXECUTOR", "auto")
     assert fxtrain.Options().with_env().executor == "auto"
+
+
+def test_warm_start_runs_the_stored_compiled_graphs_from_the_first_step(tmp_path, monkeypatch):
+    """With cache_dir, the graphs the compiled tier kept after its trial are stored beside the entry;
+    a later TrainModule loads them from inductor's cache while its first step runs the eager
+    executor's cache hit, and runs them from its second step, with no worker and no second trial."""
+    import fxtrain.runtime.tiered as tiered
+    monkeypatch.setattr(tiered, "SLOWER", float("inf"))   # the trial keeps them whatever the timings
+    model = Head()
+    tm, ref = wrap_pair(model, executor="auto", dynamic=False, cache_dir=str(tmp_path))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (tm, ref)]
+    tier = _switch(tm, ref, opts)
+    for seed in range(40, 40 + TRIAL_STEPS):
+        _step(tm, ref, opts, _batch(8, seed), COMPILED)
+    assert tier.state == "compiled" and tier.step_seconds is not None, str(tier)
+    assert any("stored the compiled graphs" in line for line in tm.capture_info().cache_log), tm.capture_info().cache_log
+
+    later, ref2 = wrap_pair(Head(), executor="auto", dynamic=False, cache_dir=str(tmp_path))
+    later.load_state_dict(ref.state_dict())
+    ref2.load_state_dict(ref.state_dict())
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (later, ref2)]
+    _step(later, ref2, opts, _batch(8, 50), EXACT)    # the first step is the eager executor's cache hit
+    info = later.capture_info()
+    assert info.cache_hits == 1 and info.graphs == 1, info.cache_log
+    assert info.wait_for_compiles(600), info.tiers
+    warm = info.records[0].tier
+    assert str(warm) == "eager, compiled graphs ready for the next step", str(warm)
+    for seed in range(51, 53):
+        _step(later, ref2, opts, _batch(8, seed), COMPILED)
+    assert warm.state == "compiled" and warm.from_cache and warm.since_step == 1, str(warm)
+    assert info.tiers[0].startswith("graph 0 (train): inductor since step 1 (an earlier run's"), info.tiers
+
+    # Stored for another entry (its digest differs): ignored, compiled in the background again.
+    store = next(tmp_path.glob("*-tier.fxc"))
+    key = store.name[:-len("-tier.fxc")]
+    from fxtrain.cache.store import Store
+    header, payload = Store(tmp_path).read(key + "-tier")
+    Store(tmp_path).write(key + "-tier", dict(header, entry="0" * 64), payload)
+    third, ref3 = wrap_pair(Head(), executor="auto", dynamic=False, cache_dir=str(tmp_path))
+    third.load_state_dict(ref.state_dict())
+    ref3.load_state_dict(ref.state_dict())
+    _step(third, ref3, [torch.optim.SGD(m.parameters(), lr=0.1) for m in (third, ref3)], _batch(8, 60), EXACT)
+    assert third.capture_info().cache_hits == 1
+    assert third.capture_info().records[0].tier.state == "compiling", third.capture_info().tiers

@@ -6,6 +6,7 @@ read, loaded or called is logged and the module captures as if the cache were em
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from typing import Any, Dict, Hashable, Optional, Tuple
@@ -19,6 +20,7 @@ from ..runtime.executors import Executor
 from ..runtime.runner import RunContext
 from ..runtime.dense_route import DenseRoute
 from ..runtime.replay import NotReplayable
+from ..runtime.tiered import Tier
 from . import entry as entries
 from .call import MISS, CachedCall
 from ..capture.recipe import changed_files
@@ -26,6 +28,12 @@ from .key import Unkeyable, cache_key
 from .store import CorruptEntry, Store, warn_once
 
 logger = logging.getLogger("fxtrain")
+
+# Beside an entry, under its key with this suffix: the graphs the compiled tier ran when it won its
+# trial (executor="auto"), so that a later process starts on them (runtime/tiered.py,
+# ``Tier.start_compiled``). Its header names the entry's payload by digest: a rewritten entry
+# orphans it.
+TIER = "-tier"
 
 
 class ModuleCache:
@@ -98,7 +106,7 @@ class ModuleCache:
             found = self.store.read(disk_key)
             if found is None:
                 return self._miss("%s (%s): no entry", disk_key[:12], mode)
-            _header, payload = found
+            header, payload = found
             entry = entries.loads(payload)
         except Exception as e:  # CorruptEntry, or a payload that does not unpickle
             reason = str(e) if isinstance(e, CorruptEntry) else f"{type(e).__name__}: {e}"
@@ -109,11 +117,19 @@ class ModuleCache:
         if stale:
             return self._miss("%s (%s): source changed since it was stored: %s", disk_key[:12], mode,
                               ", ".join(sorted(stale)[:3]))
+        index, tiers = len(self.info.records), []
+
+        def tier(step: Any, core: Any) -> Tier:
+            tiers.append(Tier(step, core, self.options.compile_timeout, f"{self.owner} graph {index}"))
+            return tiers[-1]
         try:
             guard = entry.recipe.guard
             route = DenseRoute(guard, self.info.dense_batches, self.options.sparsity_guard, self.owner) \
                 if guard is not None and self.context.measures_batches else None
-            call = CachedCall(entry, self.executor, self.context, route, self.options.backward)
+            call = CachedCall(entry, self.executor, self.context, route, self.options.backward,
+                              tier if self.executor.compiles_later else None)
+            if tiers:
+                self._warm_start(tiers[0], disk_key, hashlib.sha256(payload).hexdigest(), header)
             out = call(module, args, kwargs)
         except Exception as e:
             warn_once(f"unusable:{self.store.path(disk_key)}", "fxtrain: cache entry %s could not be used (%s: %s); capturing instead",
@@ -125,12 +141,37 @@ class ModuleCache:
         self.scalars.record(key, args, kwargs)
         self.modules = tuple(map(id, module.modules()))
         self.info.cache_hits += 1
-        self.info.add(GraphRecord(index=len(self.info.records), mode=mode, dynamo_graph=None,
+        self.info.add(GraphRecord(index=index, mode=mode, dynamo_graph=None,
                                   optimizations=dict(entry.optimizations), step=call.step, run=call.runtime,
-                                  from_cache=True))
+                                  tier=tiers[0] if tiers else None, from_cache=True))
         self._note("hit %s (%s): %d graph(s) loaded and run in %.2f s", disk_key[:12], mode,
                    1 + (entry.backward_graph is not None), time.perf_counter() - started)
         return out
+
+    def _warm_start(self, tier: Tier, disk_key: str, digest: str, header: Dict[str, Any]) -> None:
+        """Have ``tier`` load the compiled graphs stored beside the entry, if an earlier run kept
+        them for this very entry; and have them stored whenever this run's trial keeps some."""
+        assert self.store is not None
+        try:
+            found = self.store.read(disk_key + TIER)
+        except CorruptEntry as e:
+            self._note("compiled graphs of %s ignored: %s", disk_key[:12], e)
+            found = None
+        if found is not None and found[0].get("entry") == digest and tier.start_compiled(found[1]):
+            self._note("compiled graphs of %s stored by an earlier run: loading them on a thread", disk_key[:12])
+        tier.on_kept = lambda kept: self._write_tier(disk_key, digest, header, kept)
+
+    def _write_tier(self, disk_key: str, digest: str, about: Dict[str, Any], tier: Tier) -> None:
+        assert self.store is not None and tier.payload is not None
+        header = {**about, "mode": f"{about.get('mode', '?')}, inductor's graphs", "created": time.time(),
+                  "entry": digest, "compile_seconds": tier.compile_seconds, "step_seconds": tier.step_seconds}
+        try:
+            self.store.write(disk_key + TIER, header, tier.payload)
+        except Exception as e:
+            warn_once(f"write:{self.store.root}", "fxtrain: could not write the cache entry in %s (%s: %s)",
+                      self.store.root, type(e).__name__, e)
+            return
+        self._note("stored the compiled graphs of %s (%.1f MB)", disk_key[:12], len(tier.payload) / 1e6)
 
     # ------------------------------------------------------------------------------------- store
     def stored_after_capture(self, key: Hashable, record: GraphRecord, out: Any, mode: str, model: str,
@@ -167,6 +208,9 @@ class ModuleCache:
             entry.header["nodes"] = len(entry.forward_graph.graph.nodes) + (
                 len(entry.backward_graph.graph.nodes) if entry.backward_graph is not None else 0)
             self.store.write(disk_key, entry.header, payload)
+            if record.tier is not None:
+                digest = hashlib.sha256(payload).hexdigest()
+                record.tier.on_kept = lambda kept: self._write_tier(disk_key, digest, entry.header, kept)
         except NotReplayable as e:
             self._note("not stored (%s): %s", entry.header.get("mode"), e)
             return

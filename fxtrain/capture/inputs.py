@@ -92,8 +92,10 @@ def leading_dims(shapes: Sequence[Sequence[int]]) -> FrozenSet[Tuple[int, int]]:
 
 def describe_dims(dims: Iterable[Tuple[int, int]], paths: Sequence[Tuple[str, Any]],
                   first: Sequence[Sequence[int]], now: Sequence[Sequence[int]]) -> str:
-    """``kwargs['x'] dim 0 (4 -> 3)``, for a person to read which sizes became symbolic."""
-    return ", ".join(f"{paths[i][0]} dim {d} ({first[i][d]} -> {now[i][d]})" for i, d in sorted(dims))
+    """``kwargs['x'] dim 0 (4 -> 3)``, for a person to read which sizes became symbolic
+    (``(4)`` for a size this call did not change)."""
+    return ", ".join(f"{paths[i][0]} dim {d} ({first[i][d]}{'' if first[i][d] == now[i][d] else f' -> {now[i][d]}'})"
+                     for i, d in sorted(dims))
 
 
 def first_tensor_device(args: Tuple[Any, ...], kwargs: dict) -> Optional[torch.device]:

@@ -162,6 +162,15 @@ def _compile_all(fw: torch.fx.GraphModule, bw: Optional[torch.fx.GraphModule], i
     return forward, backward
 
 
+def compiled_from(payload: bytes, step: Any) -> Callable[..., Any]:
+    """The compiled core of ``step`` from a worker's payload (its retraced graphs), loaded from
+    inductor's on-disk cache only (no code generation here: ``NotInInductorCache`` on a miss)."""
+    fw, bw = tp.unpickle_graphs(payload, tp.FakeTensorMode(shape_env=ShapeEnv()))
+    with tp.dynamo_compile_lock():
+        forward, backward = _compile_all(fw, bw, step.inference, cached_only=True)
+    return replayed(forward, backward, step.spec)
+
+
 class Tier:
     """Which code runs one capture: the eager executor's until the compiled graphs are loaded.
 
@@ -185,6 +194,11 @@ class Tier:
         self._compiled_times: List[float] = []
         self._next: Optional[Callable[..., Any]] = None
         self._done = threading.Event()
+        # The worker's graphs once compiled, and who keeps them when the compiled tier wins its trial
+        # (cache/session.py stores them beside the cache entry: a later process starts on them).
+        self.payload: Optional[bytes] = None
+        self.on_kept: Optional[Callable[["Tier"], None]] = None
+        self.from_cache = False
         why = stays_eager(step)
         if why:
             self.reason = why
@@ -223,7 +237,11 @@ class Tier:
             if self.state == "compiled" and len(self._compiled_times) > TRIAL_STEPS:
                 self._decide()
             return
-        if self._eager_times is None:                 # ready: time the eager executor from here
+        if self.from_cache:                           # an earlier run's trial kept them: no second one
+            self._live, self._next = self._next, None
+            self.state, self.since_step, self._timing = "compiled", self.calls, False
+            logger.info("%s: step %d runs an earlier run's compiled graphs", self.owner, self.calls)
+        elif self._eager_times is None:               # ready: time the eager executor from here
             self._eager_times = []
         elif len(self._eager_times) >= TRIAL_STEPS:
             self._live, self._next = self._next, None
@@ -244,6 +262,36 @@ class Tier:
             self.reason = (f"inductor's graphs measured slower: {compiled * 1e3:.3g} ms per step against "
                            f"{eager * 1e3:.3g} ms (median of {TRIAL_STEPS} steps each)")
             logger.info("%s: %s; back on the eager executor", self.owner, self.reason)
+        elif self.on_kept is not None:
+            self.on_kept(self)
+
+    def start_compiled(self, payload: bytes) -> bool:
+        """A warm start: the compiled graphs an earlier process kept after its trial (``payload``:
+        that worker's graphs, stored beside the cache entry) are loaded from inductor's on-disk cache
+        on a thread, with no worker, and run from the call after they are ready, with no second
+        trial. The first step stays the eager executor's: loading costs seconds (importing inductor
+        alone is ~2 s), which would put the first step over eager's. Where inductor's cache no
+        longer has them (another machine, a cleared /tmp, another torch), the usual compile."""
+        if self._pending is None:
+            return False
+        pending, self._pending = self._pending, None
+        self.from_cache = True
+        threading.Thread(target=self._load_stored, args=(payload, *pending), daemon=True,
+                         name=f"fxtrain-load-{self.owner}").start()
+        return True
+
+    def _load_stored(self, payload: bytes, step: Any, timeout: float) -> None:
+        started = time.perf_counter()
+        try:
+            core = compiled_from(payload, step)
+        except Exception as e:
+            logger.info("%s: an earlier run's compiled graphs could not be loaded (%s); compiling them again",
+                        self.owner, (str(e).strip() or type(e).__name__).splitlines()[0])
+            self.from_cache = False
+            self._compile(step, timeout)
+            return
+        self.payload, self.compile_seconds, self._next = payload, time.perf_counter() - started, core
+        self._done.set()
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Block until the compile has finished (or failed); True if it has. The switch itself
@@ -252,12 +300,16 @@ class Tier:
         return self._done.wait(timeout)
 
     def __str__(self) -> str:
+        if self.state == "compiled" and self.from_cache:
+            return (f"inductor since step {self.since_step} (an earlier run's compiled graphs, loaded in "
+                    f"{self.compile_seconds:.2f} s)")
         if self.state == "compiled":
             measured = "" if self.step_seconds is None else \
                 f"; {self.step_seconds[1] * 1e3:.3g} ms per step against eager's {self.step_seconds[0] * 1e3:.3g} ms"
             return f"inductor since step {self.since_step} (compiled in {self.compile_seconds:.1f} s{measured})"
         if self.state == "compiling":
             return ("eager, compiled graphs ready for the next step" if self._next is not None
+                    else "eager, loading an earlier run's compiled graphs" if self.from_cache
                     else "eager, compiling in the background")
         return f"eager: {self.reason}"
 
@@ -270,10 +322,9 @@ class Tier:
                 given.write_bytes(tp.pickle_graphs((_lean(step.forward_graph), _lean(bw) if bw is not None else None,
                                                     _saved_outputs(step.spec, step.forward_graph))))
                 self._run_worker(given, made, step.inference, timeout - (time.perf_counter() - start))
-                fw, bw = tp.unpickle_graphs(made.read_bytes(), tp.FakeTensorMode(shape_env=ShapeEnv()))
-            with tp.dynamo_compile_lock():
-                forward, backward = _compile_all(fw, bw, step.inference, cached_only=True)
-            core = replayed(forward, backward, step.spec)
+                payload = made.read_bytes()
+            core = compiled_from(payload, step)
+            self.payload = payload
         except Exception as e:   # never the training loop's problem: it goes on eagerly
             if _exiting.is_set():
                 return
