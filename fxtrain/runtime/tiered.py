@@ -197,6 +197,7 @@ class Tier:
         # The worker's graphs once compiled, and who keeps them when the compiled tier wins its trial
         # (cache/session.py stores them beside the cache entry: a later process starts on them).
         self.payload: Optional[bytes] = None
+        self._stored: Optional[bytes] = None   # an earlier run's payload, loaded instead of compiling
         self.on_kept: Optional[Callable[["Tier"], None]] = None
         self.from_cache = False
         why = stays_eager(step)
@@ -218,7 +219,10 @@ class Tier:
 
     def _start(self) -> None:
         pending, self._pending = self._pending, None
-        if pending is not None:
+        if pending is not None and self._stored is not None:
+            threading.Thread(target=self._load_stored, args=(self._stored, *pending), daemon=True,
+                             name=f"fxtrain-load-{self.owner}").start()
+        elif pending is not None:
             threading.Thread(target=self._compile, args=pending, daemon=True,
                              name=f"fxtrain-compile-{self.owner}").start()
 
@@ -269,15 +273,14 @@ class Tier:
         """A warm start: the compiled graphs an earlier process kept after its trial (``payload``:
         that worker's graphs, stored beside the cache entry) are loaded from inductor's on-disk cache
         on a thread, with no worker, and run from the call after they are ready, with no second
-        trial. The first step stays the eager executor's: loading costs seconds (importing inductor
-        alone is ~2 s), which would put the first step over eager's. Where inductor's cache no
-        longer has them (another machine, a cleared /tmp, another torch), the usual compile."""
+        trial. The thread starts at the second call, as the worker would: loading costs seconds
+        (importing inductor alone is ~2 s) and, beside the first step, would slow it by more than
+        that (GIL and cores shared: gpt2-dense's warm first step 15 s against eager's 9 s at load 5).
+        Where inductor's cache no longer has them (another machine, a cleared /tmp, another torch),
+        the usual compile."""
         if self._pending is None:
             return False
-        pending, self._pending = self._pending, None
-        self.from_cache = True
-        threading.Thread(target=self._load_stored, args=(payload, *pending), daemon=True,
-                         name=f"fxtrain-load-{self.owner}").start()
+        self._stored, self.from_cache = payload, True
         return True
 
     def _load_stored(self, payload: bytes, step: Any, timeout: float) -> None:
