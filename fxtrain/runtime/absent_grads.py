@@ -109,12 +109,23 @@ class AbsentGradBackward:
         # (absent tangents, weight outputs) -> the graph cut into B and W (runtime/weight_split.py)
         self.splits: Dict[Tuple[Tuple[int, ...], Tuple[int, ...]], Tuple[Any, List[int]]] = {}
 
-    def _variant(self, absent: Tuple[int, ...]) -> Tuple[Callable[..., Any], List[int]]:
+    def _variant(self, absent: Tuple[int, ...]) -> Tuple[Callable[..., Any], List[int], Optional[List[int]]]:
+        """The specialisation for ``absent``: its callable, the absent gradients it still reads
+        (zeros), and the inputs it takes (None: all). The absent gradients it no longer reads leave
+        its signature: compiled code checks every input it was compiled for (inductor's CUDA
+        wrapper asserts each one's alignment, then its size and stride: a None or a stand-in fails;
+        seen with executor="auto" on an H200)."""
         if absent not in self.variants:
             gm, needs_zeros = _eliminate(self.gm, absent)
+            placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+            dropped = {i for i in absent if not placeholders[i].users}
+            for i in dropped:
+                gm.graph.erase_node(placeholders[i])
+            gm.recompile()
             logger.debug("backward specialised for %d absent output gradient(s); %d still materialised",
                          len(absent), len(needs_zeros))
-            self.variants[absent] = (self.compile(gm), needs_zeros)
+            keep = [i for i in range(len(placeholders)) if i not in dropped] if dropped else None
+            self.variants[absent] = (self.compile(gm), needs_zeros, keep)
         return self.variants[absent]
 
     def compile_full(self) -> Callable[[List[Any]], Any]:
@@ -128,8 +139,12 @@ class AbsentGradBackward:
         if not absent:
             run = self.compile_full()
         else:
-            run, needs_zeros = self._variant(absent)
+            run, needs_zeros, keep = self._variant(absent)
             self._materialize(args, needs_zeros)
+            if keep is not None:
+                kept = [args[i] for i in keep]
+                args.clear()
+                return run(kept)
         return run(args)
 
     def _materialize(self, args: List[Any], needs_zeros: List[int]) -> None:
