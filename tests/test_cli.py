@@ -9,6 +9,7 @@ import pytest
 
 from fxtrain import bench, cli
 from fxtrain.options import Options
+from fxtrain.runtime.tiered import TRIAL_STEPS
 from utils import DEVICE
 
 TINY = ["--model", "bert-tiny", "--batch", "4", "--seq", "16", "--steps", "2", "--warmup", "0", "--no-progress"]
@@ -74,3 +75,24 @@ def test_console_script_runs():
     assert done.returncode == 0 and "FXTRAIN_EXECUTOR" in done.stdout
     with pytest.raises(SystemExit):
         cli.main(["no-such-command"])
+
+
+def test_bench_shows_the_tier_switch(tmp_path, capsys):
+    """fxtrain:auto with its compile awaited after the second step (--await-compiles): the progress
+    bar and the "tier at end" column say that the compiled graphs ran the last step and since which
+    step (a dense batch: no sparsity pass, whose data-dependent sizes would keep it eager); the
+    eager executor's column says it has no tiers, and the losses stay eager's."""
+    out = tmp_path / "bench.json"
+    # The switch comes TRIAL_STEPS steps after the compile is seen ready (step 2), and the compiled
+    # graphs then run TRIAL_STEPS steps before their time is compared: end inside them.
+    switch = 2 + TRIAL_STEPS
+    assert cli.main(["bench", "--model", "bert-tiny", "--batch", "4", "--seq", "16", "--padding", "0",
+                     "--label-density", "1", "--warmup", "0", "--steps", str(switch + 2), "--device", str(DEVICE),
+                     "--modes", "eager,fxtrain:eager,fxtrain:auto", "--await-compiles", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())["modes"]
+    assert data["fxtrain:auto"]["tier"] == f"inductor since step {switch}", data["fxtrain:auto"]["tiers"]
+    assert data["fxtrain:eager"]["tier"] == "-" and data["eager"]["tier"] == "-"
+    assert data["fxtrain:auto"]["max_loss_diff_vs_eager"] < 1e-3
+    printed = capsys.readouterr()
+    assert "tier at end" in printed.out and f"inductor since step {switch}" in printed.out
+    assert "fxtrain:auto" in printed.err and f"inductor since step {switch}" in printed.err   # the bar
