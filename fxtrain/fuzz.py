@@ -158,7 +158,8 @@ class Finding:
         shown = [f"  {what}: {detail}" for what, detail in self.problems[:3]]
         if len(self.problems) > 3:
             shown.append(f"  ... and {len(self.problems) - 3} more")
-        return "\n".join([f"{self.case.model}/{self.case.loss}{'/tier' if self.case.tier else ''} seed {self.case.seed} batch {self.batch} "
+        tier = "/tier" if self.case.tier else ""
+        return "\n".join([f"{self.case.model}/{self.case.loss}{tier} seed {self.case.seed} batch {self.batch} "
                           f"({self.batch_about}):", *shown, f"  repro: {self.case.repro(self.batch + 1)}"])
 
 
@@ -273,6 +274,8 @@ def image_batch(first: bool, ignore: int, rng: random.Random) -> Tuple[Dict[str,
 def batches(case: Case, kind: str, pad_id: int, ignore: int) -> Iterator[Tuple[Dict[str, torch.Tensor], str]]:
     rng = random.Random(f"{case.seed}/{case.model}/{case.loss}/batches")
     if case.tier:
+        if kind == "image":
+            raise ValueError(f"{case.model}: tier cases are text models' (a dense capturing batch)")
         yield from _tier_batches(kind, pad_id, ignore, rng)
     if kind == "image":
         yield image_batch(True, ignore, rng)
