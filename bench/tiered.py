@@ -1,9 +1,13 @@
 """Issue 29: executor="auto" against "eager" and "inductor": wall time of a short run, steady state.
 
     PYTHONPATH=<checkout> python bench/tiered.py [--workloads mlp,gpt2] [--steps 20] [--rounds 3]
+    PYTHONPATH=<checkout> python bench/tiered.py --workloads gpt2-dense,demo --steps 20,200 --skip steady
 
-Wall time: a fresh process per run (capture and compile included, inductor's on-disk caches as they
-are: warm after the first round), from wrapping the model to the end of step ``--steps``; the
+Workloads: bench/overhead.py's tiny ones (mlp, gpt2, vit) and ``fxtrain bench``'s named ones
+(``--list-workloads``: gpt2-dense, demo, ...; their model and batch settings, a new batch every
+step). Wall time: a fresh process per run (capture and compile included, inductor's on-disk caches
+as they are: warm after the first round), from wrapping the model to the end of each step count in
+``--steps`` (one run reads them all: a 20-step run is the first 20 steps of a 200-step one); the
 executors alternate in each round, medians over rounds. Steady state: one process; once auto's
 compile has finished (``wait_for_compiles``) it steps alone while it times its two tiers, then the
 three wrapped copies step in alternating order, medians of ``--steady`` steps. One intra-op thread.
@@ -12,64 +16,80 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
+import itertools
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from typing import Dict, List
 
 import torch
 
 import fxtrain
+from fxtrain.bench import WORKLOADS as BENCH_WORKLOADS, _batches
+from fxtrain.models import build
 from fxtrain.runtime.tiered import TRIAL_STEPS
 from overhead import gpt2, mlp, vit
 
-WORKLOADS = {"mlp": mlp, "gpt2": gpt2, "vit": vit}
 EXECUTORS = ("eager", "inductor", "auto")
 
 
-def one(workload: str, executor: str, steps: int) -> None:
-    m, loss_of = WORKLOADS[workload]()
+def named(name: str, steps: int = 16):
+    """An ``fxtrain bench`` workload: its model, and a new batch of its settings per step (``steps``
+    of them, then again from the first)."""
+    config = BENCH_WORKLOADS[name].config()
+    batches = itertools.cycle(_batches(config, steps))
+    return build(config.model, seed=config.seed), lambda f: f(**next(batches)).loss
+
+
+WORKLOADS = {"mlp": mlp, "gpt2": gpt2, "vit": vit, **{w: functools.partial(named, w) for w in BENCH_WORKLOADS}}
+
+
+def one(workload: str, executor: str, marks: List[int]) -> None:
+    m, loss_of = WORKLOADS[workload](max(marks)) if workload in BENCH_WORKLOADS else WORKLOADS[workload]()
     start = time.perf_counter()
     f = fxtrain.TrainModule(m, fxtrain.Options(executor=executor))
     opt = torch.optim.SGD(f.parameters(), lr=1e-4)
-    first = None
-    for _ in range(steps):
+    walls = []
+    for step in range(1, max(marks) + 1):
         loss_of(f).backward()
         opt.step()
         opt.zero_grad()
-        first = first if first is not None else time.perf_counter() - start
-    wall = time.perf_counter() - start
+        if step == 1 or step in marks:
+            walls.append(time.perf_counter() - start)
     tiers = f.capture_info().tiers
-    print(f"RESULT {wall:.3f} {first:.3f} {tiers[-1] if tiers else '-'}")
+    print(f"RESULT {' '.join(f'{w:.3f}' for w in walls)} {tiers[0] if tiers else '-'}")
 
 
-def wall(workload: str, steps: int, rounds: int, cold: bool = False) -> None:
+def wall(workload: str, marks: List[int], rounds: int, cold: bool = False, threads: int = 1) -> None:
     executors = ("eager", "auto") if cold else EXECUTORS
-    runs = {k: [] for k in executors}
-    firsts = {k: [] for k in executors}
+    runs: Dict[str, List[List[float]]] = {k: [] for k in executors}   # per run: first step, then each mark
     notes = {}
     for r in range(rounds):
         for ex in (executors if r % 2 else executors[::-1]):
             with tempfile.TemporaryDirectory() as tmp:
                 # cold: an empty inductor cache per run, so auto's worker compiles through the whole run
                 env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tmp) if cold else os.environ
-                out = subprocess.run([sys.executable, __file__, "--one", workload, ex, str(steps)],
-                                     capture_output=True, text=True, env=env)
+                out = subprocess.run([sys.executable, __file__, "--one", workload, ex, ",".join(map(str, marks)),
+                                      "--threads", str(threads)], capture_output=True, text=True, env=env)
             line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")), None)
             if line is None:
                 print(out.stderr[-2000:])
                 raise SystemExit(f"{workload} {ex} failed")
-            _, w, f1, note = line.split(" ", 3)
-            runs[ex].append(float(w))
-            firsts[ex].append(float(f1))
-            notes[ex] = note
-    print(f"{workload}: {steps}-step wall time, median of {rounds} fresh processes (first step in brackets)"
-          f"{', inductor cache cold' if cold else ''}")
+            fields = line.split(" ", len(marks) + 2)
+            runs[ex].append([float(x) for x in fields[1:len(marks) + 2]])
+            notes[ex] = fields[-1]
+            print(f"  ({workload} {ex} round {r}: {' '.join(fields[1:-1])}; load {os.getloadavg()[0]:.2f})", flush=True)
+    print(f"{workload}: wall time to the end of step {', '.join(map(str, marks))}, median of {rounds} fresh "
+          f"processes (first step in brackets){', inductor cache cold' if cold else ''}")
     for ex in executors:
-        print(f"  {ex:9s} {statistics.median(runs[ex]):7.2f} s  ({statistics.median(firsts[ex]):.2f} s)"
-              f"  runs {', '.join(f'{x:.2f}' for x in runs[ex])}  {notes[ex] if ex == 'auto' else ''}")
+        med = [statistics.median(run[i] for run in runs[ex]) for i in range(len(marks) + 1)]
+        vs = [f"{m:.2f} s ({m / statistics.median(run[i + 1] for run in runs['eager']):.2f}x eager's)"
+              for i, m in enumerate(med[1:])]
+        print(f"  {ex:9s} {'  '.join(vs)}  ({med[0]:.2f} s)  {notes[ex] if ex == 'auto' else ''}")
 
 
 def steady(workload: str, steps: int, warmup: int = 10) -> None:
@@ -103,21 +123,22 @@ def steady(workload: str, steps: int, warmup: int = 10) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workloads", default="mlp,gpt2")
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", default="20", help="step counts to time a run to, comma-separated (20,200)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steady", type=int, default=200)
-    ap.add_argument("--one", nargs=3, metavar=("WORKLOAD", "EXECUTOR", "STEPS"))
+    ap.add_argument("--one", nargs=3, metavar=("WORKLOAD", "EXECUTOR", "MARKS"))
+    ap.add_argument("--threads", type=int, default=1, help="intra-op threads (of every run)")
     ap.add_argument("--skip", default="", help="'wall' or 'steady'")
     ap.add_argument("--cold", action="store_true", help="wall times only, eager and auto, inductor's cache empty")
     a = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(a.threads)
     if a.one:
-        one(a.one[0], a.one[1], int(a.one[2]))
+        one(a.one[0], a.one[1], [int(x) for x in a.one[2].split(",")])
         return
-    print(f"torch {torch.__version__}, 1 thread, load {os.getloadavg()[0]:.2f}")
+    print(f"torch {torch.__version__}, {a.threads} thread(s), load {os.getloadavg()[0]:.2f}")
     for w in a.workloads.split(","):
         if a.skip != "wall":
-            wall(w, a.steps, a.rounds, a.cold)
+            wall(w, [int(x) for x in a.steps.split(",")], a.rounds, a.cold, a.threads)
         if a.skip != "steady" and not a.cold:
             steady(w, a.steady)
     print(f"load {os.getloadavg()[0]:.2f}")

@@ -21,10 +21,11 @@ from tqdm import tqdm
 from . import models
 from .options import Options
 from .report import format_table
+from .runtime.tiered import TRIAL_STEPS
 
 logger = logging.getLogger("fxtrain")
 
-MODES = ("eager", "compile", "fxtrain", "fxtrain:eager", "fxtrain:inductor")
+MODES = ("eager", "compile", "fxtrain", "fxtrain:eager", "fxtrain:inductor", "fxtrain:auto")
 
 
 @dataclass
@@ -45,6 +46,9 @@ class BenchConfig:
     lr: float = 1e-4
     seed: int = 0
     device: str = "cpu"   # where every mode trains ("cuda", "cuda:1", ...); batches are drawn on the CPU
+    # executor="auto": wait for the background compiles after the second step (untimed), so that the
+    # timed steps show the compiled tier whatever the machine's compile speed.
+    await_compiles: bool = False
 
 
     def __post_init__(self) -> None:
@@ -121,6 +125,8 @@ class ModeResult:
     first_step_s: float = 0.0
     step_s: List[float] = field(default_factory=list)
     losses: List[float] = field(default_factory=list)
+    tier: str = "-"                      # executor="auto": the tier that ran the last step
+    tiers: List[str] = field(default_factory=list)   # capture_info().tiers at the end
 
     @property
     def median_ms(self) -> float:
@@ -151,13 +157,14 @@ class BenchResult:
         return max(abs(x - y) for x, y in zip(a, b))
 
     def table(self) -> str:
-        headers = ["mode", "first step s", "median ms", "min ms", "vs eager", "vs compile", "max |loss - eager|"]
+        headers = ["mode", "first step s", "median ms", "min ms", "vs eager", "vs compile", "max |loss - eager|",
+                   "tier at end"]
         rows = []
         for name, r in self.results.items():
             vs_eager, vs_compile, diff = self.ratio(name, "eager"), self.ratio(name, "compile"), self.max_loss_diff(name)
             rows.append([name, r.first_step_s, r.median_ms, r.min_ms,
                          f"{vs_eager:.2f}x" if vs_eager else "-", f"{vs_compile:.2f}x" if vs_compile else "-",
-                         f"{diff:.2e}" if diff is not None else "-"])
+                         f"{diff:.2e}" if diff is not None else "-", r.tier])
         c = self.config
         packed = f"packed documents of {c.packed[0]}..{c.packed[1]} tokens, " if c.packed else ""
         title = (f"{c.model}: batch {c.batch} x seq {c.seq}, {packed}padding {self.densities['padding']:.0%}, "
@@ -169,6 +176,10 @@ class BenchResult:
         for mode, passes in self.optimizations.items():
             lines.append(f"Optimizations ({mode}):")
             lines.extend(f"  {name:<20} {why}" for name, why in passes.items())
+        for mode, r in self.results.items():
+            if r.tiers:
+                lines.append(f"Tiers ({mode}):")
+                lines.extend(f"  {line}" for line in r.tiers)
         return "\n".join(lines)
 
     def to_json(self) -> Dict[str, Any]:
@@ -181,7 +192,7 @@ class BenchResult:
             "modes": {name: {"first_step_s": r.first_step_s, "median_ms": r.median_ms, "min_ms": r.min_ms,
                              "step_s": r.step_s, "losses": r.losses, "vs_eager": self.ratio(name, "eager"),
                              "vs_compile": self.ratio(name, "compile"),
-                             "max_loss_diff_vs_eager": self.max_loss_diff(name)}
+                             "max_loss_diff_vs_eager": self.max_loss_diff(name), "tier": r.tier, "tiers": r.tiers}
                       for name, r in self.results.items()},
         }
 
@@ -197,6 +208,21 @@ def _wrap(mode: str, model: torch.nn.Module) -> Callable[..., Any]:
     executor = mode.split(":", 1)[1] if ":" in mode else None
     options = Options() if executor is None else Options(executor=executor)
     return TrainModule(model, options)
+
+
+def tier_ran(fn: Any) -> str:
+    """executor="auto": the tier of the capture most steps ran (others are other shapes), with the
+    step it switched at (steps counted from 0, the capturing one); '-' for a mode without tiers."""
+    info = fn.capture_info() if hasattr(fn, "capture_info") else None
+    tiered = [r.tier for r in info.records if r.tier is not None] if info is not None else []
+    if not tiered:
+        return "-"
+    tier = max(tiered, key=lambda t: t.calls)
+    if tier.state == "compiled":
+        return f"inductor since step {tier.since_step}"
+    if tier.since_step is not None:   # timed slower than eager's: back on it
+        return f"eager (inductor steps {tier.since_step}-{tier.since_step + TRIAL_STEPS - 1})"
+    return "eager, compiling" if tier.state == "compiling" else "eager"
 
 
 def _optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
@@ -250,6 +276,11 @@ def run_benchmark(config: BenchConfig, progress: bool = True) -> BenchResult:
     total = len(config.modes) * n_batches
     with tqdm(total=total, desc=f"bench {config.model}", disable=not progress, unit="step") as bar:
         for i, batch in enumerate(batches):
+            if i == 2 and config.await_compiles:
+                bar.set_postfix_str("waiting for the background compiles")
+                for fn, _ in runs.values():
+                    if hasattr(fn, "capture_info"):
+                        fn.capture_info().wait_for_compiles()
             order = list(config.modes)
             k = i % len(order)
             order = order[k:] + order[:k]  # rotate so no mode always runs right after another
@@ -264,10 +295,14 @@ def run_benchmark(config: BenchConfig, progress: bool = True) -> BenchResult:
                     r.first_step_s = dt
                 elif i > config.warmup:
                     r.step_s.append(dt)
-                bar.set_postfix_str(f"{mode} {dt * 1000:.0f} ms")
+                r.tier = tier_ran(fn)
+                tiers = "".join(f"; {m}: {t.tier}" for m, t in results.items() if t.tier != "-")
+                bar.set_postfix_str(f"{mode} {dt * 1000:.0f} ms{tiers}")
                 bar.update()
     optimizations = {mode: dict(fn.capture_info().optimizations) for mode, (fn, _) in runs.items()
                      if hasattr(fn, "capture_info")}
+    for mode, (fn, _) in runs.items():
+        results[mode].tiers = list(fn.capture_info().tiers) if hasattr(fn, "capture_info") else []
     return BenchResult(config, results, densities, optimizations)
 
 

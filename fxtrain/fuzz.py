@@ -11,6 +11,14 @@ a padding id among real tokens, attention masks as long/bool/float, and, for los
 An image classifier (HF Swin) roams over batch sizes 1..8 and a second image size: the sizes policy's
 recaptures, where no sparsity pass applies.
 
+A tier case (``Case.tier``, ``--tier-switch``) trains with ``executor="auto"`` and crosses the
+switch to inductor's graphs at a known batch: its capture is made on a dense batch (no pass fires:
+a sparsity pass's data-dependent sizes keep a capture on the eager executor), the batches up to and
+past the switch keep that shape (their padding and labels roam), the compile is awaited before
+batch ``TIER_WAIT`` (``CaptureInfo.wait_for_compiles``: the switch step does not depend on how fast
+the machine compiles), and which tier ran each batch is read from the capture's ``Tier``. Batches
+the compiled graphs ran are held to the inductor tolerance (fusion reorders float sums).
+
 Per batch the oracle is eager: loss, returned tensors (read before or after the optimizer step),
 every gradient (NaN positions included), parameters after an AdamW step. Both copies are then
 re-synchronised so a difference is charged to the batch that made it. The bookkeeping also flags a
@@ -36,7 +44,8 @@ from . import models
 from .cost.step import loss_of
 from .module import TrainModule
 from .module_with_loss import ModuleWithLoss
-from .options import ENV_PREFIX
+from .options import ENV_PREFIX, Options
+from .runtime.tiered import TRIAL_STEPS
 
 VOCAB = 300          # above cross_entropy_grad's 256-class floor, so that backward pass fires too
 POSITIONS = 64
@@ -65,6 +74,15 @@ LOSSES = ("model", "custom")   # the model's own loss from `labels`, or one give
 PASSES_FIRING = {"mlm": ("label_sparsity", "padding_elimination"), "clm": ("label_sparsity", "padding_elimination"),
                  "cls": ("upstream_slicing", "padding_elimination"), "image": ()}
 ATOL, RTOL = 1e-5, 1e-4
+COMPILED_ATOL = ATOL * 10   # the suite's inductor tolerance (tests/conftest.py): fused sums reorder
+# Tier cases: the compile is awaited before this batch; the capture then times TRIAL_STEPS steps on
+# the eager executor and the next runs the compiled graphs (runtime/tiered.py: Tier._tick).
+TIER_WAIT = 2
+TIER_SWITCH = TIER_WAIT + TRIAL_STEPS
+# The compiled graphs then run the capture's next TRIAL_STEPS calls whatever their step time (at
+# the next one a capture they measured slower on goes back to eager: timing, so no batch of a tier
+# case calls it); from there the batches roam to other shapes (recaptures with tiers of their own).
+TIER_ROAM_FROM = TIER_SWITCH + TRIAL_STEPS
 
 
 def _distilbert() -> torch.nn.Module:
@@ -120,9 +138,11 @@ class Case:
     model: str
     loss: str
     seed: int
+    tier: bool = False   # executor="auto", across the switch to the compiled graphs
 
     def repro(self, batches: int) -> str:
-        return f"python -m fxtrain.fuzz --model {self.model} --loss {self.loss} --seed {self.seed} --batches {batches}"
+        return (f"python -m fxtrain.fuzz --model {self.model} --loss {self.loss} --seed {self.seed} --batches {batches}"
+                + (" --tier-switch" if self.tier else ""))
 
 
 @dataclass
@@ -138,7 +158,8 @@ class Finding:
         shown = [f"  {what}: {detail}" for what, detail in self.problems[:3]]
         if len(self.problems) > 3:
             shown.append(f"  ... and {len(self.problems) - 3} more")
-        return "\n".join([f"{self.case.model}/{self.case.loss} seed {self.case.seed} batch {self.batch} "
+        tier = "/tier" if self.case.tier else ""
+        return "\n".join([f"{self.case.model}/{self.case.loss}{tier} seed {self.case.seed} batch {self.batch} "
                           f"({self.batch_about}):", *shown, f"  repro: {self.case.repro(self.batch + 1)}"])
 
 
@@ -152,6 +173,7 @@ class CaseResult:
     dense_batches: Dict[str, int] = field(default_factory=dict)
     findings: List[Finding] = field(default_factory=list)
     seconds: float = 0.0
+    tiers: List[str] = field(default_factory=list)   # tier cases: per batch, "eager" or "inductor"
 
 
 # ------------------------------------------------------------------------------------------- batches
@@ -180,12 +202,17 @@ def dense_batch(kind: str, pad_id: int, ignore: int, rng: random.Random) -> Tupl
     return batch, "dense batch: 3x24, no padding, every position labelled"
 
 
-def roaming_batch(kind: str, pad_id: int, ignore: int, rng: random.Random,
-                  other_mask: torch.dtype) -> Tuple[Dict[str, Any], str]:
-    """One batch from the edges: every choice is drawn from ``rng`` and summarised in the text."""
+def roaming_batch(kind: str, pad_id: int, ignore: int, rng: random.Random, other_mask: torch.dtype,
+                  shape: Optional[Tuple[int, int]] = None) -> Tuple[Dict[str, Any], str]:
+    """One batch from the edges: every choice is drawn from ``rng`` and summarised in the text.
+    ``shape``: this batch size and length, a long mask and the usual outputs (one input signature:
+    the same capture runs it), only the contents roam."""
     g = torch.Generator().manual_seed(rng.randrange(2 ** 31))
-    b = rng.randint(1, 8)
-    s = rng.choice([1, 2, rng.randint(1, 16), rng.randint(1, POSITIONS), POSITIONS])
+    if shape is None:
+        b = rng.randint(1, 8)
+        s = rng.choice([1, 2, rng.randint(1, 16), rng.randint(1, POSITIONS), POSITIONS])
+    else:
+        b, s = shape
     side = rng.choice(["right", "left"])
     lengths = []
     for _ in range(b):
@@ -203,11 +230,11 @@ def roaming_batch(kind: str, pad_id: int, ignore: int, rng: random.Random,
         notes.append("pad id among real tokens")
     ids = torch.where(real, ids, torch.full_like(ids, pad_id))
     # Mostly long; each case's other dtype now and then (a dtype is a new input schema: a capture).
-    mask_dtype = torch.long if rng.random() < 0.8 else other_mask
+    mask_dtype = torch.long if shape is not None or rng.random() < 0.8 else other_mask
     batch: Dict[str, Any] = {"input_ids": ids, "attention_mask": real.to(mask_dtype)}
     if mask_dtype != torch.long:
         notes.append(f"{str(mask_dtype).split('.')[-1]} mask")
-    if rng.random() < 0.05:
+    if shape is None and rng.random() < 0.05:
         batch["output_hidden_states"] = True    # more returned tensors (and, once, HF's hook-installing break)
         notes.append("output_hidden_states")
     if kind == "cls":
@@ -246,6 +273,10 @@ def image_batch(first: bool, ignore: int, rng: random.Random) -> Tuple[Dict[str,
 
 def batches(case: Case, kind: str, pad_id: int, ignore: int) -> Iterator[Tuple[Dict[str, torch.Tensor], str]]:
     rng = random.Random(f"{case.seed}/{case.model}/{case.loss}/batches")
+    if case.tier:
+        if kind == "image":
+            raise ValueError(f"{case.model}: tier cases are text models' (a dense capturing batch)")
+        yield from _tier_batches(kind, pad_id, ignore, rng)
     if kind == "image":
         yield image_batch(True, ignore, rng)
         while True:
@@ -254,6 +285,20 @@ def batches(case: Case, kind: str, pad_id: int, ignore: int) -> Iterator[Tuple[D
     other_mask = rng.choice([torch.bool, torch.float])
     if rng.random() < 0.5:  # the next capture (new sizes: symbolic) is made on a dense batch
         yield dense_batch(kind, pad_id, ignore, rng)
+    while True:
+        yield roaming_batch(kind, pad_id, ignore, rng, other_mask)
+
+
+def _tier_batches(kind: str, pad_id: int, ignore: int,
+                  rng: random.Random) -> Iterator[Tuple[Dict[str, torch.Tensor], str]]:
+    """A dense capturing batch, then its shape with roaming contents up to TIER_ROAM_FROM, then
+    batches of any shape."""
+    first, about = dense_batch(kind, pad_id, ignore, rng)
+    yield first, about.replace("dense batch", "capturing batch (tier)")
+    shape = tuple(first["input_ids"].shape)
+    other_mask = rng.choice([torch.bool, torch.float])
+    for _ in range(1, TIER_ROAM_FROM):
+        yield roaming_batch(kind, pad_id, ignore, rng, other_mask, shape=shape)
     while True:
         yield roaming_batch(kind, pad_id, ignore, rng, other_mask)
 
@@ -307,7 +352,7 @@ class _Pair:
         if loss.custom:
             model = ModuleWithLoss(model, functools.partial(_custom_loss, self.kind, loss))
         self.ref = copy.deepcopy(model)
-        self.tm = TrainModule(model)
+        self.tm = TrainModule(model, Options(executor="auto") if case.tier else None)
         self.initial = copy.deepcopy(self.ref.state_dict())
         self.new_optimizers()
 
@@ -316,6 +361,16 @@ class _Pair:
         # (1e-10 against 0) into a full lr step; real gradients (>= 1e-4 here) are unaffected.
         self.opt = torch.optim.AdamW(self.tm.parameters(), lr=1e-3, eps=1e-6)
         self.ref_opt = torch.optim.AdamW(self.ref.parameters(), lr=1e-3, eps=1e-6)
+
+    def tier_calls(self) -> Dict[int, int]:
+        return {r.index: r.tier.calls for r in self.tm.capture_info().records if r.tier is not None}
+
+    def tier_ran(self, before: Dict[int, int]) -> str:
+        """Which code ran the captures called since ``before`` (a Tier's state after a call is the
+        one that call ran: the switch, and a switch back, happen before it runs)."""
+        ran = {r.tier.state for r in self.tm.capture_info().records
+               if r.tier is not None and r.tier.calls > before.get(r.index, 0)}
+        return "inductor" if "compiled" in ran else "eager"
 
     def resync(self) -> None:
         """Copy eager's parameters and optimizer state over: the next batch starts from equal states."""
@@ -356,8 +411,16 @@ def run_case(case: Case, n_batches: int, stop_at_first: bool = False, device: An
     for index in range(n_batches):
         batch, about = next(stream)
         batch = {k: v.to(pair.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-        found = _one_batch(pair, batch, index, rng.random() < 0.5, seen)
-        if index == 0 and case.model in FIRES:  # the fuzzer's own models are chosen for the passes
+        found = []
+        if case.tier and index == TIER_WAIT and not pair.tm.capture_info().wait_for_compiles(600):
+            found.append(("the background compile did not finish in 600 s", "; ".join(pair.tm.capture_info().tiers)))
+        before = pair.tier_calls()
+        found += _one_batch(pair, batch, index, rng.random() < 0.5, seen,
+                            lambda: COMPILED_ATOL if pair.tier_ran(before) == "inductor" else ATOL)
+        if case.tier:
+            result.tiers.append(pair.tier_ran(before))
+            found += _tier_expected(result.tiers[-1], index, pair.tm.capture_info().tiers)
+        if index == 0 and case.model in FIRES and not case.tier:  # the fuzzer's models are chosen for the passes
             why = pair.tm.capture_info().optimizations
             found += [("a pass did not fire on the capturing batch", f"{name}: {why.get(name)}")
                       for name in PASSES_FIRING[pair.kind] if not why.get(name, "").startswith("on:")]
@@ -375,8 +438,19 @@ def run_case(case: Case, n_batches: int, stop_at_first: bool = False, device: An
     return result
 
 
+def _tier_expected(ran: str, index: int, tiers: List[str]) -> List[Tuple[str, str]]:
+    """A tier case runs the eager executor up to TIER_SWITCH, the compiled graphs up to
+    TIER_ROAM_FROM; the roaming batches after it run whichever tier their capture has."""
+    expected = "eager" if index < TIER_SWITCH else "inductor" if index < TIER_ROAM_FROM else ran
+    if ran != expected:
+        return [(f"batch {index} ran on {ran}, expected {expected} (the switch at batch {TIER_SWITCH})",
+                 "; ".join(tiers))]
+    return []
+
+
 def _one_batch(pair: _Pair, batch: Dict[str, torch.Tensor], index: int, read_before_step: bool,
-               seen: set) -> List[Tuple[str, str]]:
+               seen: set, atol: Callable[[], float] = lambda: ATOL) -> List[Tuple[str, str]]:
+    """``atol``: read once the forward has run (which tier ran it is known then)."""
     found: List[Tuple[str, str]] = []
     captures = pair.tm.capture_info().graphs
     try:
@@ -395,11 +469,12 @@ def _one_batch(pair: _Pair, batch: Dict[str, torch.Tensor], index: int, read_bef
     try:
         out = pair.tm(**batch)
         out_loss = loss_of(out)
-        problem = _differs(out_loss, ref_loss)
+        tol = atol()
+        problem = _differs(out_loss, ref_loss, tol)
         if problem:
             found.append(("loss differs", problem))
         if read_before_step:
-            found.extend(_compare_outputs(out, ref_out, "before the step"))
+            found.extend(_compare_outputs(out, ref_out, "before the step", tol))
         out_loss.backward()
     except Exception as e:
         pair.tm.zero_grad(set_to_none=True)
@@ -413,15 +488,15 @@ def _one_batch(pair: _Pair, batch: Dict[str, torch.Tensor], index: int, read_bef
     seen.add(signature)
     mine = dict(pair.tm.named_parameters())
     for name, rp in pair.ref.named_parameters():
-        problem = _differs(mine[name].grad, rp.grad)
+        problem = _differs(mine[name].grad, rp.grad, tol)
         if problem:
             found.append((f"gradient of {name} differs", problem))
     pair.opt.step()
     pair.ref_opt.step()
     if not read_before_step:
-        found.extend(_compare_outputs(out, ref_out, "after the step"))
+        found.extend(_compare_outputs(out, ref_out, "after the step", tol))
     for name, rp in pair.ref.named_parameters():
-        problem = _differs(mine[name], rp)
+        problem = _differs(mine[name], rp, tol)
         if problem:
             found.append((f"{name} after the optimizer step differs", problem))
     pair.opt.zero_grad(set_to_none=True)
@@ -430,14 +505,14 @@ def _one_batch(pair: _Pair, batch: Dict[str, torch.Tensor], index: int, read_bef
     return found
 
 
-def _compare_outputs(out: Any, ref_out: Any, when: str) -> List[Tuple[str, str]]:
+def _compare_outputs(out: Any, ref_out: Any, when: str, atol: float = ATOL) -> List[Tuple[str, str]]:
     found = []
     mine, ref = _tensors(out), _tensors(ref_out)
     if mine.keys() != ref.keys():
         return [(f"returned tensors differ {when}", f"{sorted(mine)} vs eager {sorted(ref)}")]
     for path in ref:
         try:
-            problem = _differs(mine[path], ref[path])
+            problem = _differs(mine[path], ref[path], atol)
         except Exception as e:
             problem = f"reading it raised {type(e).__name__}: {e}"
         if problem:
@@ -447,8 +522,8 @@ def _compare_outputs(out: Any, ref_out: Any, when: str) -> List[Tuple[str, str]]
 
 # ------------------------------------------------------------------------------------------ driver
 def cases(seeds: Sequence[int], model_names: Sequence[str] = tuple(MODELS),
-          losses: Sequence[str] = LOSSES) -> List[Case]:
-    return [Case(m, l, s) for s in seeds for m in model_names for l in losses]
+          losses: Sequence[str] = LOSSES, tier: bool = False) -> List[Case]:
+    return [Case(m, l, s, tier) for s in seeds for m in model_names for l in losses]
 
 
 def run(all_cases: Sequence[Case], n_batches: int, progress: bool = True, device: Any = "cpu") -> List[CaseResult]:
@@ -463,12 +538,19 @@ def run(all_cases: Sequence[Case], n_batches: int, progress: bool = True, device
         os.environ.update(saved)
 
 
+def _tiers_ran(ran: Sequence[str]) -> str:
+    if not ran:
+        return "-"
+    compiled = [i for i, tier in enumerate(ran) if tier == "inductor"]
+    return f"inductor from batch {compiled[0]} ({len(compiled)} batches)" if compiled else "eager only"
+
+
 def summary(results: Sequence[CaseResult]) -> str:
     from .report import format_table
     rows = [[f"{r.case.model}/{r.case.loss}", r.case.seed, r.loss.describe(), r.batches, r.captures, r.signatures,
-             sum(r.dense_batches.values()), len(r.findings), r.seconds] for r in results]
-    table = format_table(["case", "seed", "loss", "batches", "captures", "signatures", "dense route", "findings",
-                          "s"], rows)
+             sum(r.dense_batches.values()), _tiers_ran(r.tiers), len(r.findings), r.seconds] for r in results]
+    table = format_table(["case", "seed", "loss", "batches", "captures", "signatures", "dense route", "tiers",
+                          "findings", "s"], rows)
     findings = [str(f) for r in results for f in r.findings]
     return table + ("\n\n" + "\n".join(findings) if findings else "\n\nno difference from eager")
 
@@ -481,11 +563,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", type=int, default=None, help="run seeds 0..N-1 (the long mode)")
     p.add_argument("--batches", type=int, default=40, help="batches per case, the capturing one included")
     p.add_argument("--device", default="cpu", help="torch device the models train on (cuda, ...); default cpu")
+    p.add_argument("--tier-switch", action="store_true",
+                   help=f'executor="auto", the switch to inductor\'s graphs forced at batch {TIER_SWITCH}')
 
 
 def run_command(args: argparse.Namespace) -> int:
     seeds = list(range(args.seeds)) if args.seeds else (args.seed or [0])
-    results = run(cases(seeds, args.model or tuple(MODELS), args.loss or LOSSES), args.batches,
+    results = run(cases(seeds, args.model or tuple(MODELS), args.loss or LOSSES, getattr(args, "tier_switch", False)),
+                  args.batches,
                   device=getattr(args, "device", "cpu"))
     print(summary(results))
     return 1 if any(r.findings for r in results) else 0

@@ -9,6 +9,7 @@ import pytest
 
 from fxtrain import bench, cli
 from fxtrain.options import Options
+from fxtrain.runtime.tiered import TRIAL_STEPS
 from utils import DEVICE
 
 TINY = ["--model", "bert-tiny", "--batch", "4", "--seq", "16", "--steps", "2", "--warmup", "0", "--no-progress"]
@@ -30,9 +31,11 @@ def test_bench_json_has_every_mode_with_parity(tmp_path, capsys):
         assert len(m["step_s"]) == 2 and all(t > 0 for t in m["step_s"]) and m["first_step_s"] > 0
         assert len(m["losses"]) == 3
         assert m["max_loss_diff_vs_eager"] < 1e-4, name
+        assert m["tier"] == "-" and m["tiers"] == [], name   # no mode here has tiers (executor="auto")
     assert 0.4 < data["densities"]["padding"] < 0.7
     printed = capsys.readouterr().out
     assert "vs eager" in printed and "fxtrain:eager" in printed and "FLOP-ideal" in printed
+    assert "tier at end" in printed
     assert cli.main(["bench", "--list-workloads"]) == 0
     listed = capsys.readouterr().out
     assert all(name in listed for name in bench.WORKLOADS)
@@ -74,3 +77,25 @@ def test_console_script_runs():
     assert done.returncode == 0 and "FXTRAIN_EXECUTOR" in done.stdout
     with pytest.raises(SystemExit):
         cli.main(["no-such-command"])
+
+
+@pytest.mark.extended   # waits for a compile at nice 19: minutes while `make test`'s other worker is busy
+def test_bench_shows_the_tier_switch(tmp_path, capsys):
+    """fxtrain:auto with its compile awaited after the second step (--await-compiles): the progress
+    bar and the "tier at end" column say that the compiled graphs ran the last step and since which
+    step (a dense batch: no sparsity pass, whose data-dependent sizes would keep it eager); the
+    eager mode's column says it has no tiers, and the losses stay eager's."""
+    out = tmp_path / "bench.json"
+    # The switch comes TRIAL_STEPS steps after the compile is seen ready (step 2), and the compiled
+    # graphs then run TRIAL_STEPS steps before their time is compared: end inside them.
+    switch = 2 + TRIAL_STEPS
+    assert cli.main(["bench", "--model", "bert-tiny", "--batch", "4", "--seq", "16", "--padding", "0",
+                     "--label-density", "1", "--warmup", "0", "--steps", str(switch + 2), "--device", str(DEVICE),
+                     "--modes", "eager,fxtrain:auto", "--await-compiles", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())["modes"]
+    assert data["fxtrain:auto"]["tier"] == f"inductor since step {switch}", data["fxtrain:auto"]["tiers"]
+    assert data["eager"]["tier"] == "-"
+    assert data["fxtrain:auto"]["max_loss_diff_vs_eager"] < 1e-3
+    printed = capsys.readouterr()
+    assert "tier at end" in printed.out and f"inductor since step {switch}" in printed.out
+    assert "fxtrain:auto" in printed.err and f"inductor since step {switch}" in printed.err   # the bar

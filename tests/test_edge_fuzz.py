@@ -55,3 +55,28 @@ def test_no_image_batch_differs_from_eager():
     assert not [f for r in results for f in r.findings], report
     (result,) = results
     assert result.batches == IMAGE_BATCHES and result.captures >= 2 and result.signatures >= 5, report
+
+
+def _tier_case(losses, n_batches):
+    marks = () if n_batches == fuzz.TIER_ROAM_FROM else pytest.mark.extended
+    return pytest.param(losses, n_batches, marks=marks, id=f"{'+'.join(losses)}-{n_batches}")
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("losses,n_batches", [_tier_case(("model",), fuzz.TIER_ROAM_FROM),
+                                              _tier_case(fuzz.LOSSES, 28)])
+def test_tier_switch_mid_run_matches_eager(losses, n_batches):
+    """executor="auto" across its switch to inductor's graphs (fuzz.py: tier cases): every batch
+    before (capture, compile, eager steps timed), at and after the switch matches eager, and the
+    switch did happen at the batch the awaited compile fixes. `make test`: GPT-2, one loss, up to the
+    end of the compiled graphs' trial; `make test-long` both losses and roaming shapes after it."""
+    results = fuzz.run(fuzz.cases([0], ["gpt2-clm"], losses, tier=True), n_batches, progress=False, device=DEVICE)
+    report = fuzz.summary(results)
+    print(report)
+    assert not [f for r in results for f in r.findings], report
+    for r in results:
+        assert r.batches == n_batches, report
+        ran = r.tiers[:fuzz.TIER_ROAM_FROM]
+        assert ran == ["eager"] * fuzz.TIER_SWITCH + ["inductor"] * (fuzz.TIER_ROAM_FROM - fuzz.TIER_SWITCH), ran
+        if n_batches > fuzz.TIER_ROAM_FROM:
+            assert r.captures >= 2, report   # the roaming batches recaptured
