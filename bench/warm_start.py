@@ -29,7 +29,7 @@ def _child(mode: str, phase: str, workload: str, cache: str) -> None:
     config = bench.WORKLOADS[workload].config()
     torch.manual_seed(0)
     model = models.build(config.model, seed=config.seed)
-    if no_kv:   # a model returning its key/value cache (a DynamicCache) is not stored on disk
+    if no_kv:
         model.config.use_cache = False
     batches = bench._batches(config, 3)
     if mode == "fxtrain":
@@ -71,8 +71,8 @@ def main() -> None:
     ap.add_argument("--workload", default="gpt2-dense")
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--no-kv-cache", action="store_true",
-                    help="config.use_cache=False: HF causal LMs return a DynamicCache otherwise, which "
-                         "fxtrain's on-disk cache cannot rebuild (nothing is stored)")
+                    help="config.use_cache=False (HF causal LMs return their key/value cache otherwise; "
+                         "the rows of 2026-11-26 were measured so, before the cache stored it)")
     ap.add_argument("--child", nargs=4)
     a = ap.parse_args()
     if a.child:

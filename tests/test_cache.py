@@ -373,3 +373,56 @@ def test_output_viewing_an_intermediate_is_cached_and_exact(tmp_path):
         assert ref_view._is_view() and view._is_view() == info.records[0].runtime.startswith("autograd"), \
             info.records[0].runtime
         assert (info.cache_hits, info.cache_misses) == expected, info.cache_log
+
+
+def test_causal_lm_returning_its_dynamic_cache_is_stored_and_rebuilt(tmp_path):
+    """HF causal LMs return their key/value cache (a transformers DynamicCache) with the default
+    use_cache=True: the entry rebuilds that object from the graph's outputs on a hit, each layer's
+    keys and values equal to eager's, and the step trains as eager does."""
+    def gpt2():
+        torch.manual_seed(0)
+        return models.gpt2_lm(hidden=32, layers=2, heads=2, vocab=500, positions=32)
+
+    g = torch.Generator().manual_seed(0)
+    batches = [models.synthetic_batch("clm", 3, 12, 500, padding=0.0, generator=g) for _ in range(3)]
+    writer, _ = wrap_pair(gpt2(), cache_dir=str(tmp_path))
+    assert type(writer(**batches[0]).past_key_values).__name__ == "DynamicCache"
+    assert any(line.startswith("stored") for line in writer.capture_info().cache_log), writer.capture_info().cache_log
+    tm, ref = wrap_pair(gpt2(), cache_dir=str(tmp_path))
+
+    def same_cache(out, ref_out):
+        mine, theirs = out.past_key_values, ref_out.past_key_values
+        assert type(mine) is type(theirs) and len(mine.layers) == len(theirs.layers) == 2
+        for a, b in zip(mine.layers, theirs.layers):
+            assert type(a) is type(b) and a.is_initialized and a.get_seq_length() == b.get_seq_length()
+            torch.testing.assert_close(a.keys, b.keys)
+            torch.testing.assert_close(a.values, b.values)
+        torch.testing.assert_close(out.logits, ref_out.logits, atol=1e-5, rtol=1e-5)
+    train_parity(tm, ref, batches, _loss, compare_outputs=same_cache)
+    assert (tm.capture_info().cache_hits, tm.capture_info().graphs) == (1, 1), tm.capture_info().cache_log
+
+
+def test_an_object_holding_no_result_of_the_call_is_not_stored(tmp_path):
+    """A returned object without this call's tensors (here the model's own config) would come back
+    from an entry as a copy where eager returns the very object: not stored, said why, and the
+    live capture returns the object itself."""
+    class WithConfig(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.settings = torch.nn.Linear(4, 4), _Settings()
+
+        def forward(self, x):
+            return self.lin(x).sum(), self.settings
+
+    tm, ref = wrap_pair(WithConfig(), cache_dir=str(tmp_path))
+    loss, settings = tm(torch.randn(2, 4))
+    loss.backward()
+    assert settings is tm.module.settings
+    assert any("returns a _Settings, which fxtrain cannot rebuild" in line for line in tm.capture_info().cache_log), \
+        tm.capture_info().cache_log
+    assert _entries(tmp_path) == []
+
+
+class _Settings:
+    def __init__(self):
+        self.scale, self.name = 2.0, "settings"

@@ -16,7 +16,7 @@ from ..runtime import runner
 from ..capture.aot import backward_of
 from ..runtime.dense_route import DenseRoute
 from ..runtime.executors import Executor
-from .entry import Entry
+from .entry import Entry, rebuild_leaf
 
 MISS = object()
 
@@ -74,5 +74,5 @@ class CachedCall:
         if self.route is not None and not self.route.admits(flat):
             return module(*args, **kwargs)  # the dense route: no graph without passes is stored
         outs = self.compiled(*flat)
-        leaves = [outs[v] if kind == "out" else v for kind, v in self.entry.leaves]
+        leaves = [rebuild_leaf(leaf, outs) for leaf in self.entry.leaves]
         return tp.pytree.tree_unflatten(leaves, self.entry.treespec)

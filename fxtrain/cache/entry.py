@@ -34,7 +34,7 @@ class Entry:
     forward_graph: torch.fx.GraphModule
     backward_graph: Optional[torch.fx.GraphModule]
     treespec: Any
-    leaves: List[Tuple[str, Any]]                      # ("out", index) or ("const", value)
+    leaves: List[Tuple[str, Any]]                      # ("out", index), ("const", value), ...: _leaf_recipe
     optimizations: Dict[str, str] = field(default_factory=dict)
     header: Dict[str, Any] = field(default_factory=dict)
     # The rewritten torch-level graph and the runtime mode the capture chose: a hit runs as the
@@ -52,17 +52,61 @@ def output_recipe(out: Any, graph_outputs: Any) -> Tuple[Any, List[Tuple[str, An
         raise NotReplayable("the graph's outputs were not seen")
     by_id = {id(t): i for i, t in enumerate(graph_outputs) if isinstance(t, torch.Tensor)}
     leaves, spec = tp.tree_flatten(out)
-    recipe: List[Tuple[str, Any]] = []
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            if id(leaf) not in by_id:
-                raise NotReplayable("the model returns a tensor that is not a graph output")
-            recipe.append(("out", by_id[id(leaf)]))
-        elif isinstance(leaf, _PLAIN):
-            recipe.append(("const", leaf))
-        else:
-            raise NotReplayable(f"the model returns a {type(leaf).__name__}, which fxtrain cannot rebuild")
-    return spec, recipe
+    return spec, [_leaf_recipe(leaf, by_id) for leaf in leaves]
+
+
+def _leaf_recipe(leaf: Any, by_id: Dict[int, int], depth: int = 0) -> Tuple[str, Any]:
+    """("out", graph output index), ("const", value), ("list"/"tuple"/"dict", items) or ("object",
+    (class, attribute recipes)). An object that is no pytree node is rebuilt from its attributes
+    (``__new__``, then its ``__dict__``) when they are tensors the graph returns, plain values or
+    more of the same, and at least one is such a tensor, so the object holds this call's results:
+    transformers' ``DynamicCache``, which HF causal LMs return with their default ``use_cache``. An
+    object holding none (a config, a shared helper) would come back as a copy where eager returns
+    the very object: refused, as are objects with slots or their own pickling."""
+    if isinstance(leaf, torch.Tensor):
+        if id(leaf) not in by_id:
+            raise NotReplayable("the model returns a tensor that is not a graph output")
+        return ("out", by_id[id(leaf)])
+    if isinstance(leaf, _PLAIN + (torch.dtype, torch.device)):
+        return ("const", leaf)
+    kind = type(leaf)
+    if depth < 4 and kind in (list, tuple):
+        return (kind.__name__, [_leaf_recipe(x, by_id, depth + 1) for x in leaf])
+    if depth < 4 and kind is dict and all(isinstance(k, _PLAIN) for k in leaf):
+        return ("dict", [(k, _leaf_recipe(v, by_id, depth + 1)) for k, v in leaf.items()])
+    state = getattr(leaf, "__dict__", None)
+    if (depth < 4 and isinstance(state, dict) and not any(c.__dict__.get("__slots__") for c in kind.__mro__)
+            and kind.__reduce_ex__ is object.__reduce_ex__ and kind.__reduce__ is object.__reduce__):
+        attrs = {name: _leaf_recipe(v, by_id, depth + 1) for name, v in state.items()}
+        if _holds_output(list(attrs.values())):
+            return ("object", (kind, attrs))
+    raise NotReplayable(f"the model returns a {kind.__name__}, which fxtrain cannot rebuild")
+
+
+def _holds_output(recipes: List[Tuple[str, Any]]) -> bool:
+    for kind, value in recipes:
+        if kind == "out" or (kind in ("list", "tuple") and _holds_output(value)) or \
+                (kind == "dict" and _holds_output([v for _, v in value])) or \
+                (kind == "object" and _holds_output(list(value[1].values()))):
+            return True
+    return False
+
+
+def rebuild_leaf(recipe: Tuple[str, Any], outs: Any) -> Any:
+    kind, value = recipe
+    if kind == "out":
+        return outs[value]
+    if kind == "const":
+        return value
+    if kind in ("list", "tuple"):
+        items = [rebuild_leaf(r, outs) for r in value]
+        return items if kind == "list" else tuple(items)
+    if kind == "dict":
+        return {k: rebuild_leaf(r, outs) for k, r in value}
+    cls, attrs = value
+    obj = cls.__new__(cls)
+    obj.__dict__.update({name: rebuild_leaf(r, outs) for name, r in attrs.items()})
+    return obj
 
 
 def build(record: Any, recipe: Recipe, out: Any, about: Dict[str, Any]) -> Entry:
