@@ -98,10 +98,6 @@ class MemoryPlan:
     seconds: float = 0.0
     note: str = ""
 
-    @property
-    def peak_reduction_bytes(self) -> int:
-        return self.unplanned_peak_bytes - self.planned_peak_bytes
-
     def __str__(self) -> str:
         from ..report import human_bytes, human_flops
         ops = ", ".join(f"{k} {v}" for k, v in self.recomputed_ops.items() if v) or "nothing"
