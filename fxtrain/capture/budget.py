@@ -138,25 +138,13 @@ def _banned(node: torch.fx.Node) -> Optional[str]:
     if getattr(target, "namespace", None) not in ("aten", "prims"):
         return "not an aten op"         # PythonOps run user code; fxtrain's host counts read the host
     tags = getattr(target, "tags", ())
-    if torch.Tag.nondeterministic_seeded in tags and not _without_dropout(node):
+    if tp.draws_random_numbers(node):
         return "random"
     if torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags:
         return "data-dependent"
     if target._schema.is_mutable:
         return "in-place"
     return None
-
-
-def _without_dropout(node: torch.fx.Node) -> bool:
-    """An op tagged random only for its dropout (the attention kernels) called with ``dropout_p=0``."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return False
-    for i, arg in enumerate(schema.arguments):
-        if arg.name == "dropout_p":
-            value = node.args[i] if i < len(node.args) else node.kwargs.get("dropout_p", arg.default_value)
-            return isinstance(value, (int, float)) and float(value) == 0.0
-    return False
 
 
 def _kind(node: torch.fx.Node) -> Optional[str]:
