@@ -52,10 +52,6 @@ class GraphStepCost:
     seconds: float
 
 
-def _unpack(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
 GraphInput = Tuple[Any, bool]   # (the forward graph placeholder's value, whether it takes a gradient)
 
 
@@ -152,7 +148,7 @@ class GraphStepCoster:
             tracker.start_measuring()
             with mode, tracker, torch.enable_grad():
                 tracker.phase = "forward"
-                with torch.autograd.graph.saved_tensors_hooks(tracker.pack_saved, _unpack):
+                with tracker.watching_saved():
                     out: Any = run(*args)
                 loss = _loss(out)
                 if not self.keep_outputs:

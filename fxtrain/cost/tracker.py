@@ -236,8 +236,11 @@ class CostTracker(TorchDispatchMode):
         spans = self._output_spans + [(nbytes, born, self._events + 1) for nbytes, born in self._outputs.values()]
         return sum(nbytes for nbytes, born, died in spans if born <= self._peak_event < died)
 
-    def pack_saved(self, t: torch.Tensor) -> torch.Tensor:
-        """saved_tensors_hooks pack: remember what the forward keeps for the backward."""
+    def watching_saved(self) -> Any:
+        """A block within which the tracker remembers what the forward keeps for the backward."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack_saved, lambda t: t)
+
+    def _pack_saved(self, t: torch.Tensor) -> torch.Tensor:
         st = _storage(t)
         if st is not None and self.counting:
             key = id(st)

@@ -138,7 +138,7 @@ class Session:
 
     def _forward(self, tracker: CostTracker, args: Any, kwargs: Any) -> Any:
         tracker.phase = "forward"
-        with torch.autograd.graph.saved_tensors_hooks(tracker.pack_saved, _unpack):
+        with tracker.watching_saved():
             return (self.model if self.eager else self.tm)(*args, **kwargs)
 
     def _rest_of_step(self, tracker: CostTracker, outputs: List[Any], keep_outputs: bool = True) -> None:
@@ -275,7 +275,3 @@ class Session:
         seconds = time.perf_counter() - started
         return StepCost(tracker=tracker, start_bytes=start, seconds=seconds, args=args, kwargs=kwargs,
                         fractions=list(tracker.fractions), keep_outputs=keep_outputs)
-
-
-def _unpack(t: torch.Tensor) -> torch.Tensor:
-    return t
