@@ -39,6 +39,7 @@ CUDA-only in torch 2.13; on CPU its partitioner bans random ops from recomputati
 """
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 import time
@@ -275,10 +276,11 @@ class Planner:
             if key in self.alive or any(_banned(n) for n in nodes):
                 continue
             self.groups.append(_Group(nodes, max(_storage_bytes(n) for n in nodes)))
-        self._costs: Dict[torch.fx.Node, Tuple[int, int]] = {}
         self._steps: Optional[List[_Step]] = None
-        self._keys: Dict[torch.fx.Node, Optional[int]] = {}
-        self._bytes: Dict[torch.fx.Node, int] = {}
+        # Node facts, memoised: the greedy order asks for the same nodes' at every step.
+        self._cost = functools.lru_cache(maxsize=None)(_node_cost)
+        self._key = functools.lru_cache(maxsize=None)(_storage_key)
+        self._nbytes = functools.lru_cache(maxsize=None)(_storage_bytes)
 
     # ------------------------------------------------------------------------------ dropout
     def _rewrite_dropout(self, saved: List[torch.fx.Node]) -> Dict[torch.fx.Node, torch.fx.Node]:
@@ -316,11 +318,6 @@ class Planner:
         return replaced
 
     # ---------------------------------------------------------------------------- ordering
-    def _cost(self, node: torch.fx.Node) -> Tuple[int, int]:
-        if node not in self._costs:
-            self._costs[node] = _node_cost(node)
-        return self._costs[node]
-
     def _marginal(self, group: _Group, saved: Set[torch.fx.Node],
                   recomputed: Set[torch.fx.Node]) -> Optional[_Step]:
         """What dropping ``group`` now costs: the ops to recompute, the values to save instead, and
@@ -366,16 +363,6 @@ class Planner:
         step = _Step(group, saves, rec, group.nbytes - extra, cost)
         step.harmful = self._lifetimes(step, reused, recomputed)
         return step
-
-    def _key(self, node: torch.fx.Node) -> Optional[int]:
-        if node not in self._keys:
-            self._keys[node] = _storage_key(node)
-        return self._keys[node]
-
-    def _nbytes(self, node: torch.fx.Node) -> int:
-        if node not in self._bytes:
-            self._bytes[node] = _storage_bytes(node)
-        return self._bytes[node]
 
     # ---------------------------------------------------------------------------- lifetimes
     def _need_times(self) -> None:
