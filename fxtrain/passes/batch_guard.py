@@ -160,29 +160,19 @@ def counted_index(gm: torch.fx.GraphModule, plans: Plans, valid: Node) -> Node:
     return index
 
 
-def row_lengths(gm: torch.fx.GraphModule, plans: Plans, valid: Node) -> Node:
-    """A node of ``gm`` (at its insertion point) holding ``valid.sum(1)`` on the host, ``valid`` a
-    2-d bool node: each sequence's real tokens, read ahead by the batch guard with its other numbers
-    (no synchronisation of its own). Where the guard cannot compute ``valid``, the op counts on the
-    device itself (one synchronisation)."""
+def host_numbers(gm: torch.fx.GraphModule, plans: Plans, flags: Node, op: Any) -> Node:
+    """A node of ``gm`` (at its insertion point) holding on the host what ``op`` makes of ``flags``, a
+    ``[batch, seq]`` bool node: ``HOST_ROW_LENGTHS``, ``flags.sum(1)`` (each sequence's real tokens);
+    ``HOST_DOCUMENT_LENGTHS``, the lengths of the documents whose first tokens ``flags`` marks
+    (``host_counts.document_lengths``). Read ahead by the batch guard with its other numbers (no
+    synchronisation of its own); where the guard cannot compute ``flags``, the op reads it itself
+    (one synchronisation)."""
     builder = GuardBuilder.of(gm, plans)
-    g_valid = builder.node(valid)
-    slot = builder.row_counts(g_valid) if g_valid is not None else new_slot()
+    g_flags = builder.node(flags)
+    read_ahead = builder.row_counts if op is HOST_ROW_LENGTHS else builder.flags
+    slot = read_ahead(g_flags) if g_flags is not None else new_slot()
     builder.store(plans)
-    return gm.graph.call_function(HOST_ROW_LENGTHS, (valid, slot))
-
-
-def document_lengths(gm: torch.fx.GraphModule, plans: Plans, starts: Node) -> Node:
-    """A node of ``gm`` (at its insertion point) holding the document lengths of packed rows on the
-    host (``host_counts.document_lengths``), ``starts`` a ``[batch, seq]`` bool node marking each
-    document's first token: its flags are read ahead by the batch guard with its other numbers (no
-    synchronisation of its own). Where the guard cannot compute ``starts``, the op reads the flags
-    itself (one synchronisation)."""
-    builder = GuardBuilder.of(gm, plans)
-    g_starts = builder.node(starts)
-    slot = builder.flags(g_starts) if g_starts is not None else new_slot()
-    builder.store(plans)
-    return gm.graph.call_function(HOST_DOCUMENT_LENGTHS, (starts, slot))
+    return gm.graph.call_function(op, (flags, slot))
 
 
 def _pure(node: Node) -> bool:
