@@ -8,8 +8,8 @@ that the runtime evaluates before the step (``runtime/dense_route.py``), and a b
 runs through the graph captured before the passes: eager's numbers, never an exception.
 
 The same graph counts the rows each selection of the passes keeps (``counted_index``), the real
-tokens of each sequence where attention runs sequence by sequence (``row_lengths``) and reads the
-document-start flags of packed rows where it runs document by document (``document_lengths``):
+tokens of each sequence where attention runs sequence by sequence and reads the document-start
+flags of packed rows where it runs document by document (``host_numbers``):
 conditions and counts reach the host in one transfer, the step's only device-to-host synchronisation, and the
 selections in the step are sized by those counts (``runtime/host_counts.py``) instead of syncing
 once per ``nonzero``.
