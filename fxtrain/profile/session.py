@@ -185,25 +185,25 @@ class Session:
             # fxtrain itself would warn and run this module eagerly (fallback="eager"): cost that.
             logger.warning("fxtrain profile: %s; costing eager PyTorch, which fxtrain would fall back to", e)
             self.fallback_reason = str(e)
-            self.eager = True
-            self.warm = False
-            self.optimizer_ready = False
-            self.tm = None
-            for p in self.fake_params:
-                p.grad = None
+            self._start_over(eager=True)
             return self._measure(fake_args, fake_kwargs, args, kwargs, hints, keep_outputs)
         except Exception as e:
             if not self.eager:
                 raise
             logger.warning("fxtrain profile: the module does not run eagerly on fake tensors (%s: %s); "
                            "costing its captured graph without passes instead", type(e).__name__, e)
-            self.eager = False
-            self.warm = False
-            self.optimizer_ready = False
-            self.tm = self._profiling_module(False)
-            for p in self.fake_params:
-                p.grad = None
+            self._start_over(eager=False)
             return self._measure(fake_args, fake_kwargs, args, kwargs, hints, keep_outputs)
+
+    def _start_over(self, eager: bool) -> None:
+        """Cost eagerly, or a capture without passes, from a cold start (the failed attempt's
+        gradients dropped)."""
+        self.eager = eager
+        self.warm = False
+        self.optimizer_ready = False
+        self.tm = None if eager else self._profiling_module(False)
+        for p in self.fake_params:
+            p.grad = None
 
     def _warm_up(self, fake_args: Any, fake_kwargs: Any, hints: Optional[List[float]]) -> None:
         """Reach steady state: graphs captured, backward compiled, optimizer state allocated.
