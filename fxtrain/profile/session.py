@@ -36,7 +36,6 @@ class StepCost:
     """What one measured fake step produced (raw; report.py turns it into a ProfileReport)."""
 
     tracker: CostTracker
-    start_bytes: int
     seconds: float
     args: Any
     kwargs: Any
@@ -268,10 +267,9 @@ class Session:
         if self.optimizer is not None:
             tracker.register([list(s.values()) for s in self.optimizer.state.values()], "optimizer state")
         tracker.register([fake_args, fake_kwargs], "inputs")
-        start = tracker.current
         tracker.start_measuring()
         with self._active(tracker):
             self._step(tracker, fake_args, fake_kwargs, keep_outputs)
         seconds = time.perf_counter() - started
-        return StepCost(tracker=tracker, start_bytes=start, seconds=seconds, args=args, kwargs=kwargs,
+        return StepCost(tracker=tracker, seconds=seconds, args=args, kwargs=kwargs,
                         fractions=list(tracker.fractions), keep_outputs=keep_outputs)
