@@ -70,6 +70,12 @@ ENTRY_NAME = "fxtrain_capture"
 ENTRY_PREFIXES = (ENTRY_NAME + "_", "torch_dynamo_resume_in_" + ENTRY_NAME + "_")
 
 
+def is_entry_frame(code_name: Optional[str]) -> bool:
+    """Whether ``code_name`` is a TrainModule's entry function (nothing of the call ran yet) rather
+    than a resume function or a frame called after a graph break."""
+    return bool(code_name and code_name.startswith(ENTRY_NAME + "_"))
+
+
 def compiled_frame_name() -> Optional[str]:
     """The code name of the frame dynamo is translating now (None outside dynamo's backend call)."""
     try:

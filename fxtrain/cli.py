@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .options import options_table
 
@@ -89,23 +90,15 @@ def _bench(args: argparse.Namespace) -> int:
     return _run_and_print(args, [m.strip() for m in args.modes.split(",") if m.strip()])
 
 
-def _options_args(p: argparse.ArgumentParser) -> None:
-    pass
-
-
 def _options(args: argparse.Namespace) -> int:
     print(options_table())
     return 0
 
 
-def _profile_args(p: argparse.ArgumentParser) -> None:
-    from .profile.command import add_arguments
-    add_arguments(p)
-
-
-def _profile(args: argparse.Namespace) -> int:
-    from .profile.command import run
-    return run(args)
+def _later(module: str, name: str) -> Callable[[Any], Any]:
+    """``fxtrain.<module>.<name>``, imported when the subcommand runs: one subcommand's imports
+    (the profiler's, the fuzzer's transformers) do not slow the others' start."""
+    return lambda arg: getattr(importlib.import_module(f".{module}", __package__), name)(arg)
 
 
 def _split_args(p: argparse.ArgumentParser) -> None:
@@ -147,35 +140,18 @@ def _split(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cache_args(p: argparse.ArgumentParser) -> None:
-    from .cache.command import add_arguments
-    add_arguments(p)
-
-
-def _cache(args: argparse.Namespace) -> int:
-    from .cache.command import run
-    return run(args)
-
-
-def _fuzz_args(p: argparse.ArgumentParser) -> None:
-    from .fuzz import add_arguments
-    add_arguments(p)
-
-
-def _fuzz(args: argparse.Namespace) -> int:
-    from .fuzz import run_command
-    return run_command(args)
-
-
 # Subcommand -> (add its arguments, run it, one-line help). Later features register here.
 COMMANDS: Dict[str, Command] = {
     "demo": (_demo_args, _demo, "train the DESIGN §7 BERT-MLM with eager and with fxtrain side by side"),
     "bench": (_bench_cmd_args, _bench, "eager vs torch.compile vs fxtrain, interleaved in one process"),
-    "profile": (_profile_args, _profile, "cost a training step on fake tensors: FLOPs, peak memory, per module"),
-    "options": (_options_args, _options, "print every option with its environment variable and default"),
+    "profile": (_later("profile.command", "add_arguments"), _later("profile.command", "run"),
+                "cost a training step on fake tensors: FLOPs, peak memory, per module"),
+    "options": (lambda p: None, _options, "print every option with its environment variable and default"),
     "split": (_split_args, _split, "cut a built-in model into pipeline stages and print the plan"),
-    "cache": (_cache_args, _cache, "list (ls) or delete (clear) the entries of the on-disk graph cache"),
-    "fuzz": (_fuzz_args, _fuzz, "train small HF models on edge batches against eager PyTorch (differential fuzzer)"),
+    "cache": (_later("cache.command", "add_arguments"), _later("cache.command", "run"),
+              "list (ls) or delete (clear) the entries of the on-disk graph cache"),
+    "fuzz": (_later("fuzz", "add_arguments"), _later("fuzz", "run_command"),
+             "train small HF models on edge batches against eager PyTorch (differential fuzzer)"),
 }
 
 

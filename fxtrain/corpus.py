@@ -10,9 +10,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
-from typing import Any, Dict, List, Optional, Sequence
-
-import torch
+from typing import Any, Dict, List, Sequence
 
 # Modules whose docstrings are long prose; the order fixes the corpus for a given Python version.
 _SOURCES = ("argparse", "collections", "functools", "itertools", "json", "re", "typing", "inspect", "textwrap",
@@ -83,10 +81,3 @@ def sft_rows(tok: Any, texts: Sequence[str], max_length: int, prompt_fraction: f
                      "labels": [-100] * cut + ids[cut:]})
     return rows
 
-
-def pad_to_batch(rows: Sequence[Dict[str, Any]], pad_id: int, device: Optional[torch.device] = None) -> Dict[str, torch.Tensor]:
-    """Right-pad ``input_ids``/``attention_mask``/``labels`` of ``rows`` into one batch."""
-    width = max(len(r["input_ids"]) for r in rows)
-    fill = {"input_ids": pad_id, "attention_mask": 0, "labels": -100}
-    return {k: torch.tensor([list(r[k]) + [v] * (width - len(r[k])) for r in rows], device=device)
-            for k, v in fill.items() if k in rows[0]}

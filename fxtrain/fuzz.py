@@ -67,7 +67,6 @@ EXTRA_MODELS: Dict[str, Tuple[Callable[[], torch.nn.Module], str, int]] = {
     "llama-clm": (lambda: models.llama_lm(hidden=32, layers=2, heads=4, vocab=VOCAB, kv_heads=2), "clm", 0),
 }
 IMAGE_LABELS = 5
-REQUIRED = tuple(MODELS)
 # Models the passes are checked to fire on (on the capturing batch).
 FIRES = (*(name for name, (_, kind, _) in MODELS.items() if kind != "image"), "llama-clm")
 LOSSES = ("model", "custom")   # the model's own loss from `labels`, or one given to ModuleWithLoss

@@ -178,6 +178,19 @@ def is_size_node(node: torch.fx.Node) -> bool:
     return bool(is_sym_node(node))
 
 
+def draws_random_numbers(node: torch.fx.Node) -> bool:
+    """Whether an aten node is tagged random (``Tag.nondeterministic_seeded``) and does draw: not an
+    op random only for its dropout (attention kernels, ``native_dropout``) called with probability 0.
+    Reads the op's ``_schema`` for the dropout argument."""
+    if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        return False
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.name in ("dropout_p", "p"):
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name, arg.default_value)
+            return not (isinstance(value, (int, float)) and float(value) == 0.0)
+    return True
+
+
 def dynamo_skip_frames(fn: Any) -> Any:
     """``fn`` with dynamo's frame converter leaving its own frames alone while still converting the
     frames it calls (``torch._dynamo.decorators.skip``: the code is marked to be skipped)."""

@@ -583,6 +583,22 @@ def test_flop_counts_are_analytic():
     assert sum(node_flops(pipe.plan.captured.gm)) == lin + attn + mm + conv
 
 
+def test_flop_counts_of_method_and_function_products_agree():
+    """x.matmul / x.addmm count as torch.matmul / torch.addmm (one rule for both call forms)."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, 4))
+            self.b = nn.Parameter(torch.randn(4))
+
+        def forward(self, x):
+            return (torch.addmm(self.b, x, self.w).sum() + self.b.addmm(x, self.w).sum()
+                    + torch.matmul(x, self.w).sum() + x.matmul(self.w).sum())
+
+    pipe = fxtrain.split(Net(), (torch.randn(3, 8),), num_stages=1)
+    assert sum(node_flops(pipe.plan.captured.gm)) == 4 * (2 * 3 * 8 * 4 * 2)   # weight grad only
+
+
 def test_sparse_flops_count_the_lm_head_on_labelled_rows():
     from fxtrain.pipeline.costs import module_of, node_sparse_flops
     batch = bert_batch()

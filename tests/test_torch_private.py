@@ -199,6 +199,11 @@ def test_graph_and_op_accessors(tmp_path: pathlib.Path) -> None:
     assert tp.custom_op_impl_of(torch.ops.aten.add.Tensor) is None
     assert callable(tp.redispatcher(torch.ops.aten.add.Tensor))
     assert tp.current_graph_task_keeps_graph() in (True, False)
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    dropout = {p: g.call_function(torch.ops.aten.native_dropout.default, (x, p, True)) for p in (0.0, 0.1)}
+    sdpa = g.call_function(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, (x, x, x))
+    assert [tp.draws_random_numbers(n) for n in (x, dropout[0.0], dropout[0.1], sdpa)] == [False, False, True, False]
     lin = torch.nn.Linear(2, 2)
     with tp.reparametrize_module(lin, {"weight": torch.zeros(2, 2)}, tie_weights=False, strict=False):
         assert not lin.weight.any()

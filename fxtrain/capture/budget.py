@@ -39,6 +39,7 @@ CUDA-only in torch 2.13; on CPU its partitioner bans random ops from recomputati
 """
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 import time
@@ -98,10 +99,6 @@ class MemoryPlan:
     seconds: float = 0.0
     note: str = ""
 
-    @property
-    def peak_reduction_bytes(self) -> int:
-        return self.unplanned_peak_bytes - self.planned_peak_bytes
-
     def __str__(self) -> str:
         from ..report import human_bytes, human_flops
         ops = ", ".join(f"{k} {v}" for k, v in self.recomputed_ops.items() if v) or "nothing"
@@ -142,25 +139,13 @@ def _banned(node: torch.fx.Node) -> Optional[str]:
     if getattr(target, "namespace", None) not in ("aten", "prims"):
         return "not an aten op"         # PythonOps run user code; fxtrain's host counts read the host
     tags = getattr(target, "tags", ())
-    if torch.Tag.nondeterministic_seeded in tags and not _without_dropout(node):
+    if tp.draws_random_numbers(node):
         return "random"
     if torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags:
         return "data-dependent"
     if target._schema.is_mutable:
         return "in-place"
     return None
-
-
-def _without_dropout(node: torch.fx.Node) -> bool:
-    """An op tagged random only for its dropout (the attention kernels) called with ``dropout_p=0``."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return False
-    for i, arg in enumerate(schema.arguments):
-        if arg.name == "dropout_p":
-            value = node.args[i] if i < len(node.args) else node.kwargs.get("dropout_p", arg.default_value)
-            return isinstance(value, (int, float)) and float(value) == 0.0
-    return False
 
 
 def _kind(node: torch.fx.Node) -> Optional[str]:
@@ -291,10 +276,11 @@ class Planner:
             if key in self.alive or any(_banned(n) for n in nodes):
                 continue
             self.groups.append(_Group(nodes, max(_storage_bytes(n) for n in nodes)))
-        self._costs: Dict[torch.fx.Node, Tuple[int, int]] = {}
         self._steps: Optional[List[_Step]] = None
-        self._keys: Dict[torch.fx.Node, Optional[int]] = {}
-        self._bytes: Dict[torch.fx.Node, int] = {}
+        # Node facts, memoised: the greedy order asks for the same nodes' at every step.
+        self._cost = functools.lru_cache(maxsize=None)(_node_cost)
+        self._key = functools.lru_cache(maxsize=None)(_storage_key)
+        self._nbytes = functools.lru_cache(maxsize=None)(_storage_bytes)
 
     # ------------------------------------------------------------------------------ dropout
     def _rewrite_dropout(self, saved: List[torch.fx.Node]) -> Dict[torch.fx.Node, torch.fx.Node]:
@@ -332,11 +318,6 @@ class Planner:
         return replaced
 
     # ---------------------------------------------------------------------------- ordering
-    def _cost(self, node: torch.fx.Node) -> Tuple[int, int]:
-        if node not in self._costs:
-            self._costs[node] = _node_cost(node)
-        return self._costs[node]
-
     def _marginal(self, group: _Group, saved: Set[torch.fx.Node],
                   recomputed: Set[torch.fx.Node]) -> Optional[_Step]:
         """What dropping ``group`` now costs: the ops to recompute, the values to save instead, and
@@ -382,16 +363,6 @@ class Planner:
         step = _Step(group, saves, rec, group.nbytes - extra, cost)
         step.harmful = self._lifetimes(step, reused, recomputed)
         return step
-
-    def _key(self, node: torch.fx.Node) -> Optional[int]:
-        if node not in self._keys:
-            self._keys[node] = _storage_key(node)
-        return self._keys[node]
-
-    def _nbytes(self, node: torch.fx.Node) -> int:
-        if node not in self._bytes:
-            self._bytes[node] = _storage_bytes(node)
-        return self._bytes[node]
 
     # ---------------------------------------------------------------------------- lifetimes
     def _need_times(self) -> None:

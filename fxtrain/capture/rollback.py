@@ -24,7 +24,8 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..torch_private import current_instruction_translator, is_fake
+from ..capture_state import compiled_frame_name, is_entry_frame
+from ..torch_private import is_fake
 
 logger = logging.getLogger("fxtrain")
 
@@ -41,22 +42,12 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(a, b))
 
 
-def _entry_frame(prefix: str) -> bool:
-    """Whether dynamo is converting fxtrain's entry function (nothing of the call ran yet) rather
-    than a resume function or a frame called after a graph break."""
-    try:
-        return current_instruction_translator().f_code.co_name.startswith(prefix)
-    except Exception:  # no translator (not inside dynamo), or an internal that moved
-        return False
-
-
 class Rollback:
     """One per TrainModule. ``begin`` opens a call; ``on_graph`` is the backend's hook; ``restore``
     undoes the failed call's buffer updates."""
 
-    def __init__(self, module: nn.Module, entry_prefix: str = "fxtrain_capture_") -> None:
+    def __init__(self, module: nn.Module) -> None:
         self.module = module
-        self.entry_prefix = entry_prefix
         self.updated: List[str] = []                 # names of the buffers a graph was seen to update
         self.every_call = False                      # several graphs per call and updated buffers
         self._updated_tensors: Optional[List[torch.Tensor]] = None
@@ -76,7 +67,7 @@ class Rollback:
 
     def on_graph(self) -> None:
         """Dynamo hands over a graph: copy the buffers if nothing of the current call ran yet."""
-        if self._snapshot is None and _entry_frame(self.entry_prefix):
+        if self._snapshot is None and is_entry_frame(compiled_frame_name()):
             self._snapshot = _copy(list(self.module.buffers()))
 
     def after_capture(self) -> None:

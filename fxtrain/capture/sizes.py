@@ -23,7 +23,7 @@ from typing import Any, Dict, FrozenSet, Hashable, List, Optional, Sequence, Tup
 
 import torch
 
-from ..capture_state import ENTRY_NAME
+from ..capture_state import is_entry_frame
 from .inputs import call_sizes, call_tensors, changed_dims, describe_dims, leading_dims
 
 Dims = FrozenSet[Tuple[int, int]]   # (input tensor index in call_schema order, dimension)
@@ -42,10 +42,6 @@ def image_dims(tensors: Sequence[Tuple[str, torch.Tensor]]) -> Dims:
     """(tensor index, dimension) of the spatial dimensions of image-like inputs (N, C, H, W[, ...])."""
     return frozenset((i, d) for i, (_, t) in enumerate(tensors)
                      if t.dim() >= 4 and t.is_floating_point() for d in range(2, t.dim()))
-
-
-def _entry_frame(code_name: Optional[str]) -> bool:
-    return bool(code_name and code_name.startswith(ENTRY_NAME + "_"))
 
 
 class SizesPolicy:
@@ -155,13 +151,13 @@ class SizesPolicy:
         a capture per batch size, the costlier outcome, and a symbolic batch size that ends well
         can spend over half the first capture in sympy (HF Swin: 1.55 s of a 2.9 s first capture).
         Seconds of process CPU time (capture/watch.py says why)."""
-        if self.call is None or not self.symbolic.get(self.call[0]) or not _entry_frame(code_name):
+        if self.call is None or not self.symbolic.get(self.call[0]) or not is_entry_frame(code_name):
             return None
         share = 1.0 if all(d == 0 for _, d in self.symbolic[self.call[0]]) else 0.5
         return max(1.0, share * (self.first_compile_seconds or 0.0))
 
     def compiled(self, code_name: Optional[str], seconds: float) -> None:
-        if self.call is None and self.first_compile_seconds is None and _entry_frame(code_name):
+        if self.call is None and self.first_compile_seconds is None and is_entry_frame(code_name):
             self.first_compile_seconds = seconds
 
     def keep_expensive_static(self) -> str:

@@ -78,7 +78,6 @@ class CompileWatch:
         self.sympy_seconds = 0.0
         self.peak_share = 0.0      # the largest share of sympy in any window of WINDOW seconds
         self.stopped = False
-        self.sampled = False
         self._started = time.perf_counter()
         self._cpu_started = self._last = time.process_time()
         self._recent: Deque[Tuple[float, float]] = collections.deque()   # (when, seconds in sympy)
@@ -122,7 +121,6 @@ def _sampling(watch: CompileWatch) -> Iterator[None]:
         return
     previous = signal.signal(signal.SIGPROF, watch.sample)
     old_timer = signal.setitimer(signal.ITIMER_PROF, _INTERVAL, _INTERVAL)
-    watch.sampled = True
     try:
         yield
     finally:

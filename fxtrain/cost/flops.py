@@ -88,15 +88,7 @@ def _mm(a, b, *_, **__) -> int:
     return mm_flops(_shape(a), _shape(b))
 
 
-def _addmm(_bias, a, b, *_, **__) -> int:
-    return mm_flops(_shape(a), _shape(b))
-
-
 def _bmm(a, b, *_, **__) -> int:
-    return bmm_flops(_shape(a), _shape(b))
-
-
-def _baddbmm(_bias, a, b, *_, **__) -> int:
     return bmm_flops(_shape(a), _shape(b))
 
 
@@ -143,9 +135,9 @@ def _convolution_backward(grad_out, x, w, _bias_sizes, _stride, _padding, _dilat
 
 FORMULAS: Dict[Any, Formula] = {
     aten.mm: _mm,
-    aten.addmm: _addmm,
+    aten.addmm: lambda _bias, *args, **kwargs: _mm(*args, **kwargs),
     aten.bmm: _bmm,
-    aten.baddbmm: _baddbmm,
+    aten.baddbmm: lambda _bias, *args, **kwargs: _bmm(*args, **kwargs),
     aten.convolution: _convolution,
     aten._convolution: _convolution,
     aten.convolution_backward: _convolution_backward,

@@ -47,13 +47,8 @@ class GraphStepCost:
     flops_forward: int
     flops_backward: int
     saved_bytes: int
-    start_bytes: int
     optimizer_state_bytes: int
     seconds: float
-
-
-def _unpack(t: torch.Tensor) -> torch.Tensor:
-    return t
 
 
 GraphInput = Tuple[Any, bool]   # (the forward graph placeholder's value, whether it takes a gradient)
@@ -148,11 +143,10 @@ class GraphStepCoster:
             tracker.register(params, "parameters")
             tracker.register(state, "optimizer state")
             tracker.register(others, "inputs")
-            start = tracker.current
             tracker.start_measuring()
             with mode, tracker, torch.enable_grad():
                 tracker.phase = "forward"
-                with torch.autograd.graph.saved_tensors_hooks(tracker.pack_saved, _unpack):
+                with tracker.watching_saved():
                     out: Any = run(*args)
                 loss = _loss(out)
                 if not self.keep_outputs:
@@ -176,7 +170,7 @@ class GraphStepCoster:
             return GraphStepCost(peak_bytes=peak, peak_phase=phase,
                                  flops_forward=tracker.flops.get("forward", 0),
                                  flops_backward=tracker.flops.get("backward", 0),
-                                 saved_bytes=sum(tracker.saved.values()), start_bytes=start,
+                                 saved_bytes=sum(tracker.saved.values()),
                                  optimizer_state_bytes=tracker.initial.get("optimizer state", 0),
                                  seconds=time.perf_counter() - started)
 

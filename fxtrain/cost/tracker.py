@@ -236,8 +236,11 @@ class CostTracker(TorchDispatchMode):
         spans = self._output_spans + [(nbytes, born, self._events + 1) for nbytes, born in self._outputs.values()]
         return sum(nbytes for nbytes, born, died in spans if born <= self._peak_event < died)
 
-    def pack_saved(self, t: torch.Tensor) -> torch.Tensor:
-        """saved_tensors_hooks pack: remember what the forward keeps for the backward."""
+    def watching_saved(self) -> Any:
+        """A block within which the tracker remembers what the forward keeps for the backward."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack_saved, lambda t: t)
+
+    def _pack_saved(self, t: torch.Tensor) -> torch.Tensor:
         st = _storage(t)
         if st is not None and self.counting:
             key = id(st)
@@ -346,14 +349,7 @@ class CostTracker(TorchDispatchMode):
         if name not in ("nonzero", "masked_select", "argwhere"):
             raise ProfileError(f"{func} has a data-dependent output size and its input has no value in a "
                                f"fake run; pass real tensors for the inputs it depends on")
-        total = _max_rows(func, args)
-        index = len(self.fractions)
-        if index < len(self.hints):
-            rows = int(round(self.hints[index] * total))
-        else:
-            rows = total
-            self.assumed_max += 1
-        self.fractions.append(rows / total if total else 1.0)
+        rows = self._rows(_max_rows(func, args))
         device = args[0].device
         if name == "masked_select":
             return torch.empty((rows,), dtype=args[0].dtype, device=device)
@@ -363,14 +359,19 @@ class CostTracker(TorchDispatchMode):
         """The row count a selection of the passes is sized by (``runtime/host_counts.py``, where the
         batch guard reads it ahead): the real count where the mask has a value, else a hinted fraction
         or the maximum, as for ``nonzero``."""
-        total = int(valid.numel())
         value = self._shadow_of(valid)
         if value is not None:
             with disable_current_modes():
-                rows = int(value.sum())
-        elif len(self.fractions) < len(self.hints):
+                value = int(value.sum())
+        return self._rows(int(valid.numel()), value)
+
+    def _rows(self, total: int, known: Optional[int] = None) -> int:
+        """The rows a data-dependent size has: ``known``, else this op's hinted fraction of ``total``,
+        else ``total`` (counted in ``assumed_max``); recorded in ``fractions``."""
+        rows = known
+        if rows is None and len(self.fractions) < len(self.hints):
             rows = int(round(self.hints[len(self.fractions)] * total))
-        else:
+        elif rows is None:
             rows = total
             self.assumed_max += 1
         self.fractions.append(rows / total if total else 1.0)

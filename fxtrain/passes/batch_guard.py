@@ -8,8 +8,8 @@ that the runtime evaluates before the step (``runtime/dense_route.py``), and a b
 runs through the graph captured before the passes: eager's numbers, never an exception.
 
 The same graph counts the rows each selection of the passes keeps (``counted_index``), the real
-tokens of each sequence where attention runs sequence by sequence (``row_lengths``) and reads the
-document-start flags of packed rows where it runs document by document (``document_lengths``):
+tokens of each sequence where attention runs sequence by sequence and reads the document-start
+flags of packed rows where it runs document by document (``host_numbers``):
 conditions and counts reach the host in one transfer, the step's only device-to-host synchronisation, and the
 selections in the step are sized by those counts (``runtime/host_counts.py``) instead of syncing
 once per ``nonzero``.
@@ -160,29 +160,19 @@ def counted_index(gm: torch.fx.GraphModule, plans: Plans, valid: Node) -> Node:
     return index
 
 
-def row_lengths(gm: torch.fx.GraphModule, plans: Plans, valid: Node) -> Node:
-    """A node of ``gm`` (at its insertion point) holding ``valid.sum(1)`` on the host, ``valid`` a
-    2-d bool node: each sequence's real tokens, read ahead by the batch guard with its other numbers
-    (no synchronisation of its own). Where the guard cannot compute ``valid``, the op counts on the
-    device itself (one synchronisation)."""
+def host_numbers(gm: torch.fx.GraphModule, plans: Plans, flags: Node, op: Any) -> Node:
+    """A node of ``gm`` (at its insertion point) holding on the host what ``op`` makes of ``flags``, a
+    ``[batch, seq]`` bool node: ``HOST_ROW_LENGTHS``, ``flags.sum(1)`` (each sequence's real tokens);
+    ``HOST_DOCUMENT_LENGTHS``, the lengths of the documents whose first tokens ``flags`` marks
+    (``host_counts.document_lengths``). Read ahead by the batch guard with its other numbers (no
+    synchronisation of its own); where the guard cannot compute ``flags``, the op reads it itself
+    (one synchronisation)."""
     builder = GuardBuilder.of(gm, plans)
-    g_valid = builder.node(valid)
-    slot = builder.row_counts(g_valid) if g_valid is not None else new_slot()
+    g_flags = builder.node(flags)
+    read_ahead = builder.row_counts if op is HOST_ROW_LENGTHS else builder.flags
+    slot = read_ahead(g_flags) if g_flags is not None else new_slot()
     builder.store(plans)
-    return gm.graph.call_function(HOST_ROW_LENGTHS, (valid, slot))
-
-
-def document_lengths(gm: torch.fx.GraphModule, plans: Plans, starts: Node) -> Node:
-    """A node of ``gm`` (at its insertion point) holding the document lengths of packed rows on the
-    host (``host_counts.document_lengths``), ``starts`` a ``[batch, seq]`` bool node marking each
-    document's first token: its flags are read ahead by the batch guard with its other numbers (no
-    synchronisation of its own). Where the guard cannot compute ``starts``, the op reads the flags
-    itself (one synchronisation)."""
-    builder = GuardBuilder.of(gm, plans)
-    g_starts = builder.node(starts)
-    slot = builder.flags(g_starts) if g_starts is not None else new_slot()
-    builder.store(plans)
-    return gm.graph.call_function(HOST_DOCUMENT_LENGTHS, (starts, slot))
+    return gm.graph.call_function(op, (flags, slot))
 
 
 def _pure(node: Node) -> bool:

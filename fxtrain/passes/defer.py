@@ -11,7 +11,7 @@ graph's original ops from the graph's inputs. Either way a read gives eager's va
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, List, Optional, Set, Tuple
 
 import torch.fx
 

@@ -46,7 +46,8 @@ from ..options import Options
 from ..runtime.varlen_attention import VARLEN_ATTENTION
 from ..torch_private import NN_SDPA, size_hint
 from ..runtime.step import PassReport
-from .batch_guard import GuardBuilder, document_lengths
+from ..runtime.host_counts import HOST_DOCUMENT_LENGTHS
+from .batch_guard import GuardBuilder, host_numbers
 from .density import ExampleSource, density_reason
 from ..runtime.step import Plans
 from .rows import ancestors, value
@@ -254,7 +255,7 @@ def packed_attention(gm: torch.fx.GraphModule, examples: ExampleSource, options:
         if pos not in lengths_of:
             with graph.inserting_before(first):
                 starts = emit_document_starts(graph, pos)
-                lengths_of[pos] = document_lengths(gm, plans, starts)
+                lengths_of[pos] = host_numbers(gm, plans, starts, HOST_DOCUMENT_LENGTHS)
         scale = float(args["scale"]) if args["scale"] is not None else d ** -0.5
         with graph.inserting_before(sdpa):
             rows = []

@@ -208,6 +208,14 @@ class _Plan:
             self._reached = descendants(self.region)
         return self._reached
 
+    def add(self, node: Node, lead: int, rows: List[Tuple[Node, int]], broadcast: Set[Node]) -> None:
+        """Take ``node`` into the region; the row inputs it reads outside it join the frontier."""
+        self.region[node] = lead
+        for a, a_lead in rows:
+            if a not in self.region:
+                self.frontier.setdefault(a, a_lead)
+        self.broadcast |= broadcast
+
 
 def _plan(gm: torch.fx.GraphModule, lead_shape: Sequence[Any], examples: ExampleSource) -> Tuple[Optional[_Plan], str]:
     plan = _Plan(gm, examples)
@@ -236,11 +244,7 @@ def _plan(gm: torch.fx.GraphModule, lead_shape: Sequence[Any], examples: Example
             ok = all(listed.get(a) == plan.region[a] for a in inside)
         if not ok:
             continue
-        plan.region[node] = lead
-        for a, a_lead in rows:
-            if a not in plan.region:
-                plan.frontier.setdefault(a, a_lead)
-        plan.broadcast |= broadcast
+        plan.add(node, lead, rows, broadcast)
     _grow_upstream(plan, lead_shape)
     output = next(n for n in gm.graph.nodes if n.op == "output")
     for node in plan.region:
@@ -275,11 +279,7 @@ def _grow_upstream(plan: _Plan, lead_shape: Sequence[Any]) -> None:
             if rows is None or not all(isinstance(value(a), torch.Tensor) for a, _ in rows):
                 continue
             del plan.frontier[f]
-            plan.region[f] = f_lead
-            for a, a_lead in rows:
-                if a not in plan.region:
-                    plan.frontier.setdefault(a, a_lead)
-            plan.broadcast |= broadcast
+            plan.add(f, f_lead, rows, broadcast)
             changed = True
 
 

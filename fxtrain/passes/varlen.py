@@ -42,7 +42,8 @@ import torch.fx
 import torch.nn.functional as F
 
 from ..runtime.varlen_attention import VARLEN_ATTENTION
-from .batch_guard import GuardBuilder, row_lengths
+from ..runtime.host_counts import HOST_ROW_LENGTHS
+from .batch_guard import GuardBuilder, host_numbers
 from ..runtime.step import Plans
 from .row_ops import row_selection
 from .rows import _same, ancestors, descendants, run_node, value
@@ -582,7 +583,7 @@ def attention_on_real_tokens(gm: torch.fx.GraphModule, plans: Plans, kinds: Dict
         if lengths is None:
             first = next(n for n in graph.nodes if n.op != "placeholder")
             with graph.inserting_before(first):
-                lengths = row_lengths(gm, plans, graph.call_function(torch.ne, (mask, pad)))
+                lengths = host_numbers(gm, plans, graph.call_function(torch.ne, (mask, pad)), HOST_ROW_LENGTHS)
         scale = sdpa_arguments(sdpa)["scale"]
         scale = float(scale) if scale is not None else match.dim ** -0.5
         with graph.inserting_before(sdpa):

@@ -93,17 +93,18 @@ def _arg(node: torch.fx.Node, index: int, name: str) -> Any:
 def flops_of(node: torch.fx.Node) -> int:
     """Training FLOPs (forward + the backward products for operands that need grad) of one node."""
     target = node.target
-    if node.op == "call_function":
+    function, method = node.op == "call_function", node.op == "call_method"
+    if function and target in _MATMUL_FUNCTIONS or method and target in _MATMUL_METHODS:
+        a, b = _example(node.args[0]), _example(node.args[1])
+        return _train(matmul_flops(a, b), a, b) if a is not None and b is not None else 0
+    if function and target in _ADDMM_FUNCTIONS or method and target in _ADDMM_METHODS:
+        a, b = _example(_arg(node, 1, "mat1" if target in (torch.addmm, "addmm") else "batch1")), \
+            _example(_arg(node, 2, "mat2" if target in (torch.addmm, "addmm") else "batch2"))
+        return _train(matmul_flops(a, b), a, b) if a is not None and b is not None else 0
+    if function:
         if target in (F.linear, NN_LINEAR):
             x, w, b = _example(_arg(node, 0, "input")), _example(_arg(node, 1, "weight")), _example(_arg(node, 2, "bias"))
             return _train(linear_flops(x, w), x, w) if x is not None and w is not None else 0
-        if target in _MATMUL_FUNCTIONS:
-            a, b = _example(node.args[0]), _example(node.args[1])
-            return _train(matmul_flops(a, b), a, b) if a is not None and b is not None else 0
-        if target in _ADDMM_FUNCTIONS:
-            a, b = _example(_arg(node, 1, "mat1" if target is torch.addmm else "batch1")), \
-                _example(_arg(node, 2, "mat2" if target is torch.addmm else "batch2"))
-            return _train(matmul_flops(a, b), a, b) if a is not None and b is not None else 0
         if target in _CONV_FUNCTIONS or target in _CONV_T_FUNCTIONS:
             x, w, out = _example(node.args[0]), _example(node.args[1]), _example(node)
             if x is None or w is None or out is None:
@@ -122,14 +123,6 @@ def flops_of(node: torch.fx.Node) -> int:
             tensors = [_example(o) for o in ops]
             if all(t is not None for t in tensors):
                 return _train(einsum_flops(node.args[0], tensors), *tensors)
-        return 0
-    if node.op == "call_method":
-        if target in _MATMUL_METHODS:
-            a, b = _example(node.args[0]), _example(node.args[1])
-            return _train(matmul_flops(a, b), a, b) if a is not None and b is not None else 0
-        if target in _ADDMM_METHODS:
-            a, b = _example(node.args[1]), _example(node.args[2])
-            return _train(matmul_flops(a, b), a, b) if a is not None and b is not None else 0
     return 0
 
 

@@ -11,7 +11,7 @@ O(k·n²) simple operations), which is fast for the few thousand nodes of a larg
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -41,49 +41,41 @@ def min_max_partition(costs: Sequence[float], k: int, *, allowed: Optional[Seque
         return [], float(sum(costs))
     prefix = np.concatenate([[0.0], np.cumsum(np.asarray(costs, dtype=np.float64))])
     positions = np.arange(n + 1)
+    inf = np.inf
+    ends = ok | (positions == n)   # where a stage may end
+
+    def tables(first: np.ndarray, candidates: Callable[[np.ndarray, int], np.ndarray]) -> List[np.ndarray]:
+        """``first``, then per further stage and end ``c`` the least of ``candidates(previous, c)``,
+        one per start ``c1 < c`` (``prefix[c] - prefix[:c]``: the cost of stage [c1, c) for each)."""
+        out = [first]
+        for _ in range(1, k):
+            cur = np.full(n + 1, inf)
+            for c in range(2, n + 1):
+                if ends[c]:
+                    cur[c] = candidates(out[-1], c).min()
+            out.append(cur)
+        return out
+
     # best[j][c]: minimal largest cost of splitting elements [0, c) into j+1 stages with a cut at c
     # (c = n for the full sequence). Cuts must be allowed; stages non-empty.
-    inf = np.inf
-    best = np.where(positions >= 1, prefix, inf)
-    best = np.where(ok | (positions == n), best, inf)
-    layers = [best]
-    for _ in range(1, k):
-        prev = layers[-1]
-        cur = np.full(n + 1, inf)
-        for c in range(2, n + 1):
-            if not (ok[c] or c == n):
-                continue
-            seg = prefix[c] - prefix[:c]                       # cost of stage [c1, c) for every c1 < c
-            cand = np.maximum(prev[:c], seg)
-            cur[c] = cand.min()
-        layers.append(cur)
-    optimum = float(layers[-1][n])
+    best = tables(np.where((positions >= 1) & ends, prefix, inf),
+                  lambda prev, c: np.maximum(prev[:c], prefix[c] - prefix[:c]))
+    optimum = float(best[-1][n])
     if not np.isfinite(optimum):
         raise ValueError(f"cannot make {k} non-empty stages of this graph")
     # Secondary objective: least total cut weight among plans whose every stage is <= optimum.
     # Compare with a relative tolerance so float rounding of prefix sums cannot exclude the optimum.
     limit = optimum + 1e-9 * max(1.0, abs(optimum))
     w = np.zeros(n + 1) if cut_weights is None else np.asarray(cut_weights, dtype=np.float64)
-    total = np.where((positions >= 1) & (prefix <= limit) & (ok | (positions == n)), 0.0, inf)
-    tables = [total]
-    for _ in range(1, k):
-        prev = tables[-1]
-        cur = np.full(n + 1, inf)
-        for c in range(2, n + 1):
-            if not (ok[c] or c == n):
-                continue
-            feasible = (prefix[c] - prefix[:c]) <= limit
-            cand = np.where(feasible, prev[:c] + w[:c], inf)
-            cur[c] = cand.min()
-        tables.append(cur)
+
+    def weighted(prev: np.ndarray, c: int) -> np.ndarray:
+        return np.where(prefix[c] - prefix[:c] <= limit, prev[:c] + w[:c], inf)
+    total = tables(np.where((positions >= 1) & (prefix <= limit) & ends, 0.0, inf), weighted)
     # Walk back from the end: at each step take the earliest predecessor reaching the optimum.
     cuts: List[int] = []
     c = n
     for j in range(k - 1, 0, -1):
-        prev = tables[j - 1]
-        feasible = (prefix[c] - prefix[:c]) <= limit
-        cand = np.where(feasible, prev[:c] + w[:c], inf)
-        c1 = int(np.argmin(cand))
+        c1 = int(np.argmin(weighted(total[j - 1], c)))
         cuts.append(c1)
         c = c1
     cuts.reverse()

@@ -19,7 +19,7 @@ import torch.fx
 
 from ..graph_walk import descendants
 from .capture import INPUT, PARAM, CapturedGraph, SplitError
-from .costs import COST_FUNCTIONS, CostFn, _nbytes, forward_flops_of, flops_of, module_of, weight_flops_of
+from .costs import COST_FUNCTIONS, CostFn, _example, _nbytes, forward_flops_of, flops_of, module_of, weight_flops_of
 from .marker import is_marker
 from .partition import min_max_partition
 from .stage_module import StagePlan, stage_module
@@ -41,10 +41,6 @@ class Plan:
     @property
     def num_stages(self) -> int:
         return len(self.stages)
-
-
-def _example(node: torch.fx.Node) -> object:
-    return node.meta.get("example_value")
 
 
 class _Graph:

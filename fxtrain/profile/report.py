@@ -248,13 +248,7 @@ class ProfileReport:
         return build_report(self._session, cost, self.model, batch, self.optimizer)
 
     def max_batch(self, budget_bytes: int, runs: int = 6) -> int:
-        """Largest batch whose step peak fits ``budget_bytes``.
-
-        A line through two fake runs (this batch and twice it) predicts the answer; a third run at
-        the prediction checks it. Peak memory is close to linear in the batch but not exactly
-        (attention, rounding of data-dependent sizes), so the line is redrawn through the two
-        newest points and checked again until a checked batch fits and the next one would not.
-        """
+        """Largest batch whose step peak fits ``budget_bytes``: a few fake steps (``_secant_search``)."""
         if self.batch is None:
             raise RuntimeError("no batch axis found among the inputs")
         known = {self.batch: self.peak_memory_bytes}

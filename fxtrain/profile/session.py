@@ -36,7 +36,6 @@ class StepCost:
     """What one measured fake step produced (raw; report.py turns it into a ProfileReport)."""
 
     tracker: CostTracker
-    start_bytes: int
     seconds: float
     args: Any
     kwargs: Any
@@ -138,7 +137,7 @@ class Session:
 
     def _forward(self, tracker: CostTracker, args: Any, kwargs: Any) -> Any:
         tracker.phase = "forward"
-        with torch.autograd.graph.saved_tensors_hooks(tracker.pack_saved, _unpack):
+        with tracker.watching_saved():
             return (self.model if self.eager else self.tm)(*args, **kwargs)
 
     def _rest_of_step(self, tracker: CostTracker, outputs: List[Any], keep_outputs: bool = True) -> None:
@@ -185,25 +184,25 @@ class Session:
             # fxtrain itself would warn and run this module eagerly (fallback="eager"): cost that.
             logger.warning("fxtrain profile: %s; costing eager PyTorch, which fxtrain would fall back to", e)
             self.fallback_reason = str(e)
-            self.eager = True
-            self.warm = False
-            self.optimizer_ready = False
-            self.tm = None
-            for p in self.fake_params:
-                p.grad = None
+            self._start_over(eager=True)
             return self._measure(fake_args, fake_kwargs, args, kwargs, hints, keep_outputs)
         except Exception as e:
             if not self.eager:
                 raise
             logger.warning("fxtrain profile: the module does not run eagerly on fake tensors (%s: %s); "
                            "costing its captured graph without passes instead", type(e).__name__, e)
-            self.eager = False
-            self.warm = False
-            self.optimizer_ready = False
-            self.tm = self._profiling_module(False)
-            for p in self.fake_params:
-                p.grad = None
+            self._start_over(eager=False)
             return self._measure(fake_args, fake_kwargs, args, kwargs, hints, keep_outputs)
+
+    def _start_over(self, eager: bool) -> None:
+        """Cost eagerly, or a capture without passes, from a cold start (the failed attempt's
+        gradients dropped)."""
+        self.eager = eager
+        self.warm = False
+        self.optimizer_ready = False
+        self.tm = None if eager else self._profiling_module(False)
+        for p in self.fake_params:
+            p.grad = None
 
     def _warm_up(self, fake_args: Any, fake_kwargs: Any, hints: Optional[List[float]]) -> None:
         """Reach steady state: graphs captured, backward compiled, optimizer state allocated.
@@ -268,14 +267,9 @@ class Session:
         if self.optimizer is not None:
             tracker.register([list(s.values()) for s in self.optimizer.state.values()], "optimizer state")
         tracker.register([fake_args, fake_kwargs], "inputs")
-        start = tracker.current
         tracker.start_measuring()
         with self._active(tracker):
             self._step(tracker, fake_args, fake_kwargs, keep_outputs)
         seconds = time.perf_counter() - started
-        return StepCost(tracker=tracker, start_bytes=start, seconds=seconds, args=args, kwargs=kwargs,
+        return StepCost(tracker=tracker, seconds=seconds, args=args, kwargs=kwargs,
                         fractions=list(tracker.fractions), keep_outputs=keep_outputs)
-
-
-def _unpack(t: torch.Tensor) -> torch.Tensor:
-    return t

@@ -32,7 +32,6 @@ SCALAR = "scalar"        # argument: a 0-d op tensor i read back as (int|float|b
 INPUT = "input"          # result: the op's tensor argument i itself (marked dirty, or handed back in a container)
 LIST, TUPLE, DICT = "list", "tuple", "dict"
 NAMEDTUPLE, DATACLASS = "namedtuple", "dataclass"
-CONTAINERS = (LIST, TUPLE, DICT, NAMEDTUPLE, DATACLASS)
 
 Node = Tuple[str, Any]
 

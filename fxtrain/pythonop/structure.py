@@ -112,21 +112,14 @@ def collect(node: Node, value: Any, outs: List[Any], call_inputs: Sequence[torch
         for k, c in payload:
             collect(c, value[k], outs, call_inputs)
         return
-    if kind == NAMEDTUPLE:
+    if kind in (NAMEDTUPLE, DATACLASS):
         key, children = payload
         cls = CLASSES[key]
         if type(value) is not cls:
             raise Mismatch(f"a {type(value).__name__} where the capturing call returned a {cls.__name__}")
-        for c, v in zip(children, value):
+        pairs = zip(children, value) if kind == NAMEDTUPLE else ((c, getattr(value, name)) for name, c in children)
+        for c, v in pairs:
             collect(c, v, outs, call_inputs)
-        return
-    if kind == DATACLASS:
-        key, fields = payload
-        cls = CLASSES[key]
-        if type(value) is not cls:
-            raise Mismatch(f"a {type(value).__name__} where the capturing call returned a {cls.__name__}")
-        for name, c in fields:
-            collect(c, getattr(value, name), outs, call_inputs)
         return
     raise AssertionError(f"result node {kind}")
 

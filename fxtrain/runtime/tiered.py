@@ -89,18 +89,9 @@ def stays_eager(step: Any) -> str:
                 continue
             if str(node.target).startswith("fxtrain.python_op"):
                 return "custom autograd Functions (PythonOps) would be opaque calls inductor cannot fuse"
-            if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()) and not _no_dropout(node):
+            if tp.draws_random_numbers(node):
                 return f"random op {node.target}: inductor's generator would not give eager's numbers"
     return ""
-
-
-def _no_dropout(node: torch.fx.Node) -> bool:
-    """An op that draws random numbers only for its dropout (attention), called with none."""
-    for i, arg in enumerate(node.target._schema.arguments):
-        if arg.name in ("dropout_p", "p"):
-            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name, arg.default_value)
-            return value == 0
-    return False
 
 
 def _symbolic(val: Any) -> bool:
