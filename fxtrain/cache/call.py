@@ -24,11 +24,11 @@ MISS = object()
 class CachedCall:
     def __init__(self, entry: Entry, executor: Executor, context: runner.RunContext,
                  route: Optional[DenseRoute] = None, preference: str = "auto",
-                 tier: Optional[Callable[[CapturedStep, Callable[..., Any]], Callable[..., Any]]] = None) -> None:
+                 tier: Optional[Callable[[CapturedStep], Callable[..., Any]]] = None) -> None:
         """``executor``: compiles the loaded graphs (the module's own; the profiler's runs marked
         copies); ``context``: where calls report; ``route``: decides which batches the entry's sparse
-        graphs cannot serve (run eagerly); ``tier``: makes the runtime/tiered.py ``Tier`` that wraps
-        the core, for an executor that compiles later, as a live capture has."""
+        graphs cannot serve (run eagerly); ``tier``: given the step, what wraps its core in a
+        runtime/tiered.py ``Tier``, for an executor that compiles later, as a live capture has."""
         recipe = entry.recipe
         self.route = route
         self.entry = entry
@@ -49,7 +49,7 @@ class CachedCall:
         if preference == "auto":   # as the live capture chose (it saw the backward passes' reports)
             preference = "autograd" if entry.mode == "autograd" else "graph"
         self.runtime = runner.build(self.step, executor, context, preference,
-                                    None if tier is None else lambda core: tier(self.step, core))
+                                    None if tier is None else tier(self.step))
         self.compiled = self.runtime.call
 
     def flat_inputs(self, module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:

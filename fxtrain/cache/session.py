@@ -20,7 +20,7 @@ from ..runtime.executors import Executor
 from ..runtime.runner import RunContext
 from ..runtime.dense_route import DenseRoute
 from ..runtime.replay import NotReplayable
-from ..runtime.tiered import Tier
+from ..runtime.tiered import Tier, TierMaker
 from . import entry as entries
 from .call import MISS, CachedCall
 from ..capture.recipe import changed_files
@@ -119,8 +119,8 @@ class ModuleCache:
                               ", ".join(sorted(stale)[:3]))
         index, tiers = len(self.info.records), []
 
-        def tier(step: Any, core: Any) -> Tier:
-            tiers.append(Tier(step, core, self.options.compile_timeout, f"{self.owner} graph {index}"))
+        def tier(step: Any) -> TierMaker:
+            tiers.append(TierMaker(step, self.options.compile_timeout, f"{self.owner} graph {index}"))
             return tiers[-1]
         try:
             guard = entry.recipe.guard
@@ -128,8 +128,8 @@ class ModuleCache:
                 if guard is not None and self.context.measures_batches else None
             call = CachedCall(entry, self.executor, self.context, route, self.options.backward,
                               tier if self.executor.compiles_later else None)
-            if tiers:
-                self._warm_start(tiers[0], disk_key, hashlib.sha256(payload).hexdigest(), header)
+            if tiers and tiers[0].made is not None:
+                self._warm_start(tiers[0].made, disk_key, hashlib.sha256(payload).hexdigest(), header)
             out = call(module, args, kwargs)
         except Exception as e:
             warn_once(f"unusable:{self.store.path(disk_key)}", "fxtrain: cache entry %s could not be used (%s: %s); capturing instead",
@@ -143,7 +143,7 @@ class ModuleCache:
         self.info.cache_hits += 1
         self.info.add(GraphRecord(index=index, mode=mode, dynamo_graph=None,
                                   optimizations=dict(entry.optimizations), step=call.step, run=call.runtime,
-                                  tier=tiers[0] if tiers else None, from_cache=True))
+                                  tier=tiers[0].made if tiers else None, from_cache=True))
         self._note("hit %s (%s): %d graph(s) loaded and run in %.2f s", disk_key[:12], mode,
                    1 + (entry.backward_graph is not None), time.perf_counter() - started)
         return out

@@ -22,7 +22,7 @@ from .budget import BudgetRequest, BudgetState, MemoryBudgetWarning
 from .dump import dump_capture
 from .pipeline import CaptureContext, compile_step
 from ..runtime.info import CaptureInfo, GraphRecord
-from ..runtime.tiered import Tier
+from ..runtime.tiered import TierMaker
 from ..errors import Error
 
 logger = logging.getLogger("fxtrain")
@@ -119,14 +119,10 @@ class Backend:
         context = CaptureContext(self.options, self.executor, self.examples, self.budget_request(),
                                  self.optimizer, self.plugins.on_budget_state)
         step, reports = compile_step(gm, example_inputs, context)
-        index, tiers = len(self.info.records), []
-        tier = None
-        if self.executor.compiles_later:
-            def tier(core: Callable[..., Any]) -> Callable[..., Any]:
-                # The tier keeps the step's graphs, not AOTAutograd's runtime (dropped below).
-                kept = dataclasses.replace(step, aot_callable=None)
-                tiers.append(Tier(kept, core, self.options.compile_timeout, f"{self.owner} graph {index}"))
-                return tiers[-1]
+        index = len(self.info.records)
+        # The tier keeps the step's graphs, not AOTAutograd's runtime (dropped below).
+        tier = TierMaker(dataclasses.replace(step, aot_callable=None), self.options.compile_timeout,
+                         f"{self.owner} graph {index}") if self.executor.compiles_later else None
         runtime = runner.build(step, self.executor, self.context, self.options.backward, tier)
         if runtime.mode != "aot":
             step = dataclasses.replace(step, aot_callable=None)   # AOTAutograd's runtime: not needed
@@ -136,7 +132,7 @@ class Backend:
             compiled = cache_recipe.watch(recipe, compiled)
         record = self.info.add(GraphRecord(index=index, mode=mode, dynamo_graph=gm, reason=reason,
                                            break_site=site, optimizations=reports, step=step, run=runtime,
-                                           tier=tiers[0] if tiers else None, cache_recipe=recipe))
+                                           tier=tier.made if tier else None, cache_recipe=recipe))
         if self.options.save_graphs_dir:
             dump_capture(self.options.save_graphs_dir, self.owner, self.info, record)
         logger.info("captured graph %d (%s): %d nodes, executor %s, runtime %s", record.index, record.mode,

@@ -153,6 +153,19 @@ def _compile_all(fw: torch.fx.GraphModule, bw: Optional[torch.fx.GraphModule], i
     return forward, backward
 
 
+class TierMaker:
+    """What ``runner.build`` gets as ``tiered`` for one capture, live or a cache hit: it wraps the
+    core in a Tier and keeps it (``made``) for the capture's record."""
+
+    def __init__(self, step: Any, timeout: float, owner: str) -> None:
+        self.step, self.timeout, self.owner = step, timeout, owner
+        self.made: Optional[Tier] = None
+
+    def __call__(self, core: Callable[..., Any]) -> "Tier":
+        self.made = Tier(self.step, core, self.timeout, self.owner)
+        return self.made
+
+
 def compiled_from(payload: bytes, step: Any) -> Callable[..., Any]:
     """The compiled core of ``step`` from a worker's payload (its retraced graphs), loaded from
     inductor's on-disk cache only (no code generation here: ``NotInInductorCache`` on a miss)."""
