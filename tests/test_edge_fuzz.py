@@ -46,9 +46,12 @@ def test_no_batch_differs_from_eager(model, seeds, n_batches):
 
 
 @pytest.mark.long
+@pytest.mark.extended
 def test_no_image_batch_differs_from_eager():
     """Batch sizes 1..8 and a second image size through HF Swin: the sizes policy's recaptures
-    (symbolic batch, image size kept static once its symbolic reasoning proved expensive)."""
+    (symbolic batch, image size kept static once its symbolic reasoning proved expensive). In
+    `make test-long` (31 s): `make test` covers Swin's sizes policy with
+    tests/test_image_sizes.py::test_swin_new_batch_and_image_sizes, and was at 12:47 of its 15 min."""
     results = fuzz.run(fuzz.cases([0], ["swin-image"], ["model"]), IMAGE_BATCHES, progress=False, device=DEVICE)
     report = fuzz.summary(results)
     print(report)
