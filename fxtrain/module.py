@@ -19,7 +19,7 @@ from .capture.breaks import call_breaks, close_window, open_window
 from .capture.entry import make_entry
 from .capture_state import in_fake_run
 from .capture.watch import WINDOW, ExpensiveSymbolicSizes, watched
-from .runtime.info import CaptureInfo, GraphRecord
+from .runtime.info import CaptureInfo
 from .capture.inputs import autocast_state, call_schema
 from .capture.rollback import Rollback
 from .capture.scalars import ScalarWatch
@@ -199,8 +199,7 @@ class TrainModule(nn.Module):
         finally:
             filed = close_window(window)
             self._sizes.end_call()
-        if self._info.graphs != graphs_before:
-            self._capturing_calls += 1
+        self._capturing_calls += self._info.graphs != graphs_before
         if self._info.graphs != graphs_before or filed:
             self._after_capture(key, may_capture, switched, graphs_before, filed, out, args, kwargs)
         if may_capture:
@@ -213,16 +212,17 @@ class TrainModule(nn.Module):
         made = self._info.graphs - graphs_before
         new = self._info.records[len(self._info.records) - made:] if made else []
         breaks = call_breaks(filed, [r.break_site for r in new if r.break_site is not None], made)
-        self._label_captures(new, may_capture, switched, graphs_before, self._sizes.switch)
+        why = ("first call" if graphs_before == 0 else "new input schema or mode") if may_capture else \
+            self._sizes.switch or ("a float argument changed value: floats are captured as graph inputs from now on"
+                                   if switched else "guard failed")
+        self._info.note_call(made, why, may_capture, breaks)
         if self._cache.active and made:
             if made == 1 and not breaks:
                 self._cache.stored_after_capture(key, self._info.records[-1], out, key[1],
                                                  type(self.module).__qualname__, self.module, args, kwargs)
             else:
-                self._info.cache_log.append(f"not stored ({key[1]}): the call made {made} graphs "
-                                            f"and {len(breaks)} graph break(s)")
-        self._info.graph_breaks += len(breaks)
-        self._info.break_reasons.extend(breaks)
+                self._info.note_cache(f"not stored ({key[1]}): the call made {made} graphs "
+                                      f"and {len(breaks)} graph break(s)")
         if breaks:
             logger.warning("fxtrain: %d graph break(s) while capturing %s: %s", len(breaks),
                            type(self.module).__name__, "; ".join(dict.fromkeys(breaks)))
@@ -230,26 +230,6 @@ class TrainModule(nn.Module):
         forget_runs(self)   # Functions' capturing runs no graph took (pythonop/pending.py)
         if self._specialize_float:
             self._floats.record(key, args, kwargs)
-
-    @staticmethod
-    def _label_captures(new: List[GraphRecord], may_capture: bool, switched: bool, graphs_before: int,
-                        size_switch: Optional[str]) -> None:
-        """Say why each capture of this call happened (dynamo's guard text is already on the record)."""
-        if may_capture:
-            why = "first call" if graphs_before == 0 else "new input schema or mode"
-        elif size_switch:
-            why = size_switch
-        elif switched:
-            why = "a float argument changed value: floats are captured as graph inputs from now on"
-        else:
-            why = "guard failed"
-        for i, record in enumerate(new):
-            base = why if i == 0 else "after a graph break"
-            guard = record.reason if len(record.reason) <= 160 else record.reason[:157] + "..."
-            if not guard or (i == 0 and may_capture):
-                record.reason = base
-            else:
-                record.reason = f"{base}: {guard}" if base == "guard failed" else f"{base}; failed guard: {guard}"
 
     def _switch_floats_if_changed(self, key: Hashable, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
         """A float argument has another value than at the capture of this schema: capture floats as
@@ -281,7 +261,8 @@ class TrainModule(nn.Module):
         and stops a symbolic one sunk in sympy (``_call`` then runs the call again)."""
         started = time.perf_counter()
         with dynamo_config_patch(dynamo_settings(self._options, self._specialize_float)), \
-                (routing(self._record_python_op) if self._options.custom_autograd else contextlib.nullcontext()), \
+                (routing(self._info.note_python_op, self) if self._options.custom_autograd
+                 else contextlib.nullcontext()), \
                 dims_static(self._sizes.marks()), \
                 watched(self._describe_compile, self._options.capture_warning_seconds,
                         self._sizes.sympy_budget(code_name)) as watch:
@@ -313,15 +294,6 @@ class TrainModule(nn.Module):
         else:
             avoid = "it is stored in the cache for later processes"
         return f"{what} has taken {elapsed:.0f} s so far ({'train' if self.training else 'eval'} mode); {avoid}"
-
-    def _record_python_op(self, name: str, handed_off: Optional[str] = None) -> bool:
-        """Whether this is news (a dynamo restart meets the same Function again)."""
-        entries, entry = ((self._info.python_op_handoffs, f"{name}: {handed_off}") if handed_off is not None
-                          else (self._info.python_ops, name))
-        if entry in entries:
-            return False
-        entries.append(entry)
-        return True
 
     def _after_capture_failure(self, exc: Exception, args: Tuple[Any, ...], kwargs: Dict[str, Any],
                                log: List[Any]) -> Any:
@@ -357,7 +329,7 @@ class TrainModule(nn.Module):
         if self._options.fallback == "raise":
             raise CaptureError(f"fxtrain could not capture {type(self.module).__name__}: {reason}") from exc
         self._eager = True
-        self._info.fallback_reason = reason
+        self._info.note_fallback(reason)
         message = (f"fxtrain could not capture {type(self.module).__name__} and runs it eagerly from now "
                    f"on: {reason}")
         logger.warning(message)

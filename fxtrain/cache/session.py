@@ -42,7 +42,7 @@ class ModuleCache:
         self.options, self.info, self.owner = options, info, owner
         self.store: Optional[Store] = Store.open(options.cache_dir) if options.cache_dir else None
         if options.cache_dir and self.store is None:
-            info.cache_log.append(f"cache off: {options.cache_dir} is missing or not writable")
+            info.note_cache(f"cache off: {options.cache_dir} is missing or not writable")
         self.calls: Dict[Hashable, CachedCall] = {}
         self.disk_keys: Dict[Hashable, str] = {}
         self.modules: Tuple[int, ...] = ()
@@ -58,14 +58,13 @@ class ModuleCache:
     def active(self) -> bool:
         return self.store is not None
 
-    def _note(self, text: str, *args: Any) -> None:
+    def _note(self, text: str, *args: Any, miss: bool = False) -> None:
         message = text % args if args else text
-        self.info.cache_log.append(message)
+        self.info.note_cache(message, miss)
         logger.info("fxtrain cache: %s", message)
 
     def _miss(self, text: str, *args: Any) -> object:
-        self.info.cache_misses += 1
-        self._note("miss " + text, *args)
+        self._note("miss " + text, *args, miss=True)
         return MISS
 
     # ------------------------------------------------------------------------------------ lookup
@@ -124,7 +123,7 @@ class ModuleCache:
             return tiers[-1]
         try:
             guard = entry.recipe.guard
-            route = DenseRoute(guard, self.info.dense_batches, self.options.sparsity_guard, self.owner) \
+            route = DenseRoute(guard, self.info.count_dense_batch, self.options.sparsity_guard, self.owner) \
                 if guard is not None and self.context.measures_batches else None
             call = CachedCall(entry, self.executor, self.context, route, self.options.backward,
                               tier if self.executor.compiles_later else None)
@@ -140,10 +139,9 @@ class ModuleCache:
         self.calls[key] = call
         self.scalars.record(key, args, kwargs)
         self.modules = tuple(map(id, module.modules()))
-        self.info.cache_hits += 1
         self.info.add(GraphRecord(index=index, mode=mode, dynamo_graph=None,
                                   optimizations=dict(entry.optimizations), step=call.step, run=call.runtime,
-                                  tier=tiers[0].made if tiers else None, from_cache=True))
+                                  tier=tiers[0].made if tiers else None, from_cache=True), cache_hit=True)
         self._note("hit %s (%s): %d graph(s) loaded and run in %.2f s", disk_key[:12], mode,
                    1 + (entry.backward_graph is not None), time.perf_counter() - started)
         return out

@@ -77,7 +77,7 @@ class Backend:
         self.plugins = plugins if plugins is not None else Plugins()
         self.executor = self.plugins.executor or executor_named(options.executor)
         self.examples = self.plugins.examples or DynamoExamples()
-        self.context = runner.RunContext(info.density, options.log_density, info.dense_batches,
+        self.context = runner.RunContext(info.density, options.log_density, info.count_dense_batch,
                                          options.sparsity_guard, owner, self.plugins.real_batches)
         self.training = training
         # Called first for every graph, before anything of it runs (TrainModule copies buffers there).

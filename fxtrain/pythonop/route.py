@@ -88,16 +88,16 @@ def _inline(self: AutogradFunctionVariable, tx: Any, args: list, kwargs: dict) -
 
 
 @contextlib.contextmanager
-def routing(on_python_op: Callable[..., None]) -> Iterator[None]:
+def routing(on_python_op: Callable[..., Optional[bool]], owner: Any = None) -> Iterator[None]:
     """Route Function.apply to PythonOps for dynamo traces started inside this block.
 
     ``on_python_op(name)`` for each Function kept as a PythonOp, ``on_python_op(name, why)`` for
-    one handed to a graph break, run by Python between two graphs."""
+    one handed to a graph break, run by Python between two graphs; ``owner`` (the TrainModule) owns
+    the real runs the captures make (pending.py)."""
     previous = getattr(_state, "sink", None)
     _state.sink = on_python_op
-    owner = getattr(on_python_op, "__self__", on_python_op)
     try:
-        with pending.session(owner):
+        with pending.session(on_python_op if owner is None else owner):
             yield
     finally:
         _state.sink = previous

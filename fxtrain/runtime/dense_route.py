@@ -11,7 +11,7 @@ tests that must not silently lose the speed-up.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, List, Sequence, Tuple
 
 import torch.fx
 
@@ -57,13 +57,11 @@ class SparseBatchError(Error, RuntimeError):
 
 
 class DenseRoute:
-    """Chooses, per call, between the rewritten graph and the graph without passes.
+    """Chooses, per call, between the rewritten graph and the graph without passes. ``count`` is
+    ``CaptureInfo.count_dense_batch`` (True: the module's first such batch, so it warns once per module)."""
 
-    ``counts`` is ``CaptureInfo.dense_batches``: reason -> number of batches that took the route.
-    """
-
-    def __init__(self, guard: BatchGuard, counts: Dict[str, int], policy: str, owner: str) -> None:
-        self.guard, self.counts, self.policy, self.owner = guard, counts, policy, owner
+    def __init__(self, guard: BatchGuard, count: Callable[[str], bool], policy: str, owner: str) -> None:
+        self.guard, self.count, self.policy, self.owner = guard, count, policy, owner
 
     def admits(self, args: Any) -> bool:
         """True when the rewritten graph serves this batch; otherwise counts it (or raises)."""
@@ -76,9 +74,7 @@ class DenseRoute:
                 f"fxtrain: {reason}, which the sparsity passes do not compute; nothing ran. Options("
                 f"sparsity_guard='dense') (the default) trains such batches through the graph without "
                 f"the passes; Options(padding_elimination='off') turns the pass off.")
-        first = not self.counts  # shared by the module's captures: log once per module
-        self.counts[reason] = self.counts.get(reason, 0) + 1
-        if first:
+        if self.count(reason):
             logger.warning("fxtrain: %s: %s in this batch, so it runs through the graph without the sparsity "
                            "passes (eager's numbers, eager's speed); capture_info().dense_batches counts such "
                            "batches", self.owner, reason)

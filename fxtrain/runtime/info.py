@@ -98,12 +98,46 @@ class CaptureInfo:
     dense_batches: Dict[str, int] = field(default_factory=dict)
     records: List[GraphRecord] = field(default_factory=list, repr=False)
 
-    def add(self, record: GraphRecord) -> GraphRecord:
-        """The one place a capture (live, or loaded from the cache) is recorded."""
+    # The one writer of these fields: capture, cache and runtime call these (tests/test_capture_info_writer.py).
+    def add(self, record: GraphRecord, cache_hit: bool = False) -> GraphRecord:
+        """A capture, live or loaded from the cache."""
         self.records.append(record)
-        self.graphs += 1
+        self.graphs, self.cache_hits = self.graphs + 1, self.cache_hits + cache_hit
         self.optimizations.update(record.optimizations)
         return record
+
+    def note_call(self, made: int, why: str, new_schema: bool, breaks: List[str]) -> None:
+        """A call that made the last ``made`` captures: why the first happened (dynamo's guard text,
+        already on each record, goes after it unless the schema is new), and the breaks it counted."""
+        for i, record in enumerate(self.records[len(self.records) - made:] if made else []):
+            base = why if i == 0 else "after a graph break"
+            guard = record.reason if len(record.reason) <= 160 else record.reason[:157] + "..."
+            record.reason = base if not guard or (i == 0 and new_schema) else \
+                f"{base}: {guard}" if base == "guard failed" else f"{base}; failed guard: {guard}"
+        self.graph_breaks += len(breaks)
+        self.break_reasons.extend(breaks)
+
+    def note_cache(self, event: str, miss: bool = False) -> None:
+        self.cache_misses += miss
+        self.cache_log.append(event)
+
+    def note_python_op(self, name: str, handed_off: Optional[str] = None) -> bool:
+        """A Function kept as a PythonOp, or handed to Python (why): whether it is news (a dynamo
+        restart meets the same Function again)."""
+        entries, entry = ((self.python_op_handoffs, f"{name}: {handed_off}") if handed_off is not None
+                          else (self.python_ops, name))
+        if entry in entries:
+            return False
+        entries.append(entry)
+        return True
+
+    def note_fallback(self, reason: str) -> None:
+        self.fallback_reason = reason
+
+    def count_dense_batch(self, reason: str) -> bool:
+        """A batch the dense route took; whether it is the module's first."""
+        self.dense_batches[reason] = self.dense_batches.get(reason, 0) + 1
+        return sum(self.dense_batches.values()) == 1
 
     @property
     def memory_plan(self) -> Optional[Any]:

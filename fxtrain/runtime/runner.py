@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 
@@ -55,7 +55,7 @@ class RunContext:
 
     density: Optional[Densities]
     log_density: bool
-    dense_batches: Dict[str, int]
+    count_dense_batch: Callable[[str], bool]   # CaptureInfo.count_dense_batch
     sparsity_guard: str
     owner: str
     measures_batches: bool = True
@@ -136,7 +136,7 @@ def build(step: CapturedStep, executor: Executor, context: RunContext, preferenc
     if plans.deferred is not None:
         core = with_deferred(core, plans.deferred)
     if plans.guard is not None and context.measures_batches:
-        route = DenseRoute(plans.guard, context.dense_batches, context.sparsity_guard, context.owner)
+        route = DenseRoute(plans.guard, context.count_dense_batch, context.sparsity_guard, context.owner)
         if step.dense_graph is not None:   # a cache hit has none: cache/call.py runs the module instead
             core = route.wrap(core, direct(step.dense_graph))
     if plans.probes and context.measures_batches and context.density is not None:
