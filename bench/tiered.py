@@ -10,7 +10,9 @@ as they are: warm after the first round), from wrapping the model to the end of 
 ``--steps`` (one run reads them all: a 20-step run is the first 20 steps of a 200-step one); the
 executors alternate in each round, medians over rounds. Steady state: one process; once auto's
 compile has finished (``wait_for_compiles``) it steps alone while it times its two tiers, then the
-three wrapped copies step in alternating order, medians of ``--steady`` steps. One intra-op thread.
+five copies (PyTorch eager, torch.compile and fxtrain's three executors) step in alternating order,
+medians of ``--steady`` steps, ratios against PyTorch's. ``--modes`` picks the wall-time runs (the
+same five names). One intra-op thread.
 """
 from __future__ import annotations
 
@@ -35,6 +37,17 @@ from fxtrain.runtime.tiered import TRIAL_STEPS
 from overhead import gpt2, mlp, vit
 
 EXECUTORS = ("eager", "inductor", "auto")
+# Besides fxtrain's executors: the model as it is (PyTorch eager) and torch.compile of it (inductor,
+# its defaults), the two a user compares against.
+MODES = ("torch", "compile") + EXECUTORS
+
+
+def wrapped(model: torch.nn.Module, mode: str) -> torch.nn.Module:
+    if mode == "torch":
+        return model
+    if mode == "compile":
+        return torch.compile(model)
+    return fxtrain.TrainModule(model, fxtrain.Options(executor=mode))
 
 
 def named(name: str, steps: int = 16):
@@ -51,7 +64,7 @@ WORKLOADS = {"mlp": mlp, "gpt2": gpt2, "vit": vit, **{w: functools.partial(named
 def one(workload: str, executor: str, marks: List[int]) -> None:
     m, loss_of = WORKLOADS[workload](max(marks)) if workload in BENCH_WORKLOADS else WORKLOADS[workload]()
     start = time.perf_counter()
-    f = fxtrain.TrainModule(m, fxtrain.Options(executor=executor))
+    f = wrapped(m, executor)
     opt = torch.optim.SGD(f.parameters(), lr=1e-4)
     walls = []
     for step in range(1, max(marks) + 1):
@@ -60,12 +73,13 @@ def one(workload: str, executor: str, marks: List[int]) -> None:
         opt.zero_grad()
         if step == 1 or step in marks:
             walls.append(time.perf_counter() - start)
-    tiers = f.capture_info().tiers
+    tiers = f.capture_info().tiers if isinstance(f, fxtrain.TrainModule) else []
     print(f"RESULT {' '.join(f'{w:.3f}' for w in walls)} {tiers[0] if tiers else '-'}")
 
 
-def wall(workload: str, marks: List[int], rounds: int, cold: bool = False, threads: int = 1) -> None:
-    executors = ("eager", "auto") if cold else EXECUTORS
+def wall(workload: str, marks: List[int], rounds: int, cold: bool = False, threads: int = 1,
+         modes: tuple = EXECUTORS) -> None:
+    executors = ("eager", "auto") if cold else modes
     runs: Dict[str, List[List[float]]] = {k: [] for k in executors}   # per run: first step, then each mark
     notes = {}
     for r in range(rounds):
@@ -85,16 +99,17 @@ def wall(workload: str, marks: List[int], rounds: int, cold: bool = False, threa
             print(f"  ({workload} {ex} round {r}: {' '.join(fields[1:-1])}; load {os.getloadavg()[0]:.2f})", flush=True)
     print(f"{workload}: wall time to the end of step {', '.join(map(str, marks))}, median of {rounds} fresh "
           f"processes (first step in brackets){', inductor cache cold' if cold else ''}")
+    ref = "eager" if "eager" in executors else executors[0]
     for ex in executors:
         med = [statistics.median(run[i] for run in runs[ex]) for i in range(len(marks) + 1)]
-        vs = [f"{m:.2f} s ({m / statistics.median(run[i + 1] for run in runs['eager']):.2f}x eager's)"
+        vs = [f"{m:.2f} s ({m / statistics.median(run[i + 1] for run in runs[ref]):.2f}x {ref}'s)"
               for i, m in enumerate(med[1:])]
         print(f"  {ex:9s} {'  '.join(vs)}  ({med[0]:.2f} s)  {notes[ex] if ex == 'auto' else ''}")
 
 
 def steady(workload: str, steps: int, warmup: int = 10) -> None:
     m, loss_of = WORKLOADS[workload]()
-    fs = {ex: fxtrain.TrainModule(copy.deepcopy(m), fxtrain.Options(executor=ex)) for ex in EXECUTORS}
+    fs = {mode: wrapped(copy.deepcopy(m), mode) for mode in MODES}
     opts = {k: torch.optim.SGD(f.parameters(), lr=1e-4) for k, f in fs.items()}
     for k, f in fs.items():
         for _ in range(2):   # HF ViT recaptures on its second call (its first sets config.problem_type)
@@ -117,7 +132,7 @@ def steady(workload: str, steps: int, warmup: int = 10) -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"{workload}: steady-state step, median of {steps} interleaved steps; "
           f"auto: {fs['auto'].capture_info().tiers[-1]}")
-    print("  " + "  ".join(f"{k} {med[k] * 1e3:.3f} ms ({med[k] / med['eager']:.2f}x eager's)" for k in med))
+    print("  " + "  ".join(f"{k} {med[k] * 1e3:.3f} ms ({med[k] / med['torch']:.2f}x PyTorch's)" for k in med))
 
 
 def main() -> None:
@@ -130,6 +145,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads (of every run)")
     ap.add_argument("--skip", default="", help="'wall' or 'steady'")
     ap.add_argument("--cold", action="store_true", help="wall times only, eager and auto, inductor's cache empty")
+    ap.add_argument("--modes", default=",".join(EXECUTORS),
+                    help=f"wall times: of {', '.join(MODES)} (torch: the model as it is; compile: torch.compile)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     if a.one:
@@ -138,7 +155,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {a.threads} thread(s), load {os.getloadavg()[0]:.2f}")
     for w in a.workloads.split(","):
         if a.skip != "wall":
-            wall(w, [int(x) for x in a.steps.split(",")], a.rounds, a.cold, a.threads)
+            wall(w, [int(x) for x in a.steps.split(",")], a.rounds, a.cold, a.threads, tuple(a.modes.split(",")))
         if a.skip != "steady" and not a.cold:
             steady(w, a.steady)
     print(f"load {os.getloadavg()[0]:.2f}")

@@ -25,12 +25,17 @@ _FALSE = {"0", "false", "no", "off"}
 class Options:
     """Every knob of fxtrain. The README table is generated from these fields (``fxtrain options``)."""
 
-    executor: str = field(default="eager", metadata={
+    executor: str = field(default="auto", metadata={
         "choices": ("eager", "inductor", "auto"),
         "help": "What runs the captured aten graphs: 'eager' (aten ops one by one; fast first step), "
-                "'inductor' (generated kernels; slow first step) or 'auto' (starts as 'eager' while a "
-                "low-priority worker process compiles each capture's graphs with inductor, then runs "
-                "the compiled graphs; capture_info() says per capture which runs and why)."})
+                "'inductor' (generated kernels; slow first step) or 'auto' (starts as 'eager'; once a "
+                "capture has run `compile_after` seconds, a low-priority worker process compiles its "
+                "graphs with inductor, and the capture runs them if they measure faster; capture_info() "
+                "says per capture which runs and why)."})
+    compile_after: float = field(default=10.0, metadata={
+        "help": "executor='auto': seconds after a capture's first call before its background compile "
+                "starts (0: at its second call). A run shorter than that never pays for a compile: the "
+                "worker would take cores from the training loop for a speed-up the run ends before using."})
     compile_timeout: float = field(default=600.0, metadata={
         "help": "executor='auto': seconds a capture's background compile may take; one that takes longer "
                 "(or fails) is logged once and that capture stays on the eager executor."})
@@ -117,6 +122,8 @@ class Options:
             raise ValueError(f"fxtrain.Options.sparsity_threshold must be within [0, 1], got {self.sparsity_threshold}")
         if not self.capture_warning_seconds > 0:
             raise ValueError(f"fxtrain.Options.capture_warning_seconds must be positive, got {self.capture_warning_seconds}")
+        if not self.compile_after >= 0:
+            raise ValueError(f"fxtrain.Options.compile_after must be >= 0, got {self.compile_after}")
         if not self.compile_timeout > 0:
             raise ValueError(f"fxtrain.Options.compile_timeout must be positive, got {self.compile_timeout}")
         if self.recompile_limit < 1:

@@ -405,6 +405,15 @@ def inductor_decompositions(keep: Iterable[Any] = ()) -> Dict[Any, Callable[...,
     return {op: fn for op, fn in select_decomp_table().items() if op not in kept}
 
 
+def inductor_eager_random() -> ContextManager[Any]:
+    """Inductor with ``config.fallback_random``: its random ops run as the aten kernels eager runs
+    (the same generator, the same numbers for the same draws in the same order) instead of its own
+    Philox code, and ``select_decomp_table()`` then leaves ``native_dropout`` whole. The flag is part
+    of inductor's cache key: a compile and its cached load must both be inside."""
+    from torch._inductor import config
+    return config.patch(fallback_random=True)
+
+
 def placeholder_examples(graph: torch.fx.GraphModule) -> List[Any]:
     """Fake values of a graph's inputs as AOTAutograd left them on the placeholders ("val")."""
     return [n.meta.get("val") for n in graph.graph.nodes if n.op == "placeholder"]

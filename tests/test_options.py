@@ -22,7 +22,8 @@ def test_defaults():
     # Options() gives, not what a user gets.
     defaults = {f.name: f.default for f in dataclasses.fields(Options)}
     assert (defaults["executor"], defaults["fallback"], defaults["dynamic"], defaults["fullgraph"]) == \
-        ("eager", "eager", None, False)
+        ("auto", "eager", None, False)
+    assert defaults["compile_after"] == 10.0
     o = Options()
     assert (o.fallback, o.dynamic, o.fullgraph) == ("eager", None, False)
 

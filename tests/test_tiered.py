@@ -2,6 +2,7 @@
 graphs a worker process compiled with inductor. Eager PyTorch is the oracle before, at and after the
 switch; ``CaptureInfo.wait_for_compiles`` makes the switch happen at a known step."""
 import logging
+import time
 
 import pytest
 import torch
@@ -35,7 +36,9 @@ def _batch(rows: int, seed: int):
 
 def _step(tm, ref, opts, batch, tolerance):
     losses = []
+    state = torch.get_rng_state()   # each model draws the same dropout masks
     for model, opt in zip((tm, ref), opts):
+        torch.set_rng_state(state)
         opt.zero_grad()
         loss, _ = model(*batch)
         loss.backward()
@@ -85,7 +88,9 @@ def test_each_capture_has_its_own_tier():
     info = tm.capture_info()
     tier = _switch(tm, ref, opts)
     _step(tm, ref, opts, _batch(5, 5), EXACT)
-    assert info.graphs == 2 and info.records[1].tier.state == "compiling", info.tiers
+    # Its compile waits for Options.compile_after (10 s) unless awaited, as below.
+    assert info.graphs == 2 and info.records[1].tier.state == "eager", info.tiers
+    assert "compile starts 10 s after its first call" in str(info.records[1].tier), info.tiers
     assert tier.state == "compiled"
     _step(tm, ref, opts, _batch(8, 6), COMPILED)
     assert info.wait_for_compiles(600), info.tiers
@@ -112,22 +117,65 @@ def test_failed_compile_stays_eager_and_logs_once(caplog):
     assert tier.state == "eager" and "compile_timeout exceeded" in tier.reason, str(tier)
 
 
-def test_random_ops_stay_eager_with_the_reason():
-    """Inductor draws dropout's numbers with its own generator: the capture keeps eager's."""
+@pytest.mark.parametrize("after", [0.0, 2.0])
+def test_compile_starts_compile_after_seconds_after_the_first_call(after):
+    """The default executor is "auto"; a capture's worker starts at its first call
+    Options.compile_after seconds after its first (at the second call for 0), never before: a short
+    run pays nothing for a compile. (compile_timeout stops the worker at once: whether it started is
+    what is tested.)"""
+    assert fxtrain.Options().executor == "auto" and fxtrain.Options().compile_after == 10.0
+    tm, ref = wrap_pair(Head(), dynamic=False, compile_timeout=0.001, compile_after=after)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (tm, ref)]
+    tier = lambda: tm.capture_info().records[0].tier   # noqa: E731
+    _step(tm, ref, opts, _batch(8, 0), EXACT)
+    assert tier().state == "eager" and f"compile starts {after:g} s after its first call" in str(tier())
+    _step(tm, ref, opts, _batch(8, 1), EXACT)
+    if after:
+        assert tier().state == "eager" and "Options.compile_after" in str(tier()), str(tier())
+        time.sleep(after)
+        _step(tm, ref, opts, _batch(8, 2), EXACT)
+    assert "Options.compile_after" not in str(tier()), str(tier())   # started (waiting would start it)
+    assert tm.capture_info().wait_for_compiles(60)
+    assert "compile_timeout exceeded" in tier().reason, str(tier())
+    _step(tm, ref, opts, _batch(8, 3), EXACT)
+
+
+def test_dropout_switches_with_eagers_masks():
+    """A chain of dropouts runs eager's own kernel in the compiled graphs (inductor's fallback_random):
+    the same masks as eager's, before and after the switch."""
+    torch.manual_seed(0)
     tm, ref = wrap_pair(Head(dropout=0.5), executor="auto", dynamic=False)
+    _switch(tm, ref, [torch.optim.SGD(m.parameters(), lr=0.1) for m in (tm, ref)])
+
+
+class TwoDropouts(Head):
+    """Two dropouts of one tensor: neither depends on the other, so a scheduler could swap them."""
+
+    def forward(self, x, y):
+        h = torch.tanh(self.a(x))
+        logits = self.b(self.drop(h) + self.drop(h * 2))
+        return nn.functional.cross_entropy(logits, y), logits
+
+
+class RandomNoise(Head):
+    def forward(self, x, y):
+        logits = self.b(torch.tanh(self.a(x)) + torch.randn(x.shape[0], 32) * 0.1)
+        return nn.functional.cross_entropy(logits, y), logits
+
+
+@pytest.mark.parametrize("model,reason", [
+    (TwoDropouts, "random op aten.native_dropout.default does not depend on the one before it: inductor "
+                  "could reorder their draws, which would not give eager's numbers"),
+    (RandomNoise, "random op aten.randn.default: inductor's generator would not give eager's numbers")])
+def test_random_ops_that_compiled_code_would_draw_otherwise_stay_eager(model, reason):
+    tm, ref = wrap_pair(model(dropout=0.5), executor="auto", dynamic=False, compile_after=0.0)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (tm, ref)]
     torch.manual_seed(0)
-    batch = _batch(8, 0)
-    state = torch.get_rng_state()
-    for model, opt in zip((tm, ref), opts):
-        torch.set_rng_state(state)
-        model(*batch)[0].backward()
-    for p, q in zip(tm.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad)
+    for seed in range(3):
+        _step(tm, ref, opts, _batch(8, seed), EXACT)
     info = tm.capture_info()
     assert info.wait_for_compiles(0)   # nothing to wait for: no worker was started
-    assert info.tiers == ["graph 0 (train): eager: random op aten.native_dropout.default: inductor's generator "
-                          "would not give eager's numbers"], info.tiers
+    assert info.tiers == [f"graph 0 (train): eager: {reason}"], info.tiers
 
 
 def test_auto_is_an_option_and_an_environment_override(monkeypatch):
@@ -178,4 +226,5 @@ def test_warm_start_runs_the_stored_compiled_graphs_from_the_first_step(tmp_path
     ref3.load_state_dict(ref.state_dict())
     _step(third, ref3, [torch.optim.SGD(m.parameters(), lr=0.1) for m in (third, ref3)], _batch(8, 60), EXACT)
     assert third.capture_info().cache_hits == 1
-    assert third.capture_info().records[0].tier.state == "compiling", third.capture_info().tiers
+    assert third.capture_info().records[0].tier.from_cache is False, third.capture_info().tiers
+    assert "Options.compile_after" in third.capture_info().tiers[0], third.capture_info().tiers

@@ -119,7 +119,7 @@ class ModuleCache:
         index, tiers = len(self.info.records), []
 
         def tier(step: Any) -> TierMaker:
-            tiers.append(TierMaker(step, self.options.compile_timeout, f"{self.owner} graph {index}"))
+            tiers.append(TierMaker(step, self.options, f"{self.owner} graph {index}"))
             return tiers[-1]
         try:
             guard = entry.recipe.guard

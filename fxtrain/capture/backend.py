@@ -121,7 +121,7 @@ class Backend:
         step, reports = compile_step(gm, example_inputs, context)
         index = len(self.info.records)
         # The tier keeps the step's graphs, not AOTAutograd's runtime (dropped below).
-        tier = TierMaker(dataclasses.replace(step, aot_callable=None), self.options.compile_timeout,
+        tier = TierMaker(dataclasses.replace(step, aot_callable=None), self.options,
                          f"{self.owner} graph {index}") if self.executor.compiles_later else None
         runtime = runner.build(step, self.executor, self.context, self.options.backward, tier)
         if runtime.mode != "aot":

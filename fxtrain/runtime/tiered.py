@@ -1,11 +1,18 @@
 """executor="auto": each capture starts on the eager executor and moves to inductor's code when ready.
 
-Capture is the eager executor's (first step as fast as executor="eager"). A thread then pickles the
+Capture is the eager executor's (first step as fast as executor="eager"). Once the capture has been
+in use for ``Options.compile_after`` seconds (10 by default), a thread pickles the
 capture's aten forward and backward graphs and starts a worker process (``python -m
 fxtrain.runtime.tiered``) at the lowest CPU priority (nice 19, and its C++ compiler children with
 it), which re-traces each graph with inductor's decompositions and compiles it, filling inductor's
 on-disk FX graph cache. The thread loads the compiled graphs from that cache (hits only) and hands
 them to the ``Tier``; its next call runs them, through the same replay as the inductor executor.
+
+Why wait: on a machine whose cores the training loop uses, the worker slows the loop a little, and a
+run that ends before the compiled graphs have paid back their compile gains nothing for it (a short
+script, a test, an evaluation run). Ten seconds is short against a training run and longer than
+most short runs; a run that has lasted that long is likely to last longer. One worker runs at a time
+(``_one_worker``): compiles side by side would share the same idle cores and each finish later.
 
 Why a process and not a thread compiling in this one:
 - inductor generates code under ``preserve_rng_state``, which sets the global random generator back
@@ -24,8 +31,9 @@ decompositions are applied by re-tracing each graph apart (what it lowers), keep
 what is lost against executor="inductor" is the min-cut partition's recomputation (docs/benchmarks.md).
 
 A capture stays on the eager executor, with the reason in ``capture_info()``, when the compiled
-graphs could not give eager's numbers or cannot be made ahead: random ops (inductor's generator
-differs from eager's), symbolic sizes (inductor may specialise sizes after dynamo installed its
+graphs could not give eager's numbers or cannot be made ahead: random ops other than a chain of
+dropouts (inductor's own random code draws other numbers; dropout runs eager's kernel, under
+``fallback_random``, and a chain keeps eager's order of draws), symbolic sizes (inductor may specialise sizes after dynamo installed its
 guards), custom autograd Functions (PythonOps: each becomes an opaque call inductor cannot fuse),
 a memory budget's plan, graphs the replay does not run; and when the compile fails or outlives
 ``Options.compile_timeout`` (logged once).
@@ -62,6 +70,10 @@ TRIAL_STEPS = 5
 SLOWER = 1.0
 _workers: Set[subprocess.Popen] = set()   # killed at exit: a compile nobody will run is wasted cores
 _exiting = threading.Event()
+_threads: Set[threading.Thread] = set()   # the tiers' compile and load threads, joined at exit
+# One worker at a time per process: captures compiled side by side would share the cores the
+# training loop leaves idle, each finishing later than in turn (and each worker holds its own torch).
+_one_worker = threading.Lock()
 
 
 @atexit.register
@@ -69,6 +81,12 @@ def _stop_workers() -> None:
     _exiting.set()   # a worker killed here is no failure to report
     for proc in list(_workers):
         proc.kill()
+    # A tier's thread left inside torch's C++ code (loading compiled graphs) while the interpreter
+    # finalises can end the process with "terminate called without an active exception": give
+    # each a moment to return (the killed worker wakes it at once).
+    deadline = time.monotonic() + 5.0
+    for thread in list(_threads):
+        thread.join(max(deadline - time.monotonic(), 0.0))
 
 
 def stays_eager(step: Any) -> str:
@@ -89,8 +107,33 @@ def stays_eager(step: Any) -> str:
                 continue
             if str(node.target).startswith("fxtrain.python_op"):
                 return "custom autograd Functions (PythonOps) would be opaque calls inductor cannot fuse"
-            if tp.draws_random_numbers(node):
+            if tp.draws_random_numbers(node) and (gm is not step.forward_graph or node.target not in EAGER_RANDOM):
                 return f"random op {node.target}: inductor's generator would not give eager's numbers"
+    return _random_order(step.forward_graph)
+
+
+# Random ops the compiled tier runs as eager's own kernels (torch_private.inductor_eager_random):
+# dropout, which inductor keeps whole under that flag. Others (attention with dropout, rand) are
+# decomposed or lowered to inductor's own random code, which draws other numbers.
+EAGER_RANDOM = (torch.ops.aten.native_dropout.default,)
+
+
+def _random_order(gm: torch.fx.GraphModule) -> str:
+    """Eager's numbers come from the same draws in the same order. Inductor's scheduler may reorder
+    kernels that do not depend on each other (for locality, for peak memory): the random ops must
+    form a chain, each one's output an ancestor of the next (as the dropouts of a stack of layers
+    are). The check is one pass: the newest random op each node depends on."""
+    newest: dict = {}
+    count = 0
+    for node in gm.graph.nodes:
+        before = max((newest.get(a, -1) for a in node.all_input_nodes), default=-1)
+        if node.op == "call_function" and tp.draws_random_numbers(node):
+            if before != count - 1:
+                return (f"random op {node.target} does not depend on the one before it: inductor could "
+                        f"reorder their draws, which would not give eager's numbers")
+            before = count
+            count += 1
+        newest[node] = before
     return ""
 
 
@@ -140,6 +183,12 @@ def loss_only(backward: AbsentGradBackward) -> List[Tuple[int, ...]]:
 
 def _compile_all(fw: torch.fx.GraphModule, bw: Optional[torch.fx.GraphModule], inference: bool,
                  cached_only: bool) -> Tuple[Callable[..., Any], Optional[AbsentGradBackward]]:
+    with tp.inductor_eager_random():
+        return _compile_each(fw, bw, inference, cached_only)
+
+
+def _compile_each(fw: torch.fx.GraphModule, bw: Optional[torch.fx.GraphModule], inference: bool,
+                  cached_only: bool) -> Tuple[Callable[..., Any], Optional[AbsentGradBackward]]:
     forward = inductor_compile_graph(fw, "inference" if inference else "forward", cached_only=cached_only)
     if bw is None:
         return forward, None
@@ -157,12 +206,12 @@ class TierMaker:
     """What ``runner.build`` gets as ``tiered`` for one capture, live or a cache hit: it wraps the
     core in a Tier and keeps it (``made``) for the capture's record."""
 
-    def __init__(self, step: Any, timeout: float, owner: str) -> None:
-        self.step, self.timeout, self.owner = step, timeout, owner
+    def __init__(self, step: Any, options: Any, owner: str) -> None:
+        self.step, self.options, self.owner = step, options, owner
         self.made: Optional[Tier] = None
 
     def __call__(self, core: Callable[..., Any]) -> "Tier":
-        self.made = Tier(self.step, core, self.timeout, self.owner)
+        self.made = Tier(self.step, core, self.options.compile_timeout, self.owner, self.options.compile_after)
         return self.made
 
 
@@ -181,7 +230,7 @@ class Tier:
     Runtime state, kept apart from the CapturedStep (which stays what capture made): the live
     callable, the one waiting to replace it, and what ``capture_info()`` reports."""
 
-    def __init__(self, step: Any, eager: Callable[..., Any], timeout: float, owner: str) -> None:
+    def __init__(self, step: Any, eager: Callable[..., Any], timeout: float, owner: str, after: float = 0.0) -> None:
         self.state = "eager"            # "eager" | "compiling" | "compiled"
         self.reason = ""                # why it stays on the eager executor
         self.since_step: Optional[int] = None
@@ -193,6 +242,8 @@ class Tier:
         self._eager: Optional[Callable[..., Any]] = eager
         self._timing = True
         self._last: Optional[float] = None
+        self._first: Optional[float] = None   # when the capture first ran (Options.compile_after counts from it)
+        self._after = after
         self._eager_times: Optional[List[float]] = None   # from when the compiled graphs are ready
         self._pending: Optional[Tuple[Any, float]] = None   # (step, timeout) until the thread starts
         self._compiled_times: List[float] = []
@@ -210,9 +261,10 @@ class Tier:
             self._timing = False
             self._done.set()
             return
-        self.state = "compiling"
-        # Started at the second call: the first step (capture included) stays the eager executor's,
-        # with no thread pickling graphs or process starting beside it.
+        self.state = "eager"
+        self.reason = f"its compile starts {after:g} s after its first call (Options.compile_after)"
+        # Started at the second call at the earliest: the first step (capture included) stays the
+        # eager executor's, with no thread pickling graphs or process starting beside it.
         self._pending = (step, timeout)
 
     def __call__(self, *args: Any) -> Any:
@@ -223,21 +275,35 @@ class Tier:
 
     def _start(self) -> None:
         pending, self._pending = self._pending, None
+        if pending is not None:
+            self.state, self.reason = "compiling", ""
         if pending is not None and self._stored is not None:
-            threading.Thread(target=self._load_stored, args=(self._stored, *pending), daemon=True,
-                             name=f"fxtrain-load-{self.owner}").start()
+            self._thread(self._load_stored, (self._stored, *pending), "load")
         elif pending is not None:
-            threading.Thread(target=self._compile, args=pending, daemon=True,
-                             name=f"fxtrain-compile-{self.owner}").start()
+            logger.info("%s: compiling its graphs with inductor in the background (call %d)", self.owner, self.calls)
+            self._thread(self._compile, pending, "compile")
+
+    def _thread(self, target: Callable[..., None], args: Tuple[Any, ...], what: str) -> None:
+        def run() -> None:
+            try:
+                target(*args)
+            finally:
+                _threads.discard(thread)
+        thread = threading.Thread(target=run, daemon=True, name=f"fxtrain-{what}-{self.owner}")
+        _threads.add(thread)
+        thread.start()
 
     def _tick(self) -> None:
         """Time between this capture's calls (a training step) on each tier, back to back once the
         compiled graphs are ready (same load, no pause for the compile in the eager sample): they
         stay only if they are not slower (a code generator loses on some small models: the MLP in
         docs/benchmarks.md)."""
-        if self._pending is not None and self.calls >= 1:
-            self._start()
         now = time.perf_counter()
+        if self._first is None:
+            self._first = now
+        # A stored payload loads without a worker: at once. A compile waits Options.compile_after.
+        if self._pending is not None and self.calls >= 1 and (self._stored is not None or now - self._first >= self._after):
+            self._start()
         if self._last is not None and self._eager_times is not None:
             (self._compiled_times if self.state == "compiled" else self._eager_times).append(now - self._last)
         self._last = now
@@ -285,6 +351,7 @@ class Tier:
         if self._pending is None:
             return False
         self._stored, self.from_cache = payload, True
+        self.state, self.reason = "compiling", ""
         return True
 
     def _load_stored(self, payload: bytes, step: Any, timeout: float) -> None:
@@ -321,6 +388,10 @@ class Tier:
         return f"eager: {self.reason}"
 
     def _compile(self, step: Any, timeout: float) -> None:
+        with _one_worker:
+            self._compile_alone(step, timeout)
+
+    def _compile_alone(self, step: Any, timeout: float) -> None:
         start = time.perf_counter()
         try:
             with tempfile.TemporaryDirectory(prefix="fxtrain-tier-") as tmp:
@@ -372,8 +443,13 @@ def _worker(argv: Sequence[str]) -> None:
     given, made, inference = Path(argv[0]), Path(argv[1]), argv[2] == "1"
     torch.set_num_threads(int(argv[3]))
     fw, bw, saved = tp.unpickle_graphs(given.read_bytes(), tp.FakeTensorMode(shape_env=ShapeEnv()))
-    table = InductorExecutor().decompositions(keep=tp.BACKWARD_PASS_OPS)
+    with tp.inductor_eager_random():   # dropout kept whole, to run eager's kernel
+        table = InductorExecutor().decompositions(keep=tp.BACKWARD_PASS_OPS)
+    random = [n.target for n in fw.graph.nodes if n.op == "call_function" and tp.draws_random_numbers(n)]
     fw = tp.retrace(fw, table)
+    now = [n.target for n in fw.graph.nodes if n.op == "call_function" and tp.draws_random_numbers(n)]
+    if now != random or _random_order(fw):
+        raise RuntimeError(f"the retrace changed the random ops ({random} -> {now}): not eager's numbers")
     if bw is not None:
         # Inductor gives the forward's outputs the strides of the retraced graph's values
         # (decompositions may lay them out otherwise than the aten ops did): the backward is traced
