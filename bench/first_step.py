@@ -50,7 +50,7 @@ CHILD = textwrap.dedent("""
 VARIANTS = ("eager", "no cache", "empty cache", "warm cache")
 
 
-def run_one(name: str, variant: str, cache_dir: str, executor: str = "eager") -> Dict[str, float]:
+def run_one(name: str, variant: str, cache_dir: str, executor: str = "auto") -> Dict[str, float]:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("FXTRAIN_CACHE_DIR", None)
     env["TORCHINDUCTOR_CACHE_DIR"] = (tempfile.mkdtemp() if variant == "no cache"
@@ -67,7 +67,8 @@ def main() -> None:
     parser.add_argument("--models", default="bert-mlm,roberta-mlm")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json")
-    parser.add_argument("--executor", default="eager", choices=("eager", "inductor"))
+    parser.add_argument("--executor", default="auto", choices=("auto", "eager", "inductor"),
+                        help="fxtrain's executor (auto, the default: the eager executor's first step)")
     args = parser.parse_args()
     results: Dict[str, Dict[str, List[Dict[str, float]]]] = {}
     for name in args.models.split(","):

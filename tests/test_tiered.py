@@ -74,15 +74,15 @@ def _switch(tm, ref, opts):
     return tier
 
 
+@pytest.mark.extended   # make test runs the same switch in the next test, before its recapture
 def test_switch_is_exact():
     tm, ref = wrap_pair(Head(), executor="auto", dynamic=False)
     _switch(tm, ref, [torch.optim.SGD(m.parameters(), lr=0.1) for m in (tm, ref)])
 
 
-@pytest.mark.extended
 def test_each_capture_has_its_own_tier():
-    """Another batch size: a new (static) capture, with a tier of its own, compiling while the first
-    stays compiled, and switching at its own step."""
+    """The switch, exact; then another batch size: a new (static) capture, with a tier of its own,
+    compiling while the first stays compiled, and switching at its own step."""
     tm, ref = wrap_pair(Head(), executor="auto", dynamic=False)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (tm, ref)]
     info = tm.capture_info()
