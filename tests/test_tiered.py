@@ -81,9 +81,11 @@ def test_switch_is_exact():
 
 
 def test_each_capture_has_its_own_tier():
-    """The switch, exact; then another batch size: a new (static) capture, with a tier of its own,
-    compiling while the first stays compiled, and switching at its own step."""
-    tm, ref = wrap_pair(Head(), executor="auto", dynamic=False)
+    """The switch, exact, dropout included (eager's masks on both sides of it); then another batch
+    size: a new (static) capture, with a tier of its own, compiling while the first stays compiled,
+    and switching at its own step."""
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(Head(dropout=0.5), executor="auto", dynamic=False)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (tm, ref)]
     info = tm.capture_info()
     tier = _switch(tm, ref, opts)
@@ -140,6 +142,7 @@ def test_compile_starts_compile_after_seconds_after_the_first_call(after):
     _step(tm, ref, opts, _batch(8, 3), EXACT)
 
 
+@pytest.mark.extended   # make test switches with dropout in test_each_capture_has_its_own_tier
 def test_dropout_switches_with_eagers_masks():
     """A chain of dropouts runs eager's own kernel in the compiled graphs (inductor's fallback_random):
     the same masks as eager's, before and after the switch."""
