@@ -6,15 +6,18 @@ import pytest
 from fxtrain import fuzz
 from utils import DEVICE
 
-CI_BATCHES = 16    # per case in `make test`; 4 text cases: 64 batches
+CI_BATCHES = 16    # per case in `make test`
 LONG_BATCHES = 32  # per case and seed in `make test-long`, seeds 0 and 1: 512 batches
 
 
 TEXT = [name for name, (_, kind, _) in fuzz.MODELS.items() if kind != "image"]
-# `make test` fuzzes one masked and one causal LM at seed 0 (bert-mlm's batches there include some that
-# take the dense route); `make test-long` every text model at seeds 0 and 1, 32 batches (the first 16
-# of seed 0 are `make test`'s: each case's batches depend on its seed, model and loss only).
-CI_MODELS = ("bert-mlm", "gpt2-clm")
+# `make test` fuzzes the masked LM at seed 0 (its batches include some that take the dense route);
+# `make test-long` every text model at seeds 0 and 1, 32 batches (the first 16 of seed 0 are `make
+# test`'s: each case's batches depend on its seed, model and loss only). The causal LM's `make test`
+# case (88 s, the suite's longest) moved to `make test-long`, whose gpt2-clm case runs its batches and
+# more: the suite had reached its 15-minute budget on 2 cores. `make test` keeps causal-LM parity in
+# test_hf_models, test_label_sparsity and test_edge_batches.
+CI_MODELS = ("bert-mlm",)
 DENSE_IN_CI = ("bert-mlm",)
 IMAGE_BATCHES = 14   # HF Swin captures slowly (4-9 s a capture): one loss, fewer batches
 

@@ -204,7 +204,7 @@ def _compare(results: List[Dict[str, Any]], config: str, ranks: List[int], ref_l
 
 # -------------------------------------------------------------------------------- parity tests
 def _run_parity(name: str, tmp_path: Path) -> Tuple[List[Dict[str, Any]], Dict[str, List[int]]]:
-    results = spawn("parity", 4, tmp_path, name, deadline=60.0)
+    results = spawn("parity", 4, tmp_path, name, deadline=150.0)   # 30 s quiet; 4 processes on 2 cores
     ref_loss, ref_grads, _ = _oracle(name)
     steps = 2 if name == "toy" else 1
     shared: Dict[str, List[int]] = {}

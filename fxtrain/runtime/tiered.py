@@ -184,18 +184,13 @@ def loss_only(backward: AbsentGradBackward) -> List[Tuple[int, ...]]:
 def _compile_all(fw: torch.fx.GraphModule, bw: Optional[torch.fx.GraphModule], inference: bool,
                  cached_only: bool) -> Tuple[Callable[..., Any], Optional[AbsentGradBackward]]:
     with tp.inductor_eager_random():
-        return _compile_each(fw, bw, inference, cached_only)
-
-
-def _compile_each(fw: torch.fx.GraphModule, bw: Optional[torch.fx.GraphModule], inference: bool,
-                  cached_only: bool) -> Tuple[Callable[..., Any], Optional[AbsentGradBackward]]:
-    forward = inductor_compile_graph(fw, "inference" if inference else "forward", cached_only=cached_only)
-    if bw is None:
-        return forward, None
-    backward = AbsentGradBackward(bw, lambda g: inductor_compile_graph(g, "backward", cached_only=cached_only))
-    backward.compile_full()
-    for absent in loss_only(backward):
-        backward._variant(absent)
+        forward = inductor_compile_graph(fw, "inference" if inference else "forward", cached_only=cached_only)
+        if bw is None:
+            return forward, None
+        backward = AbsentGradBackward(bw, lambda g: inductor_compile_graph(g, "backward", cached_only=cached_only))
+        backward.compile_full()
+        for absent in loss_only(backward):
+            backward._variant(absent)
     # A pattern not compiled ahead runs as the eager executor would: generating code for it here
     # would stop the training loop (and rewind the random generator off the main thread).
     backward.compile = lambda g: tp.boxed_copy(g).forward
