@@ -136,6 +136,9 @@ class TrainModule(nn.Module):
         return self._options
 
     def capture_info(self) -> CaptureInfo:
+        """What capture did. Waits for captures still partitioning in the background
+        (runtime/pending.py: a second or a few), so that what it reports is the whole step."""
+        self._info.wait_for_partitions()
         return self._info
 
     def attach_optimizer(self, optimizer: Any) -> "TrainModule":
@@ -247,6 +250,12 @@ class TrainModule(nn.Module):
         on, the symbolic one (``dynamic=None``; capture/sizes.py says which sizes it makes symbolic)."""
         resized, breaks = key in self._cache.resized, bool(self._info.graph_breaks)
         if self._sizes.use_symbolic(key, sizes, args, kwargs, resized, breaks):
+            if not self._sizes.first_whole:
+                # A symbolic capture's sympy budget is a share of the first capture's whole cost:
+                # the partitions the worker made of it count (the first size change waits for them).
+                self._info.wait_for_partitions()
+                self._sizes.add_partition(sum(r.pending.cpu_seconds for r in self._info.records
+                                              if r.pending is not None))
             if self.training not in self._symbolic:
                 self._symbolic[self.training] = make_entry(self._backend, True, self._options.fullgraph,
                                                            self._compiling)

@@ -748,6 +748,27 @@ def detect_fake_mode(values: Any) -> Any:
     return detect(values)
 
 
+def tracing_context(fake_mode: Any) -> ContextManager[Any]:
+    """A tracing context for AOTAutograd run outside dynamo's compile (the partition worker), on
+    ``fake_mode``'s values: AOTAutograd records its metadata there (``aot_metadata``)."""
+    from torch._guards import TracingContext, tracing
+    return tracing(TracingContext(fake_mode))
+
+
+def forget_dynamo_sources(gm: torch.fx.GraphModule) -> None:
+    """A dynamo graph loaded elsewhere has lost its placeholders' ``_dynamo_source`` metadata, which
+    AOTAutograd then asserts on while it reads ``_param_name_to_source`` (for static inputs: CUDA
+    graphs, guards): without the map it takes every input as a plain one."""
+    if hasattr(gm, "_param_name_to_source"):
+        del gm._param_name_to_source
+
+
+def autocast_enabled(device_types: Iterable[str]) -> bool:
+    """Whether autocast is on for any of ``device_types`` on this thread (thread-local state a
+    trace on another thread would not see)."""
+    return any(torch.is_autocast_enabled(t) for t in set(device_types) if t != "meta")
+
+
 def is_fake(x: Any) -> bool:
     """Whether ``x`` is a FakeTensor (``torch._subclasses.FakeTensor``)."""
     return isinstance(x, FakeTensor)

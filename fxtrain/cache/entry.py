@@ -11,14 +11,13 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.fx
 
 from .. import torch_private as tp
-from ..runtime.absent_grads import values_read
-from ..runtime.shapes import VALUE_KEY, value_info
+from ..runtime.lean_meta import MODULE_META, lean_meta
 from ..runtime.replay import NotReplayable, ReplaySpec, check_graph_arity
 from .key import versions
 from ..capture.recipe import Recipe
@@ -128,37 +127,6 @@ def build(record: Any, recipe: Recipe, out: Any, about: Dict[str, Any]) -> Entry
                  treespec=treespec, leaves=leaves, header=header, memory_plan=step.memory_plan)
 
 
-_MODULE_KEYS = ("nn_module_stack", "fwd_nn_module_stack")
-_MODULE_META = "fxtrain_module"
-
-
-@contextlib.contextmanager
-def _lean_meta(gm: Optional[torch.fx.GraphModule], keep_values: bool, keep_fakes: bool = False) -> Iterator[None]:
-    """Temporarily strip node metadata down to what the runtime reads; restored afterwards.
-    ``keep_fakes``: the placeholders keep their fake values (symbolic sizes included), which a code
-    generator compiles a loaded graph against (and finds its own kernel cache with)."""
-    if gm is None:
-        yield
-        return
-    saved = {n: n.meta for n in gm.graph.nodes}
-    keep = values_read(gm) if keep_values else set()
-    try:
-        for n in gm.graph.nodes:
-            info = value_info(n) if n in keep else None
-            n.meta = {VALUE_KEY: info} if info is not None else {}
-            if keep_fakes and n.op == "placeholder" and "val" in saved[n]:
-                n.meta["val"] = saved[n]["val"]
-            for name in _MODULE_KEYS:  # the profiler's per-module attribution: innermost module only
-                stack = saved[n].get(name)
-                if stack:  # under a name of ours: GraphPickler drops nn_module_stack
-                    key, (path, cls) = list(stack.items())[-1]
-                    n.meta[_MODULE_META] = (name, key, path, getattr(cls, "__name__", str(cls)))
-        yield
-    finally:
-        for n in gm.graph.nodes:
-            n.meta = saved[n]
-
-
 def _plan_graphs(recipe: Recipe) -> List[torch.fx.GraphModule]:
     """The dynamo-level graphs a recipe holds: the deferred outputs' and the batch guard's."""
     plan = recipe.plan
@@ -179,11 +147,11 @@ def _plan_graphs(recipe: Recipe) -> List[torch.fx.GraphModule]:
 def dumps(entry: Entry) -> bytes:
     with contextlib.ExitStack() as stack:
         fakes = entry.header.get("executor", "eager") != "eager"
-        stack.enter_context(_lean_meta(entry.forward_graph, keep_values=False, keep_fakes=fakes))
-        stack.enter_context(_lean_meta(entry.graph, keep_values=False))
-        stack.enter_context(_lean_meta(entry.backward_graph, keep_values=True, keep_fakes=fakes))
+        stack.enter_context(lean_meta(entry.forward_graph, keep_values=False, keep_fakes=fakes))
+        stack.enter_context(lean_meta(entry.graph, keep_values=False))
+        stack.enter_context(lean_meta(entry.backward_graph, keep_values=True, keep_fakes=fakes))
         for gm in _plan_graphs(entry.recipe):
-            stack.enter_context(_lean_meta(gm, keep_values=False))
+            stack.enter_context(lean_meta(gm, keep_values=False))
         recipe = entry.recipe
         last, recipe.last_outputs = recipe.last_outputs, None
         try:
@@ -200,8 +168,8 @@ def loads(payload: bytes) -> Entry:
     for gm in [entry.forward_graph, entry.backward_graph, entry.graph, *_plan_graphs(entry.recipe)]:
         if gm is not None:
             for n in gm.graph.nodes:
-                if _MODULE_META in n.meta:
-                    name, key, path, cls = n.meta.pop(_MODULE_META)
+                if MODULE_META in n.meta:
+                    name, key, path, cls = n.meta.pop(MODULE_META)
                     n.meta[name] = {key: (path, cls)}
             gm.recompile()
     return entry

@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import re
 import warnings
-from typing import Any, Callable, List, Optional, Set
+from typing import Any, Callable, Dict, List, Optional, Set
 
 import torch
 import torch.fx
@@ -20,8 +20,10 @@ from ..runtime.executors import Executor, executor_named
 from .breaks import graph_break_site
 from .budget import BudgetRequest, BudgetState, MemoryBudgetWarning
 from .dump import dump_capture
-from .pipeline import CaptureContext, compile_step
+from . import partition_worker
+from .pipeline import CaptureContext, Rewritten, compile_step, finish, from_worker, rewrite, unpartitioned
 from ..runtime.info import CaptureInfo, GraphRecord
+from ..runtime.pending import PendingPartition, Ready
 from ..runtime.tiered import TierMaker
 from ..errors import Error
 
@@ -118,8 +120,15 @@ class Backend:
         recipe = cache_recipe.start(gm) if self.options.cache_dir else None
         context = CaptureContext(self.options, self.executor, self.examples, self.budget_request(),
                                  self.optimizer, self.plugins.on_budget_state)
-        step, reports = compile_step(gm, example_inputs, context)
         index = len(self.info.records)
+        if self.partitions_later(gm, example_inputs):
+            rewritten = rewrite(gm, context)
+            request = partition_worker.request(rewritten.graph, example_inputs, self.executor.name)
+            if request is not None:
+                return self._partition_later(rewritten, request, mode, reason, site, index)
+            step, reports = finish(rewritten, example_inputs, context)
+        else:
+            step, reports = compile_step(gm, example_inputs, context)
         # The tier keeps the step's graphs, not AOTAutograd's runtime (dropped below).
         tier = TierMaker(dataclasses.replace(step, aot_callable=None), self.options,
                          f"{self.owner} graph {index}") if self.executor.compiles_later else None
@@ -138,3 +147,57 @@ class Backend:
         logger.info("captured graph %d (%s): %d nodes, executor %s, runtime %s", record.index, record.mode,
                     len(gm.graph.nodes), self.executor.name, record.runtime)
         return compiled
+
+    def partitions_later(self, gm: torch.fx.GraphModule, example_inputs: List[object]) -> bool:
+        """Whether this capture runs in the autograd mode until the partition worker has partitioned
+        it (runtime/pending.py: why). Not where the partition must come first: a graph of symbolic
+        sizes (its partition may add shape guards, which must join dynamo's before the capture is
+        installed), a memory budget (its plan is the partition), the cache and graph dumps (they
+        store the aten graphs at capture), the graph mode asked for, the profiler's captures, an
+        executor without the autograd mode, autocast (the calling thread's state), custom autograd
+        Functions (PythonOps: their classes may not import in the worker); nor for a graph that
+        does not pickle (``partition_worker.request``)."""
+        options, plugins = self.options, self.plugins
+        if not (self.executor.autograd_mode and plugins.executor is None and plugins.real_batches
+                and plugins.on_budget_state is None and options.backward != "graph"
+                and options.memory_budget is None and not options.cache_dir and not options.save_graphs_dir
+                and torch.is_grad_enabled()):
+            return False
+        tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+        if len(tensors) != len(example_inputs) or tp.detect_fake_mode(tensors) is None:
+            return False   # symbolic scalars among the inputs
+        if any(isinstance(d, torch.SymInt) for t in tensors for d in (*t.shape, *t.stride())):
+            return False
+        if tp.autocast_enabled(["cpu", *(t.device.type for t in tensors)]):
+            return False
+        return not any(n.op == "call_function" and str(n.target).startswith("fxtrain.python_op")
+                       for n in gm.graph.nodes)
+
+    def _partition_later(self, rewritten: Rewritten, request: bytes, mode: str, reason: str, site: Any,
+                         index: int) -> Callable[..., object]:
+        owner = f"{self.owner} graph {index}"
+        before = unpartitioned(rewritten)
+        box: Dict[str, Any] = {}
+
+        def partitioned() -> Ready:
+            step, reports, pending.cpu_seconds = from_worker(rewritten, partition_worker.partition(request),
+                                                             self.executor)
+            tier = TierMaker(step, self.options, owner) if self.executor.compiles_later else None
+            core, run_mode, why = runner.core_for(step, self.executor, self.options.backward, tier)
+            run = dataclasses.replace(box["runtime"], mode=run_mode, reason=why)
+
+            def record() -> None:
+                made = tier.made if tier else None
+                if made is not None:   # the capture's calls so far count as the tier's (its steps)
+                    made.calls = pending.calls
+                self.info.note_partition(box["record"], step, run, reports, made)
+            return core, record
+
+        pending = PendingPartition(owner, partitioned)
+        box["runtime"] = runtime = runner.build(before, self.executor, self.context, later=pending)
+        box["record"] = record = self.info.add(GraphRecord(
+            index=index, mode=mode, dynamo_graph=rewritten.graph, reason=reason, break_site=site,
+            optimizations=dict(rewritten.reports), step=before, run=runtime, pending=pending))
+        logger.info("captured graph %d (%s): %d nodes, executor %s, runtime %s (partitioned later)",
+                    index, mode, len(rewritten.graph.graph.nodes), self.executor.name, record.runtime)
+        return runtime.call

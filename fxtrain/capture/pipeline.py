@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.fx
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from .. import torch_private as tp
 from ..options import Options
@@ -69,7 +70,12 @@ class Compiled:
 def compile_step(gm: torch.fx.GraphModule, example_inputs: List[Any],
                  context: CaptureContext) -> Tuple[CapturedStep, Dict[str, str]]:
     """dynamo's graph (rewritten in place) → the compiled step and the capture's pass reports."""
-    rewritten = rewrite(gm, context)
+    return finish(rewrite(gm, context), example_inputs, context)
+
+
+def finish(rewritten: Rewritten, example_inputs: List[Any],
+           context: CaptureContext) -> Tuple[CapturedStep, Dict[str, str]]:
+    """The partition and compile stages: at capture, or later on a thread (runtime/pending.py)."""
     parts = partition(rewritten.graph, example_inputs, context)
     compiled = compile_graphs(parts, context.executor)
     step = CapturedStep(graph=rewritten.graph, dense_graph=rewritten.dense_graph, plans=rewritten.plans,
@@ -81,6 +87,35 @@ def compile_step(gm: torch.fx.GraphModule, example_inputs: List[Any],
     reports = dict(rewritten.reports)
     reports.update((r.name, str(r)) for r in parts.forward_reports + parts.backward_reports)
     return step, reports
+
+
+def from_worker(rewritten: Rewritten, answer: bytes,
+                executor: Executor) -> Tuple[CapturedStep, Dict[str, str], float]:
+    """The compile stage on the partition a worker made of ``rewritten`` (capture/partition_worker.py);
+    also the partition's CPU seconds there (the sizes policy counts them: capture/sizes.py)."""
+    fw, bw, inference, spec, why, forward_reports, backward_reports, cpu = tp.unpickle_graphs(
+        answer, tp.FakeTensorMode(shape_env=ShapeEnv()))
+    for gm in (fw, bw):
+        if gm is not None:
+            gm.recompile()
+    forward = executor.compile(fw, "inference" if inference else "forward", tp.placeholder_examples(fw)) \
+        if fw is not None else None
+    backward = backward_of(bw, executor) if bw is not None else None
+    if executor.compiles_ahead and backward is not None:
+        backward.compile_full()
+    step = CapturedStep(graph=rewritten.graph, dense_graph=rewritten.dense_graph, plans=rewritten.plans,
+                        forward_graph=fw, backward_graph=bw, inference=inference, spec=spec, not_replayable=why,
+                        backward_reports=backward_reports, forward_reports=forward_reports,
+                        compiled_forward=forward, backward=backward)
+    reports = dict(rewritten.reports)
+    reports.update((r.name, str(r)) for r in forward_reports + backward_reports)
+    return step, reports, cpu
+
+
+def unpartitioned(rewritten: Rewritten) -> CapturedStep:
+    """The step before its partition: what the autograd mode runs until ``finish`` is done."""
+    return CapturedStep(graph=rewritten.graph, dense_graph=rewritten.dense_graph, plans=rewritten.plans,
+                        not_replayable="not partitioned yet")
 
 
 # ------------------------------------------------------------------------------------- passes

@@ -55,6 +55,7 @@ class SizesPolicy:
         self.expensive: Dict[Hashable, Dims] = {}    # key -> dims whose symbolic reasoning proved expensive
         self.image_sizes: Dict[Hashable, Dict[Tuple[int, int], set]] = {}   # key -> image dim -> sizes captured
         self.first_compile_seconds: Optional[float] = None
+        self.first_whole = False   # its partition counted in (add_partition)
         self.switch: Optional[str] = None
         self.call: Optional[Tuple[Hashable, Tuple[Any, ...], Tuple[Any, ...], Dict[str, Any]]] = None
 
@@ -155,6 +156,13 @@ class SizesPolicy:
             return None
         share = 1.0 if all(d == 0 for _, d in self.symbolic[self.call[0]]) else 0.5
         return max(1.0, share * (self.first_compile_seconds or 0.0))
+
+    def add_partition(self, seconds: float) -> None:
+        """The first capture's partition, made later by the worker (runtime/pending.py): part of what
+        a symbolic capture, which partitions in this process, is measured against."""
+        if self.first_compile_seconds is not None and not self.first_whole:
+            self.first_compile_seconds += seconds
+        self.first_whole = True
 
     def compiled(self, code_name: Optional[str], seconds: float) -> None:
         if self.call is None and self.first_compile_seconds is None and is_entry_frame(code_name):

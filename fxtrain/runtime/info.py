@@ -57,6 +57,9 @@ class GraphRecord:
     tier: Optional[Any] = field(default=None, repr=False)
     cache_recipe: Optional[Any] = field(default=None, repr=False)   # what the on-disk cache needs
     from_cache: bool = False
+    # A capture partitioned on a thread (runtime/pending.py: PendingPartition): until it is done,
+    # ``step`` is the unpartitioned one and ``run`` the autograd mode.
+    pending: Optional[Any] = field(default=None, repr=False)
 
     # Read from the step and the runtime, not copied: the aten graphs, the backward's runtime
     # object (the executor's code), an inference pair, Options.memory_budget's plan (MemoryPlan),
@@ -105,6 +108,21 @@ class CaptureInfo:
         self.graphs, self.cache_hits = self.graphs + 1, self.cache_hits + cache_hit
         self.optimizations.update(record.optimizations)
         return record
+
+    def note_partition(self, record: GraphRecord, step: Any, run: Any, optimizations: Dict[str, str],
+                       tier: Optional[Any]) -> None:
+        """A capture's partition, made on a thread, from its first call after it was done."""
+        record.step, record.run, record.tier = step, run, tier
+        record.optimizations.update(optimizations)
+        self.optimizations.update(optimizations)
+
+    def wait_for_partitions(self, timeout: Optional[float] = None) -> bool:
+        """Block until every capture partitioned on a thread is (True if all are): ``records``,
+        ``optimizations`` and ``tiers`` then describe whole steps. ``TrainModule.capture_info()``
+        waits so."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return all(r.pending.wait(None if deadline is None else max(deadline - time.monotonic(), 0.0))
+                   for r in list(self.records) if r.pending is not None)
 
     def note_call(self, made: int, why: str, new_schema: bool, breaks: List[str]) -> None:
         """A call that made the last ``made`` captures: why the first happened (dynamo's guard text,
@@ -157,8 +175,9 @@ class CaptureInfo:
         """executor="auto": block until every capture's background compile has finished or failed
         (True if all have); the next call of each capture then runs the compiled graphs."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        return all(r.tier.wait(None if deadline is None else max(deadline - time.monotonic(), 0.0))
-                   for r in self.records if r.tier is not None)
+        left = lambda: None if deadline is None else max(deadline - time.monotonic(), 0.0)  # noqa: E731
+        return self.wait_for_partitions(left()) and \
+            all(r.tier.wait(left()) for r in self.records if r.tier is not None)
 
     @property
     def capture_reasons(self) -> List[str]:

@@ -112,13 +112,11 @@ def _aot_runtime(aot_callable: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def build(step: CapturedStep, executor: Executor, context: RunContext, preference: str = "auto",
-          tiered: Optional[Callable[[Callable[..., Any]], Callable[..., Any]]] = None) -> Runtime:
-    """The runtime for ``step``: its ``call`` takes the flat graph inputs and returns the dynamo
-    graph's outputs. (Only the "aot" mode needs ``step.aot_callable``: a caller keeping the step
-    may drop it, ``dataclasses.replace(step, aot_callable=None)``, with what AOTAutograd holds.)
-    ``tiered`` wraps the core (what runs the graphs), inside the deferred outputs, dense route and
-    probes, so that a core swapped later (runtime/tiered.py) keeps them."""
+def core_for(step: CapturedStep, executor: Executor, preference: str = "auto",
+             tiered: Optional[Callable[[Callable[..., Any]], Callable[..., Any]]] = None
+             ) -> Tuple[Callable[..., Any], str, str]:
+    """What runs ``step``'s graphs (the flat graph inputs in, the dynamo graph's outputs out), the
+    mode and why. ``tiered`` wraps it (runtime/tiered.py swaps the code it runs later)."""
     mode, reason = choose_mode(step, executor, preference)
     if mode == "autograd":
         assert step.graph is not None
@@ -129,9 +127,26 @@ def build(step: CapturedStep, executor: Executor, context: RunContext, preferenc
     else:
         assert step.aot_callable is not None
         core = _aot_runtime(step.aot_callable)
+    return (tiered(core) if tiered is not None else core), mode, reason
+
+
+def build(step: CapturedStep, executor: Executor, context: RunContext, preference: str = "auto",
+          tiered: Optional[Callable[[Callable[..., Any]], Callable[..., Any]]] = None,
+          later: Optional[Callable[[Callable[..., Any]], Callable[..., Any]]] = None) -> Runtime:
+    """The runtime for ``step``: its ``call`` takes the flat graph inputs and returns the dynamo
+    graph's outputs. (Only the "aot" mode needs ``step.aot_callable``: a caller keeping the step
+    may drop it, ``dataclasses.replace(step, aot_callable=None)``, with what AOTAutograd holds.)
+    ``tiered`` wraps the core (what runs the graphs), inside the deferred outputs, dense route and
+    probes, so that a core swapped later (runtime/tiered.py) keeps them. ``later``: ``step`` is
+    not partitioned yet; its autograd mode runs until ``later`` (runtime/pending.py) swaps in the
+    core of the whole step, made by ``core_for``."""
+    if later is not None:
+        assert step.graph is not None and executor.autograd_mode
+        core = later(executor.torch_level(step.graph))
+        mode, reason = "autograd", "while the partition runs in the background"
+    else:
+        core, mode, reason = core_for(step, executor, preference, tiered)
     logger.debug("%s: runtime mode %s (%s)", context.owner, mode, reason)
-    if tiered is not None:
-        core = tiered(core)
     plans = step.plans
     if plans.deferred is not None:
         core = with_deferred(core, plans.deferred)
@@ -142,4 +157,3 @@ def build(step: CapturedStep, executor: Executor, context: RunContext, preferenc
     if plans.probes and context.measures_batches and context.density is not None:
         core = with_density_probes(core, plans.probes, context.density, context.log_density)
     return Runtime(core, mode, reason)
-

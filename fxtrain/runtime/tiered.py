@@ -40,7 +40,6 @@ a memory budget's plan, graphs the replay does not run; and when the compile fai
 """
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import statistics
@@ -57,6 +56,7 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from .. import torch_private as tp
+from . import threads
 from .absent_grads import AbsentGradBackward, values_read
 from .executors import InductorExecutor, inductor_compile_graph
 from .replay import replayed
@@ -69,24 +69,18 @@ logger = logging.getLogger("fxtrain")
 TRIAL_STEPS = 5
 SLOWER = 1.0
 _workers: Set[subprocess.Popen] = set()   # killed at exit: a compile nobody will run is wasted cores
-_exiting = threading.Event()
-_threads: Set[threading.Thread] = set()   # the tiers' compile and load threads, joined at exit
 # One worker at a time per process: captures compiled side by side would share the cores the
 # training loop leaves idle, each finishing later than in turn (and each worker holds its own torch).
 _one_worker = threading.Lock()
 
 
-@atexit.register
 def _stop_workers() -> None:
-    _exiting.set()   # a worker killed here is no failure to report
+    # A killed worker wakes its thread at once, which then returns before threads.py joins it.
     for proc in list(_workers):
         proc.kill()
-    # A tier's thread left inside torch's C++ code (loading compiled graphs) while the interpreter
-    # finalises can end the process with "terminate called without an active exception": give
-    # each a moment to return (the killed worker wakes it at once).
-    deadline = time.monotonic() + 5.0
-    for thread in list(_threads):
-        thread.join(max(deadline - time.monotonic(), 0.0))
+
+
+threads.on_exit(_stop_workers)
 
 
 def stays_eager(step: Any) -> str:
@@ -279,14 +273,7 @@ class Tier:
             self._thread(self._compile, pending, "compile")
 
     def _thread(self, target: Callable[..., None], args: Tuple[Any, ...], what: str) -> None:
-        def run() -> None:
-            try:
-                target(*args)
-            finally:
-                _threads.discard(thread)
-        thread = threading.Thread(target=run, daemon=True, name=f"fxtrain-{what}-{self.owner}")
-        _threads.add(thread)
-        thread.start()
+        threads.start(target, *args, name=f"fxtrain-{what}-{self.owner}")
 
     def _tick(self) -> None:
         """Time between this capture's calls (a training step) on each tier, back to back once the
@@ -399,7 +386,7 @@ class Tier:
             core = compiled_from(payload, step)
             self.payload = payload
         except Exception as e:   # never the training loop's problem: it goes on eagerly
-            if _exiting.is_set():
+            if threads.exiting.is_set():
                 return
             self.state, self.reason = "eager", f"the background compile failed: {(str(e).strip() or type(e).__name__).splitlines()[0]}"
             self._timing = False

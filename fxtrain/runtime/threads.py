@@ -1,0 +1,41 @@
+"""The runtime's background threads (a capture's partition, a tier's compile or load), joined at exit.
+
+A thread left inside torch's C++ code while the interpreter finalises can end the process with
+"terminate called without an active exception": each gets a moment to return (5 s in all).
+"""
+from __future__ import annotations
+
+import atexit
+import threading
+import time
+from typing import Any, Callable, List, Set
+
+exiting = threading.Event()   # set at exit: what a thread fails at from then on is nobody's problem
+_threads: Set[threading.Thread] = set()
+_at_exit: List[Callable[[], None]] = []   # run first at exit (the tiers kill their workers)
+
+
+def start(target: Callable[..., None], *args: Any, name: str) -> threading.Thread:
+    def run() -> None:
+        try:
+            target(*args)
+        finally:
+            _threads.discard(thread)
+    thread = threading.Thread(target=run, daemon=True, name=name)
+    _threads.add(thread)
+    thread.start()
+    return thread
+
+
+def on_exit(hook: Callable[[], None]) -> None:
+    _at_exit.append(hook)
+
+
+@atexit.register
+def _join() -> None:
+    exiting.set()
+    for hook in _at_exit:
+        hook()
+    deadline = time.monotonic() + 5.0
+    for thread in list(_threads):
+        thread.join(max(deadline - time.monotonic(), 0.0))

@@ -1,0 +1,93 @@
+"""A static capture's first calls run in the autograd mode while the partition worker partitions it
+(runtime/pending.py, capture/partition_worker.py). Eager PyTorch is the oracle before, at and after
+the switch; ``CaptureInfo.wait_for_partitions`` makes the switch happen at a known step."""
+import copy
+import logging
+
+import pytest
+import torch
+
+import fxtrain
+from fxtrain import models
+from fxtrain.capture import partition_worker
+from fxtrain.runtime import runner
+from utils import assert_grads_equal, assert_state_equal, to_device
+
+
+def _bert():
+    torch.manual_seed(0)
+    return to_device(models.bert_mlm(hidden=32, layers=2, heads=2, vocab=1000))   # dropout 0.1 as HF's default
+
+
+def _batch(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return to_device(models.synthetic_batch("mlm", 4, 32, 1000, padding=0.4, label_density=0.2, generator=g))
+
+
+def _train(tm, ref, steps, wait_after=None):
+    """Steps of both copies from the same random state; the runtime mode each fxtrain step ran."""
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (tm, ref)]
+    modes = []
+    for step in range(steps):
+        batch = _batch(step % 2)
+        state = torch.get_rng_state()
+        modes.append(tm._info.records[0].run.mode if tm._info.records else "capture")
+        loss = tm(**batch).loss
+        torch.set_rng_state(state)
+        ref_loss = ref(**batch).loss
+        torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-4)
+        loss.backward(); ref_loss.backward()
+        assert_grads_equal(tm.module, ref)
+        for opt in opts:
+            opt.step(); opt.zero_grad()
+        if step == wait_after:
+            assert tm._info.wait_for_partitions(300), "the partition did not come back"
+    assert_state_equal(tm.module, ref)
+    return modes
+
+
+def test_first_calls_run_the_autograd_mode_then_the_workers_partition(monkeypatch):
+    # Every backward pass pays here, so the whole step runs the aten graphs: the switch changes mode.
+    monkeypatch.setattr(runner, "BYTES_PER_BACKWARD_OP", 0)
+    model = _bert()
+    ref = copy.deepcopy(model)
+    tm = fxtrain.TrainModule(model)
+    modes = _train(tm, ref, 5, wait_after=1)
+    info = tm.capture_info()
+    record = info.records[0]
+    assert len(info.records) == 1, info.capture_reasons
+    # Capture, then the autograd mode until the worker's partition is back (awaited after step 1).
+    assert modes[:2] == ["capture", "autograd"], modes
+    assert modes[2:] == ["graph"] * 3, (modes, record.runtime)
+    assert record.pending.seconds is not None and not record.pending.error, str(record.pending)
+    assert record.step.forward_graph is not None and record.step.spec is not None
+    assert info.optimizations["cross_entropy_grad"].startswith("on"), info.optimizations
+    assert info.optimizations["label_sparsity"].startswith("on"), info.optimizations
+    # executor="auto": the tier comes with the whole step, and reads its graphs as a capture's own
+    # (the passes' data-dependent sizes keep this one on the eager executor).
+    assert record.tier is not None and "symbolic sizes" in str(record.tier), str(record.tier)
+
+
+def test_a_failed_partition_keeps_the_autograd_mode(monkeypatch, caplog):
+    def fails(request, timeout=None):
+        raise RuntimeError("no worker today")
+    monkeypatch.setattr(partition_worker, "partition", fails)
+    model = _bert()
+    ref = copy.deepcopy(model)
+    tm = fxtrain.TrainModule(model)
+    with caplog.at_level(logging.WARNING, logger="fxtrain"):
+        modes = _train(tm, ref, 4, wait_after=1)
+    assert modes == ["capture", "autograd", "autograd", "autograd"], modes
+    record = tm.capture_info().records[0]
+    assert "no worker today" in record.pending.error
+    failed = [r.message for r in caplog.records if "its partition failed (no worker today)" in r.message]
+    assert len(failed) == 1 and failed[0].endswith("it keeps running in the autograd mode"), failed
+
+
+@pytest.mark.parametrize("options", [dict(dynamic=True), dict(backward="graph"), dict(executor="inductor")],
+                         ids=["symbolic", "graph-mode", "inductor"])
+def test_captures_that_need_their_partition_first_make_it_at_capture(options):
+    tm = fxtrain.TrainModule(_bert(), fxtrain.Options(**options))
+    tm(**_batch(0)).loss.backward()
+    record = tm._info.records[0]
+    assert record.pending is None and record.step.forward_graph is not None
