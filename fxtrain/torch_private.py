@@ -763,12 +763,6 @@ def forget_dynamo_sources(gm: torch.fx.GraphModule) -> None:
         del gm._param_name_to_source
 
 
-def autocast_enabled(device_types: Iterable[str]) -> bool:
-    """Whether autocast is on for any of ``device_types`` on this thread (thread-local state a
-    trace on another thread would not see)."""
-    return any(torch.is_autocast_enabled(t) for t in set(device_types) if t != "meta")
-
-
 def is_fake(x: Any) -> bool:
     """Whether ``x`` is a FakeTensor (``torch._subclasses.FakeTensor``)."""
     return isinstance(x, FakeTensor)

@@ -1,8 +1,10 @@
 """A static capture's first calls run in the autograd mode while the partition worker partitions it
 (runtime/pending.py, capture/partition_worker.py). Eager PyTorch is the oracle before, at and after
 the switch; ``CaptureInfo.wait_for_partitions`` makes the switch happen at a known step."""
+import contextlib
 import copy
 import logging
+import re
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ import torch
 import fxtrain
 from fxtrain import models
 from fxtrain.capture import partition_worker
+from fxtrain.capture.backend import Backend
 from fxtrain.runtime import runner
 from utils import assert_grads_equal, assert_state_equal, to_device
 
@@ -24,25 +27,29 @@ def _batch(seed: int):
     return to_device(models.synthetic_batch("mlm", 4, 32, 1000, padding=0.4, label_density=0.2, generator=g))
 
 
-def _train(tm, ref, steps, wait_after=None):
-    """Steps of both copies from the same random state; the runtime mode each fxtrain step ran."""
+def _train(tm, ref, steps, wait_after=None, tol=(1e-5, 1e-4), forward_context=contextlib.nullcontext):
+    """Steps of both copies from the same random state; the runtime mode each fxtrain step ran.
+    ``forward_context``: entered around each step's forwards (autocast's documented use: one
+    context a step, as its cache of cast weights lasts as long as the context)."""
+    atol, rtol = tol
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (tm, ref)]
     modes = []
     for step in range(steps):
         batch = _batch(step % 2)
         state = torch.get_rng_state()
         modes.append(tm._info.records[0].run.mode if tm._info.records else "capture")
-        loss = tm(**batch).loss
-        torch.set_rng_state(state)
-        ref_loss = ref(**batch).loss
-        torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-4)
+        with forward_context():
+            loss = tm(**batch).loss
+            torch.set_rng_state(state)
+            ref_loss = ref(**batch).loss
+        torch.testing.assert_close(loss, ref_loss, atol=atol, rtol=rtol)
         loss.backward(); ref_loss.backward()
-        assert_grads_equal(tm.module, ref)
+        assert_grads_equal(tm.module, ref, atol=atol, rtol=rtol)
         for opt in opts:
             opt.step(); opt.zero_grad()
         if step == wait_after:
             assert tm._info.wait_for_partitions(300), "the partition did not come back"
-    assert_state_equal(tm.module, ref)
+    assert_state_equal(tm.module, ref, atol=atol)
     return modes
 
 
@@ -66,6 +73,34 @@ def test_first_calls_run_the_autograd_mode_then_the_workers_partition(monkeypatc
     # executor="auto": the tier comes with the whole step, and reads its graphs as a capture's own
     # (the passes' data-dependent sizes keep this one on the eager executor).
     assert record.tier is not None and "symbolic sizes" in str(record.tier), str(record.tier)
+
+
+def test_under_autocast_the_worker_traces_as_the_capture_would(monkeypatch):
+    # AOTAutograd bakes autocast's casts into the aten graphs: the worker must trace under the
+    # loop's autocast, giving the graphs a partition at capture gives (and eager's numbers).
+    monkeypatch.setattr(runner, "BYTES_PER_BACKWARD_OP", 0)
+    device = to_device(torch.zeros(0)).device.type
+    model = _bert()
+    ref, at_capture = copy.deepcopy(model), copy.deepcopy(model)
+    tm = fxtrain.TrainModule(model)
+    bf16 = lambda: torch.autocast(device, dtype=torch.bfloat16)   # noqa: E731
+    modes = _train(tm, ref, 4, wait_after=1, tol=(2e-2, 2e-2), forward_context=bf16)
+    monkeypatch.setattr(Backend, "partitions_later", lambda *a: False)
+    whole = fxtrain.TrainModule(at_capture)
+    with bf16():
+        loss = whole(**_batch(0)).loss
+    loss.backward()
+    assert modes == ["capture", "autograd", "graph", "graph"], modes
+    later, now = tm.capture_info().records[0], whole.capture_info().records[0]
+    assert later.pending is not None and now.pending is None
+    assert "torch.bfloat16" in later.step.forward_graph.code
+    assert _code(later.step.forward_graph) == _code(now.step.forward_graph)
+    assert _code(later.step.backward_graph) == _code(now.step.backward_graph)
+
+
+def _code(gm):
+    """A graph's code without the per-capture keys of its host-count ops (runtime/host_counts.py)."""
+    return re.sub(r"(fxtrain_host\.\w+\.default\(\w+), -?\d+\)", r"\1, KEY)", gm.code)
 
 
 def test_a_failed_partition_keeps_the_autograd_mode(monkeypatch, caplog):

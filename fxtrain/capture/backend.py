@@ -154,9 +154,9 @@ class Backend:
         sizes (its partition may add shape guards, which must join dynamo's before the capture is
         installed), a memory budget (its plan is the partition), the cache and graph dumps (they
         store the aten graphs at capture), the graph mode asked for, the profiler's captures, an
-        executor without the autograd mode, autocast (the calling thread's state), custom autograd
-        Functions (PythonOps: their classes may not import in the worker); nor for a graph that
-        does not pickle (``partition_worker.request``)."""
+        executor without the autograd mode, custom autograd Functions (PythonOps: their classes may
+        not import in the worker); nor for a graph that does not pickle (``partition_worker.request``).
+        Autocast is no reason: the worker traces under the capture's (``partition_worker.autocast_now``)."""
         options, plugins = self.options, self.plugins
         if not (self.executor.autograd_mode and plugins.executor is None and plugins.real_batches
                 and plugins.on_budget_state is None and options.backward != "graph"
@@ -167,8 +167,6 @@ class Backend:
         if len(tensors) != len(example_inputs) or tp.detect_fake_mode(tensors) is None:
             return False   # symbolic scalars among the inputs
         if any(isinstance(d, torch.SymInt) for t in tensors for d in (*t.shape, *t.stride())):
-            return False
-        if tp.autocast_enabled(["cpu", *(t.device.type for t in tensors)]):
             return False
         return not any(n.op == "call_function" and str(n.target).startswith("fxtrain.python_op")
                        for n in gm.graph.nodes)

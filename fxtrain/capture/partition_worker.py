@@ -8,12 +8,13 @@ One worker per process, started at the first request and kept: a new one imports
 (~3 s). Requests are served one at a time over its stdin and a copy of its stdout: the rewritten
 torch-level graph pickled without fake values (placeholders' shapes, strides, dtypes, devices and
 requires_grad beside it: the worker makes its own fake inputs, in a shape environment of its own),
-and the executor's name; back come the aten graphs, the ReplaySpec and the pass reports (pickled),
-or the error's last line. Measured on bert-mlm: 0.05 s to pickle, 3.2-4.0 s to partition, 0.15 s to
+the executor's name and the autocast contexts in force at capture; back come the aten graphs, the
+ReplaySpec and the pass reports (pickled), or the error's last line. Measured on bert-mlm: 0.05 s to pickle, 3.2-4.0 s to partition, 0.15 s to
 load the answer, graphs and spec identical to an in-process partition (docs/benchmarks.md).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
@@ -36,6 +37,7 @@ logger = logging.getLogger("fxtrain")
 # the capture keeps the autograd mode. Not Options.compile_timeout, which bounds code generation.
 TIMEOUT = 600.0
 Placeholder = Tuple[Tuple[int, ...], Tuple[int, ...], torch.dtype, str, bool]
+Autocast = Tuple[Tuple[str, torch.dtype, bool], ...]   # device type, dtype, cache_enabled
 _lock = threading.Lock()
 _proc: Optional[subprocess.Popen] = None
 
@@ -44,12 +46,22 @@ def placeholders(example_inputs: List[Any]) -> List[Placeholder]:
     return [(tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device), t.requires_grad) for t in example_inputs]
 
 
+def autocast_now(device_types: List[str]) -> Autocast:
+    """The autocast contexts on this thread for ``device_types``. AOTAutograd's trace bakes their
+    casts into the aten graphs, and dynamo's guards tie a capture to them, so the worker traces
+    under the same ones (its own thread's state would be none)."""
+    cache = torch.is_autocast_cache_enabled()
+    return tuple((kind, torch.get_autocast_dtype(kind), cache) for kind in sorted(set(device_types))
+                 if kind != "meta" and torch.is_autocast_enabled(kind))
+
+
 def request(graph: torch.fx.GraphModule, example_inputs: List[Any], executor: str) -> Optional[bytes]:
     """What the worker is to partition, or None where the graph does not pickle (an object of the
     user's among its constants): the capture then partitions in this process."""
+    autocast = autocast_now(["cpu", *(t.device.type for t in example_inputs)])
     try:
         with lean_meta(graph, keep_values=False):
-            return tp.pickle_graphs((graph, placeholders(example_inputs), executor))
+            return tp.pickle_graphs((graph, placeholders(example_inputs), executor, autocast))
     except Exception as e:
         logger.debug("partitioned at capture: the graph does not pickle (%s)", e)
         return None
@@ -111,14 +123,16 @@ def _answer(payload: bytes) -> bytes:
     from ..runtime.executors import executor_named
     from .pipeline import CaptureContext, partition as partition_stage
     mode = tp.FakeTensorMode(shape_env=ShapeEnv())
-    graph, metas, executor = tp.unpickle_graphs(payload, mode)
+    graph, metas, executor, autocast = tp.unpickle_graphs(payload, mode)
     tp.forget_dynamo_sources(graph)
     graph.recompile()
     with mode:
         examples = [torch.empty_strided(shape, stride, dtype=dtype, device=device).requires_grad_(grad)
                     for shape, stride, dtype, device, grad in metas]
     started = time.process_time()
-    with tp.tracing_context(mode):
+    with tp.tracing_context(mode), contextlib.ExitStack() as contexts:
+        for kind, dtype, cache in autocast:
+            contexts.enter_context(torch.autocast(kind, dtype=dtype, cache_enabled=cache))
         parts = partition_stage(graph, examples, CaptureContext(Options(), executor_named(executor), DynamoExamples()))
     cpu = time.process_time() - started
     fw, bw = parts.forward_graph, parts.backward_graph
