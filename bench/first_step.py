@@ -42,8 +42,9 @@ CHILD = textwrap.dedent("""
     loss = model(**batch).loss
     loss.backward(); opt.step(); opt.zero_grad()
     first = time.perf_counter() - t
-    info = model.capture_info() if variant != "eager" else None
-    print(json.dumps(dict(first=first, to_first=time.time() - process_start, loss=loss.item(),
+    to_first = time.time() - process_start
+    info = model.capture_info() if variant != "eager" else None   # waits for a pending partition
+    print(json.dumps(dict(first=first, to_first=to_first, loss=loss.item(),
                           hits=info.cache_hits if info else 0)))
 """)
 

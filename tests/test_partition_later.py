@@ -4,6 +4,7 @@ the switch; ``CaptureInfo.wait_for_partitions`` makes the switch happen at a kno
 import contextlib
 import copy
 import logging
+import os
 import re
 
 import pytest
@@ -73,6 +74,9 @@ def test_first_calls_run_the_autograd_mode_then_the_workers_partition(monkeypatc
     # executor="auto": the tier comes with the whole step, and reads its graphs as a capture's own
     # (the passes' data-dependent sizes keep this one on the eager executor).
     assert record.tier is not None and "symbolic sizes" in str(record.tier), str(record.tier)
+    # The worker yields the cores to the loop (nice 19, set before it imports torch).
+    if hasattr(os, "getpriority"):
+        assert os.getpriority(os.PRIO_PROCESS, partition_worker._proc.pid) == 19
 
 
 def test_under_autocast_the_worker_traces_as_the_capture_would(monkeypatch):
