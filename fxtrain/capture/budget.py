@@ -51,6 +51,7 @@ import torch
 import torch.fx
 
 from .. import torch_private as tp
+from ..graph_walk import descendants
 from ..cost.step import optimizer_name
 from ..errors import Error, FxtrainWarning
 
@@ -117,11 +118,6 @@ class MemoryPlan:
 
 
 # --------------------------------------------------------------------------------- node facts
-def _target_name(node: torch.fx.Node) -> str:
-    packet = getattr(node.target, "overloadpacket", None)
-    return getattr(packet, "__name__", str(node.target))
-
-
 def _is_getitem(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and node.target is operator.getitem
 
@@ -152,7 +148,7 @@ def _kind(node: torch.fx.Node) -> Optional[str]:
     """How a recomputed op is reported (None: free, a view or a size)."""
     if _is_getitem(node) or tp.is_size_node(node) or getattr(node.target, "is_view", False):
         return None
-    name = _target_name(node)
+    name = getattr(getattr(node.target, "overloadpacket", None), "__name__", str(node.target))
     if name in _MATMUL:
         return "matmul"
     if "scaled_dot_product" in name:
@@ -369,14 +365,7 @@ class Planner:
         """Where in the backward each forward value is first read: the joint graph's backward part
         is in the order autograd's engine runs it, so positions there are times."""
         tangents = [n for n in self.joint.graph.nodes if n.op == "placeholder" and "tangents" in str(n.target)]
-        backward: Set[torch.fx.Node] = set()
-        stack = list(tangents)
-        while stack:
-            n = stack.pop()
-            for u in n.users:
-                if u not in backward and u.op != "output":
-                    backward.add(u)
-                    stack.append(u)
+        backward = {n for n in descendants(tangents) if n.op != "output"} - set(tangents)
         inf = len(self.order) + 1
         self.backward_start = min((self.order[n] for n in backward), default=inf)
         self.direct = {n: min((self.order[u] for u in n.users if u in backward), default=inf)

@@ -9,8 +9,6 @@ from typing import Any, FrozenSet, Hashable, Iterable, List, Optional, Sequence,
 
 import torch
 
-_SCALARS = (bool, int, float, complex, str, bytes, type(None))
-
 
 def _is_numpy(x: Any) -> bool:
     return type(x).__module__ == "numpy" and type(x).__name__ in ("ndarray", "matrix")

@@ -27,6 +27,7 @@ the graph asserts it on every later batch, raising a clear error instead of a wr
 """
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -36,8 +37,7 @@ import torch.nn.functional as F
 
 from ..options import Options
 from ..torch_private import ASSERT_ASYNC, NN_SDPA
-from ..runtime.step import PassReport
-from ..runtime.step import Plans
+from ..runtime.step import PassReport, Plans
 from .batch_guard import GuardBuilder, counted_index
 from .defer import defer_dense, feeds_resumed_code
 from .label_sparsity import cross_entropy_args, unsupported_cross_entropy
@@ -166,14 +166,9 @@ def _features_last(gm: torch.fx.GraphModule, start: Node, lead: int, entries: Se
              for d in value(start).shape]
     if not all(isinstance(d, int) for d in shape):
         return False
-    rows = 1
-    for d in shape[:lead]:
-        rows *= d
-    probe = torch.arange(rows, dtype=torch.float64).view(*shape[:lead], *[1] * (len(shape) - lead))
+    probe = torch.arange(math.prod(shape[:lead]), dtype=torch.float64).view(*shape[:lead], *[1] * (len(shape) - lead))
     env: Dict[Node, Any] = {start: probe.expand(shape).contiguous()}
-    needed: Set[Node] = set()
-    for e in entries:
-        needed |= ancestors(e)
+    needed = ancestors(entries)
     for node in gm.graph.nodes:
         if node is start or node not in needed or not any(a in env for a in node.all_input_nodes):
             continue
@@ -219,10 +214,7 @@ class _Plan:
 
 def _plan(gm: torch.fx.GraphModule, lead_shape: Sequence[Any], examples: ExampleSource) -> Tuple[Optional[_Plan], str]:
     plan = _Plan(gm, examples)
-    flat = 1
-    for s in lead_shape:
-        flat = flat * s
-    plan.flat = flat
+    plan.flat = flat = math.prod(lead_shape)
     for node in gm.graph.nodes:
         if _is_embedding_start(node, lead_shape):
             plan.region[node] = len(lead_shape)

@@ -320,10 +320,8 @@ class PipelineRunner:
             self._stages.append(stage)
         cls = SCHEDULES[schedule]
         try:
-            if info.placement == "single":
-                self._schedule = cls(self._stages[0], m, loss_fn=self._microbatch_loss, scale_grads=False)
-            else:
-                self._schedule = cls(self._stages, m, loss_fn=self._microbatch_loss, scale_grads=False)
+            stages = self._stages[0] if info.placement == "single" else self._stages
+            self._schedule = cls(stages, m, loss_fn=self._microbatch_loss, scale_grads=False)
         except ValueError as e:  # torch's own constraints (microbatches per round, ...)
             raise PipelineError(f"torch's {cls.__name__} refuses this layout: {e}") from None
         self.last_stats: Dict[str, float] = {}
