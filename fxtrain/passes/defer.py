@@ -108,10 +108,7 @@ def defer_dense(gm: torch.fx.GraphModule, plans: Plans, affected: Set[Node]) -> 
     hit_extra = [j for j, o in enumerate(extras) if o in affected]
     if not hit_direct and not hit_extra:
         return 0
-    roots: List[Node] = []
-    for o in [direct[i] for i in hit_direct] + [extras[j] for j in hit_extra]:
-        if o not in roots:
-            roots.append(o)
+    roots = list(dict.fromkeys([direct[i] for i in hit_direct] + [extras[j] for j in hit_extra]))
     computed = {n for n in graph.nodes if n.op != "placeholder"}
     dense, dense_in = copy_subgraph(gm, roots, computed)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]

@@ -420,10 +420,7 @@ def _selects_token_rows(node: Node, flat: Any) -> bool:
     if src.op == "call_method" and src.target == "flatten" and len(src.args) == 3 and src.args[1] == 0:
         x = value(src.args[0])
         if isinstance(x, torch.Tensor) and isinstance(src.args[2], int) and src.args[2] < x.dim():
-            rows = 1
-            for d in x.shape[:src.args[2] + 1]:
-                rows = rows * d
-            return _same_shape([rows], [flat])
+            return _same_shape([math.prod(x.shape[:src.args[2] + 1])], [flat])
     return False
 
 

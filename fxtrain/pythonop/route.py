@@ -303,10 +303,8 @@ def _describe(call: _Call, run: Run, objects: bool) -> Tuple[Describer, Node, Li
     """What the run returned, and wrote into the lists and dicts the traced code passed, as nodes."""
     described = Describer(run.call_inputs, call.record, real=True, objects=objects)
     node = described.result(run.result)
-    writes = []
-    for k, (container, items) in enumerate(zip(run.containers, run.before or [])):
-        if _changed(container, items):
-            writes.append((k, described.container(container)))
+    writes = [(k, described.container(c)) for k, (c, items) in enumerate(zip(run.containers, run.before or []))
+              if _changed(c, items)]
     return described, node, writes
 
 
@@ -437,9 +435,7 @@ def make_call(key: int, spec: CallSpec, convert: List[Optional[torch.dtype]]) ->
     result, dirty, writes, n = spec.result, spec.dirty, spec.writes, len(convert)
 
     def fxtrain_python_op(*values: Any) -> Any:
-        tensors = []
-        for v, dtype in zip(values[:n], convert):
-            tensors.append(v if dtype is None else torch.scalar_tensor(v, dtype=dtype))
+        tensors = [v if dtype is None else torch.scalar_tensor(v, dtype=dtype) for v, dtype in zip(values[:n], convert)]
         containers = values[n:]
         outs = torch.ops.fxtrain.python_op(key, tensors)
         for i, j in dirty:
