@@ -117,10 +117,7 @@ class ProfileReport:
         """``by_module`` summed up to module paths of at most ``depth`` components."""
         out: Dict[str, ModuleCost] = {}
         for name, cost in self.by_module.items():
-            if name in (OUTSIDE, OPTIMIZER):
-                key = name
-            else:
-                key = ".".join(name.split(".")[:depth]) if name else ""
+            key = name if name in (OUTSIDE, OPTIMIZER) else ".".join(name.split(".")[:depth])
             acc = out.setdefault(key, ModuleCost())
             acc.params += cost.params
             acc.flops_forward += cost.flops_forward
