@@ -307,7 +307,7 @@ class PipelineRunner:
             self._group = dist.new_group(ranks, timeout=timeout, backend=backend_for(self.device))
         else:
             self._group = group  # the caller's group, with the timeout it was created with
-            self.timeout = _group_timeout(group) or timeout
+            self.timeout = _or_none(process_group_timeout, group) or timeout
         self._uid = (tuple(ranks), next(_builds.setdefault(tuple(ranks), itertools.count())))
         self._shared = self._shared_parameters(plan, captured)
         self._stages: List[_Stage] = []
@@ -527,7 +527,7 @@ class PipelineRunner:
         stages = f"stage {index}" if failed or len(self._stages) == 1 else \
             f"stages {', '.join(map(str, self.stage_indices))}"
         here = f"pipeline {stages} (rank {self.rank}, {self.schedule_name})"
-        store = _default_store()
+        store = _or_none(default_store)
         if failed:
             if store is not None:
                 try:
@@ -562,15 +562,8 @@ class PipelineRunner:
 _MISSING = object()
 
 
-def _group_timeout(group: Any) -> Optional[datetime.timedelta]:
+def _or_none(read: Callable[..., Any], *args: Any) -> Any:
     try:
-        return process_group_timeout(group)
-    except Exception:
-        return None
-
-
-def _default_store() -> Any:
-    try:
-        return default_store()
+        return read(*args)
     except Exception:
         return None
