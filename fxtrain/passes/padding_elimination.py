@@ -44,7 +44,7 @@ from .label_sparsity import cross_entropy_args, unsupported_cross_entropy
 from .density import ExampleSource, add_probe, density_reason
 from .row_ops import put_rows, row_selection, take_rows
 from .varlen import attention_on_real_tokens, mask_kind, per_position_op, sdpa_arguments
-from .rows import Node, _same, ancestors, descendants, run_node, _same_shape, same_shape_guarded, copy_on_rows, heavy, is_regroup, op_name, row_inputs, value
+from .rows import Node, _same, ancestors, descendants, run_node, _same_shape, same_shape_guarded, copy_on_rows, heavy, op_name, row_inputs, value
 
 NAME = "padding_elimination"
 _SDPA = {NN_SDPA, F.scaled_dot_product_attention}
@@ -497,9 +497,6 @@ def _rewrite(gm: torch.fx.GraphModule, plan: _Plan, mask_node: Node, pad_id: Opt
             for a in node.all_input_nodes:
                 if a in plan.frontier and a not in plan.region:
                     gathered(a, plan.frontier[a])
-            if is_regroup(node):
-                rows[node] = rows[node.args[0]]
-                continue
             rows[node] = copy_on_rows(graph, node, rows, lead)
     cut_index = {sel: row_selection(sel)[1] for sel in plan.row_cuts}
     moved: Dict[Node, Node] = {}   # a row selection of padded values -> the same rows taken from the packed layout
