@@ -256,7 +256,7 @@ class Planner:
         saved = [names[n.name] for n in outputs[num_fwd_outputs:] if isinstance(n, torch.fx.Node)]
         self.saved_sizes = [n for n in saved if tp.is_size_node(n)]
         saved_tensors = [n for n in saved if not tp.is_size_node(n)]
-        replaced = self._rewrite_dropout(saved_tensors)
+        replaced = self._rewrite_dropout()
         self.saved0 = [replaced.get(n, n) for n in saved_tensors]
         self.order = {n: i for i, n in enumerate(joint.graph.nodes)}
         joint_outputs = next(n for n in reversed(joint.graph.nodes) if n.op == "output").args[0]
@@ -279,7 +279,7 @@ class Planner:
         self._nbytes = functools.lru_cache(maxsize=None)(_storage_bytes)
 
     # ------------------------------------------------------------------------------ dropout
-    def _rewrite_dropout(self, saved: List[torch.fx.Node]) -> Dict[torch.fx.Node, torch.fx.Node]:
+    def _rewrite_dropout(self) -> Dict[torch.fx.Node, torch.fx.Node]:
         """``out, mask = native_dropout(x, p, True)``: uses of ``out`` read ``x * mask * (1/(1-p))``
         instead, recomputable from the saved mask (the same bits: the CPU kernel computes exactly
         that). Returns {old output node: new node}."""

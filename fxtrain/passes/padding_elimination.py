@@ -69,7 +69,7 @@ def _masks_padding_keys(attn_mask: Any, tokens: torch.Tensor) -> bool:
     return not bool((allowed & real_q & pad_k).any())
 
 
-def _token_mask(gm: torch.fx.GraphModule, sdpas: List[Node], embeddings: List[Node],
+def _token_mask(sdpas: List[Node], embeddings: List[Node],
                 examples: ExampleSource) -> Tuple[Optional[Node], Optional[Any], str]:
     """The placeholder that marks real tokens, and how to read it: ``(node, padding_idx or None, why)``."""
     id_shapes = [value(e.args[0]).shape for e in embeddings]
@@ -333,7 +333,7 @@ def padding_elimination(gm: torch.fx.GraphModule, examples: ExampleSource, optio
     if not embeddings:
         return PassReport(NAME, False, "no [batch, seq] embedding lookup")
     sdpas = [n for n in graph.nodes if n.op == "call_function" and n.target in _SDPA]
-    mask_node, pad_id, why = _token_mask(gm, sdpas, embeddings, examples)
+    mask_node, pad_id, why = _token_mask(sdpas, embeddings, examples)
     if mask_node is None:
         return PassReport(NAME, False, why)
     real = examples.value(mask_node)

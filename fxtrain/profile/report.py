@@ -303,11 +303,8 @@ def _downsample(timeline: List[Tuple[str, int]], points: int = 2000) -> List[Tup
     if len(timeline) <= points:
         return list(timeline)
     step = len(timeline) / points
-    out = []
-    for i in range(points):
-        bucket = timeline[int(i * step):max(int((i + 1) * step), int(i * step) + 1)]
-        out.append(max(bucket, key=lambda p: p[1]))
-    return out
+    return [max(timeline[int(i * step):max(int((i + 1) * step), int(i * step) + 1)], key=lambda p: p[1])
+            for i in range(points)]
 
 
 def build_report(session: Session, cost: StepCost, model_name: str, batch: Optional[int],
