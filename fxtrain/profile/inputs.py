@@ -40,10 +40,6 @@ def fake_inputs(**specs: Tuple[Shape, torch.dtype]) -> Dict[str, torch.Tensor]:
     return out
 
 
-def _is_real(t: torch.Tensor) -> bool:
-    return not isinstance(t, FakeTensor) and t.device.type != "meta"
-
-
 def target_device(model: torch.nn.Module, values: Any) -> torch.device:
     """The device of the real (or fake) tensors; torch's default device if everything is on meta.
 
@@ -74,7 +70,7 @@ def fake_values(values: Any, mode: FakeTensorMode, device: torch.device) -> Tupl
         fake = to_fake(t, mode, device)
         if t.requires_grad:
             fake.requires_grad_(True)
-        if _is_real(t):
+        if not isinstance(t, FakeTensor) and t.device.type != "meta":
             pairs.append((fake, t))
         return fake
 
