@@ -40,6 +40,7 @@ CUDA-only in torch 2.13; on CPU its partitioner bans random ops from recomputati
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import operator
 import time
@@ -514,9 +515,7 @@ def search(planner: Planner, budget: int, baseline: Candidate, make: Callable[[i
     n = len(steps)
     if n == 0:
         return baseline, 0, p0, False, 1
-    freed = [0]
-    for st in steps:
-        freed.append(freed[-1] + st.freed)
+    freed = [0, *itertools.accumulate(st.freed for st in steps)]
     costed: Dict[int, Candidate] = {0: baseline}
 
     def peak(k: int) -> int:

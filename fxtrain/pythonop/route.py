@@ -393,10 +393,9 @@ def _capture(tx: Any, fn_cls_vt: Any, args: List[Any], kwargs: Dict[str, Any]) -
     slots, containers = _Slots(), []
     arg_nodes = [_argument_node(tx, vt, slots, containers, top=True) for vt in args]
     kw_nodes = {k: _argument_node(tx, vt, slots, containers, top=True) for k, vt in kwargs.items()}
-    fakes = []
     with tx.output.fake_mode:
-        for vt, convert in zip(slots.vts, slots.convert):
-            fakes.append(_example(vt) if convert is None else torch.empty((), dtype=convert))
+        fakes = [_example(vt) if convert is None else torch.empty((), dtype=convert)
+                 for vt, convert in zip(slots.vts, slots.convert)]
     numbers = {i for i, h in enumerate(slots.hints) if h is not None}
     record = torch.is_grad_enabled() and any(f.requires_grad for i, f in enumerate(fakes) if i not in numbers)
     differentiable = [bool(record and i not in numbers and f.requires_grad and (f.is_floating_point() or f.is_complex()))
