@@ -18,6 +18,7 @@ a batch) or else at its maximum, which over-estimates and never under-estimates.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import weakref
@@ -396,10 +397,8 @@ class CostTracker(TorchDispatchMode):
         if func is torch.ops.aten._local_scalar_dense.default:
             value = self._shadow_of(args[0])
             if value is None:
-                try:
+                with contextlib.suppress(Exception):
                     return func(*args, **kwargs)   # fake mode knows constants made by torch.tensor(...)
-                except Exception:
-                    pass
                 raise ProfileError("the step reads a tensor's value (.item(), int(), a Python branch on data) "
                                    "that a fake run does not have; pass real tensors for such inputs")
             with disable_current_modes():

@@ -28,6 +28,7 @@ value and does not import it: the dependency goes one way, pipe -> runner.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import itertools
@@ -530,10 +531,8 @@ class PipelineRunner:
         store = _or_none(default_store)
         if failed:
             if store is not None:
-                try:
+                with contextlib.suppress(Exception):
                     store.set(self._store_key(self.rank), f"stage {index} (rank {self.rank}) raised {cause}")
-                except Exception:
-                    pass
             return PipelineError(f"{here} failed: {cause}")
         peer = None
         if store is not None:
