@@ -59,9 +59,7 @@ def run_node(node: Node, env: Dict[Node, Any]) -> Any:
 
 def value(node: Any) -> Any:
     """The fake value dynamo recorded for a node (or the constant itself)."""
-    if isinstance(node, Node):
-        return node.meta.get("example_value", node.meta.get("val"))
-    return node
+    return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, Node) else node
 
 
 def _tensor(node: Any) -> Optional[torch.Tensor]:

@@ -85,9 +85,7 @@ _SDPA = {F.scaled_dot_product_attention, NN_SDPA}
 
 
 def _arg(node: torch.fx.Node, index: int, name: str) -> Any:
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name)
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name)
 
 
 def flops_of(node: torch.fx.Node) -> int:

@@ -36,9 +36,7 @@ class Timeline:
     @property
     def bubble_fraction(self) -> float:
         """Idle share of all ranks' time over the step."""
-        if not self.makespan:
-            return 0.0
-        return 1.0 - sum(self.busy) / (len(self.busy) * self.makespan)
+        return 1.0 - sum(self.busy) / (len(self.busy) * self.makespan) if self.makespan else 0.0
 
 
 Action = Tuple[str, int, int]   # (kind, stage, microbatch)
