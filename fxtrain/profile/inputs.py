@@ -65,9 +65,7 @@ def fake_values(values: Any, mode: FakeTensorMode, device: torch.device) -> Tupl
     pairs: List[Tuple[torch.Tensor, torch.Tensor]] = []
 
     def convert(t: torch.Tensor) -> torch.Tensor:
-        fake = to_fake(t, mode, device)
-        if t.requires_grad:
-            fake.requires_grad_(True)
+        fake = to_fake(t, mode, device).requires_grad_(t.requires_grad)
         if not isinstance(t, FakeTensor) and t.device.type != "meta":
             pairs.append((fake, t))
         return fake
