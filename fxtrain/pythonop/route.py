@@ -434,7 +434,9 @@ def make_call(key: int, spec: CallSpec, convert: List[Optional[torch.dtype]]) ->
     result, dirty, writes, n = spec.result, spec.dirty, spec.writes, len(convert)
 
     def fxtrain_python_op(*values: Any) -> Any:
-        tensors = [v if dtype is None else torch.scalar_tensor(v, dtype=dtype) for v, dtype in zip(values[:n], convert)]
+        tensors = []
+        for v, dtype in zip(values[:n], convert):
+            tensors.append(v if dtype is None else torch.scalar_tensor(v, dtype=dtype))
         containers = values[n:]
         outs = torch.ops.fxtrain.python_op(key, tensors)
         for i, j in dirty:
