@@ -20,7 +20,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..graph_walk import ancestors, descendants  # noqa: F401  (the passes import them from here)
+from ..graph_walk import ancestors, descendants, run_node  # noqa: F401  (the passes import them from here)
 from ..torch_private import NN_GELU, NN_LINEAR, NN_SILU
 from .row_ops import take_rows
 
@@ -44,17 +44,6 @@ _SOFTMAX_METHODS = {"softmax", "log_softmax"}
 _REDUCE_FUNCTIONS = {torch.mean, torch.sum}
 _REDUCE_METHODS = {"mean", "sum"}
 _VIEW_METHODS = {"view", "reshape"}
-
-
-def run_node(node: Node, env: Dict[Node, Any]) -> Any:
-    """``node``'s op on the values of its inputs in ``env`` (a call_function or call_method node);
-    raises ``LookupError`` for other nodes, and whatever the op raises."""
-    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
-    if node.op == "call_function":
-        return node.target(*args, **kwargs)
-    if node.op == "call_method":
-        return getattr(args[0], node.target)(*args[1:], **kwargs)
-    raise LookupError(f"cannot run a {node.op} node")
 
 
 def value(node: Any) -> Any:
