@@ -50,7 +50,6 @@ class BenchConfig:
     # timed steps show the compiled tier whatever the machine's compile speed.
     await_compiles: bool = False
 
-
     def __post_init__(self) -> None:
         unknown = [m for m in self.modes if m not in MODES]
         if unknown:
@@ -205,9 +204,7 @@ def _wrap(mode: str, model: torch.nn.Module) -> Callable[..., Any]:
         return model
     if mode == "compile":
         return torch.compile(model)
-    executor = mode.split(":", 1)[1] if ":" in mode else None
-    options = Options() if executor is None else Options(executor=executor)
-    return TrainModule(model, options)
+    return TrainModule(model, Options(executor=mode.split(":", 1)[1]) if ":" in mode else Options())
 
 
 def tier_ran(fn: Any) -> str:

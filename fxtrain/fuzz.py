@@ -529,10 +529,8 @@ def run(all_cases: Sequence[Case], n_batches: int, progress: bool = True, device
     """Run every case with ``FXTRAIN_*`` variables cleared: the defaults users get are what is fuzzed."""
     saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith(ENV_PREFIX) and k != "FXTRAIN_LOG_LEVEL"}
     try:
-        results = []
-        for case in tqdm(all_cases, desc="fuzz", unit="case", disable=not progress):
-            results.append(run_case(case, n_batches, device=device))
-        return results
+        return [run_case(case, n_batches, device=device)
+                for case in tqdm(all_cases, desc="fuzz", unit="case", disable=not progress)]
     finally:
         os.environ.update(saved)
 

@@ -57,7 +57,7 @@ class ModuleWithLoss(nn.Module):
         targets = [kwargs.pop(k) for k in self.target_keys]
         outputs = self.model(*args, **kwargs)
         loss = self.loss_fn(outputs, *targets)
-        if _is_model_output(outputs):
+        if any(c.__name__ == "ModelOutput" for c in type(outputs).__mro__):
             outputs["loss"] = loss
             return outputs
         return loss, outputs
@@ -89,7 +89,3 @@ def _with_targets(signature: Optional[inspect.Signature], targets: Sequence[str]
         return signature.replace(parameters=kept + added + var_kw)
     except ValueError:   # a target named like a positional-only parameter: nothing truthful to show
         return None
-
-
-def _is_model_output(x: Any) -> bool:
-    return any(c.__name__ == "ModelOutput" for c in type(x).__mro__)

@@ -148,11 +148,9 @@ class Options:
         if unknown:
             logger.warning("ignoring unknown fxtrain environment variable(s) %s; known: %s",
                            unknown, sorted(known))
-        updates: Dict[str, Any] = {}
-        for name, f in known.items():
-            if name in environ:
-                updates[f.name] = _parse(name, environ[name], _field_type(f))
-        return dataclasses.replace(self, **updates)
+        hints = typing.get_type_hints(Options)
+        return dataclasses.replace(self, **{f.name: _parse(name, environ[name], hints[f.name])
+                                            for name, f in known.items() if name in environ})
 
     def as_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -177,11 +175,6 @@ def parse_bytes(text: Union[int, float, str]) -> int:
 
 # Environment variables fxtrain reads that are not Options fields.
 _NON_OPTION_ENV = {"FXTRAIN_LOG_LEVEL"}
-
-
-def _field_type(f: dataclasses.Field) -> Any:
-    hints = typing.get_type_hints(Options)
-    return hints[f.name]
 
 
 def _parse(name: str, raw: str, typ: Any) -> Any:

@@ -142,9 +142,7 @@ def inductor_partition(joint: torch.fx.GraphModule, joint_inputs: Sequence[Any],
     from torch._guards import detect_fake_mode
     from torch._inductor.virtualized import V
     fake_mode = detect_fake_mode(joint_inputs)
-    if fake_mode is None:
-        return partition_fn(joint, joint_inputs, partitioner_fn_override=cut, **kwargs)
-    with V.set_fake_mode(fake_mode):
+    with V.set_fake_mode(fake_mode) if fake_mode is not None else contextlib.nullcontext():
         return partition_fn(joint, joint_inputs, partitioner_fn_override=cut, **kwargs)
 
 
@@ -222,7 +220,11 @@ def size_hint(size: Any, overrides: Optional[Dict[Any, int]] = None, fallback: i
     if not isinstance(size, torch.SymInt):
         return int(size)
     if not overrides:
-        return int(_optimization_hint(size, fallback))
+        # ``optimization_hint`` is 2.13's name; earlier releases call it ``size_hint`` (the GPU machines'
+        # image has torch 2.11, and fxtrain runs there too).
+        from torch.fx.experimental import symbolic_shapes
+        hint = getattr(symbolic_shapes, "optimization_hint", None) or symbolic_shapes.hint_int
+        return int(hint(size, fallback=fallback))
     expr = size.node.expr
     env = size.node.shape_env
     known = getattr(env, "backed_var_to_val", None)
@@ -230,14 +232,6 @@ def size_hint(size: Any, overrides: Optional[Dict[Any, int]] = None, fallback: i
         known = env.var_to_val
     values = {s: overrides[s] if s in overrides else known.get(s, fallback) for s in expr.free_symbols}
     return int(expr.xreplace(values))
-
-
-def _optimization_hint(size: Any, fallback: int) -> Any:
-    # ``optimization_hint`` is 2.13's name; earlier releases call it ``size_hint`` (the GPU machines'
-    # image has torch 2.11, and fxtrain runs there too).
-    from torch.fx.experimental import symbolic_shapes
-    hint = getattr(symbolic_shapes, "optimization_hint", None) or symbolic_shapes.hint_int
-    return hint(size, fallback=fallback)
 
 
 def output_needs_tangent(info: Any) -> bool:
@@ -862,20 +856,10 @@ def schedule_actions(class_name: str, ranks: int, n_microbatches: int, stages_pe
     are dropped and an OVERLAP_F_B action becomes its sub-actions."""
     from torch.distributed.pipelining import schedules
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
-    kinds = {"F": "F", "B": "B", "I": "I", "W": "W"}
     orders = get_schedule_ops(getattr(schedules, class_name), ranks, n_microbatches, stages_per_rank)
-    out: List[List[Any]] = []
-    for rank_ops in orders:
-        flat: List[Any] = []
-        for action in rank_ops:
-            if action is None:
-                continue
-            for a in action.sub_actions or (action,):
-                kind = kinds.get(getattr(a.computation_type, "value", None))
-                if kind is not None:
-                    flat.append((kind, a.stage_index, a.microbatch_index))
-        out.append(flat)
-    return out
+    return [[(a.computation_type.value, a.stage_index, a.microbatch_index)
+             for action in rank_ops if action is not None for a in action.sub_actions or (action,)
+             if getattr(a.computation_type, "value", None) in ("F", "B", "I", "W")] for rank_ops in orders]
 
 
 def default_store() -> Any:

@@ -83,12 +83,9 @@ def _leaf_recipe(leaf: Any, by_id: Dict[int, int], depth: int = 0) -> Tuple[str,
 
 
 def _holds_output(recipes: List[Tuple[str, Any]]) -> bool:
-    for kind, value in recipes:
-        if kind == "out" or (kind in ("list", "tuple") and _holds_output(value)) or \
-                (kind == "dict" and _holds_output([v for _, v in value])) or \
-                (kind == "object" and _holds_output(list(value[1].values()))):
-            return True
-    return False
+    return any(kind == "out" or (kind in ("list", "tuple") and _holds_output(value)) or
+               (kind == "dict" and _holds_output([v for _, v in value])) or
+               (kind == "object" and _holds_output(list(value[1].values()))) for kind, value in recipes)
 
 
 def rebuild_leaf(recipe: Tuple[str, Any], outs: Any) -> Any:

@@ -78,11 +78,7 @@ def _class_digest(cls: type) -> str:
             continue
         h.update(_qualname(klass).encode())
         for name, member in sorted(vars(klass).items()):
-            if isinstance(member, property):
-                parts = [member.fget, member.fset]
-            else:
-                parts = [member]
-            for part in parts:
+            for part in [member.fget, member.fset] if isinstance(member, property) else [member]:
                 digest = _function_digest(part) if part is not None else None
                 if digest is not None:
                     h.update(name.encode())

@@ -71,22 +71,19 @@ class ModuleCache:
     def call(self, key: Hashable, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         """The output of a loaded entry for this call, or MISS (then capture as usual)."""
         hit = self.calls.get(key)
-        if hit is not None and self.scalars and self.scalars.changed(key, args, kwargs):
+        if hit is None:
+            return MISS
+        if self.scalars and self.scalars.changed(key, args, kwargs):
             # The entry has the int and float arguments of the call it was keyed by built in.
             self._note("entry for this schema no longer used: a scalar argument changed value")
             self.scalars.forget(key)
-            del self.calls[key]
-            self.resized.add(key)
-            return MISS
-        if hit is not None:
-            structure = tuple(map(id, module.modules()))
-            if structure == self.modules:
-                out = hit(module, args, kwargs)
-                if out is not MISS:
-                    return out
-            # Guards failed or submodules were swapped: capture; the new capture replaces the entry.
-            del self.calls[key]
-            self.resized.add(key)
+        elif tuple(map(id, module.modules())) == self.modules:
+            out = hit(module, args, kwargs)
+            if out is not MISS:
+                return out
+        # A scalar changed, guards failed or submodules were swapped: capture, replacing the entry.
+        del self.calls[key]
+        self.resized.add(key)
         return MISS
 
     def load(self, key: Hashable, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],

@@ -8,6 +8,7 @@ finds a short, garbled or foreign file reports it corrupt; the caller recaptures
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -87,10 +88,8 @@ class Store:
                 os.fsync(f.fileno())
             os.replace(tmp, self.path(key))
         except BaseException:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            except OSError:
-                pass
             raise
         return self.path(key)
 
@@ -119,10 +118,7 @@ class Store:
         return found
 
     def remove(self, key: str) -> None:
-        try:
-            self.path(key).unlink()
-        except FileNotFoundError:
-            pass
+        self.path(key).unlink(missing_ok=True)
 
     def clear(self) -> Tuple[int, int]:
         """Delete every entry (and stray temporary files); returns (files, bytes) freed."""

@@ -12,7 +12,7 @@ import torch
 import torch.fx
 
 from .. import torch_private as tp
-from . import recipe as cache_recipe
+from . import partition_worker, recipe as cache_recipe
 from ..options import Options
 from ..passes import DynamoExamples, ExampleSource
 from ..runtime import runner
@@ -20,7 +20,6 @@ from ..runtime.executors import Executor, executor_named
 from .breaks import graph_break_site
 from .budget import BudgetRequest, BudgetState, MemoryBudgetWarning
 from .dump import dump_capture
-from . import partition_worker
 from .pipeline import CaptureContext, Rewritten, compile_step, finish, from_worker, rewrite, unpartitioned
 from ..runtime.info import CaptureInfo, GraphRecord
 from ..runtime.pending import PendingPartition, Ready

@@ -146,8 +146,7 @@ def call_breaks(filed: _TALLY, sites: Sequence[Tuple[str, str]], graphs_made: in
         if site is not None:
             sites.remove(site)
         reasons.append(summary(message) + (f" (at {site[1]})" if site and site[1] else ""))
-    for text, where in sites:
-        reasons.append(text + (f" (at {where})" if where else ""))
+    reasons.extend(text + (f" (at {where})" if where else "") for text, where in sites)
     while len(reasons) < count:
         reasons.append("graph split without a reason from dynamo")
     return reasons[:count]

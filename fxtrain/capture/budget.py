@@ -40,6 +40,7 @@ CUDA-only in torch 2.13; on CPU its partitioner bans random ops from recomputati
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import operator
 import time
@@ -51,6 +52,7 @@ import torch
 import torch.fx
 
 from .. import torch_private as tp
+from ..graph_walk import descendants
 from ..cost.step import optimizer_name
 from ..errors import Error, FxtrainWarning
 
@@ -117,11 +119,6 @@ class MemoryPlan:
 
 
 # --------------------------------------------------------------------------------- node facts
-def _target_name(node: torch.fx.Node) -> str:
-    packet = getattr(node.target, "overloadpacket", None)
-    return getattr(packet, "__name__", str(node.target))
-
-
 def _is_getitem(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and node.target is operator.getitem
 
@@ -152,7 +149,7 @@ def _kind(node: torch.fx.Node) -> Optional[str]:
     """How a recomputed op is reported (None: free, a view or a size)."""
     if _is_getitem(node) or tp.is_size_node(node) or getattr(node.target, "is_view", False):
         return None
-    name = _target_name(node)
+    name = getattr(getattr(node.target, "overloadpacket", None), "__name__", str(node.target))
     if name in _MATMUL:
         return "matmul"
     if "scaled_dot_product" in name:
@@ -260,7 +257,7 @@ class Planner:
         saved = [names[n.name] for n in outputs[num_fwd_outputs:] if isinstance(n, torch.fx.Node)]
         self.saved_sizes = [n for n in saved if tp.is_size_node(n)]
         saved_tensors = [n for n in saved if not tp.is_size_node(n)]
-        replaced = self._rewrite_dropout(saved_tensors)
+        replaced = self._rewrite_dropout()
         self.saved0 = [replaced.get(n, n) for n in saved_tensors]
         self.order = {n: i for i, n in enumerate(joint.graph.nodes)}
         joint_outputs = next(n for n in reversed(joint.graph.nodes) if n.op == "output").args[0]
@@ -283,7 +280,7 @@ class Planner:
         self._nbytes = functools.lru_cache(maxsize=None)(_storage_bytes)
 
     # ------------------------------------------------------------------------------ dropout
-    def _rewrite_dropout(self, saved: List[torch.fx.Node]) -> Dict[torch.fx.Node, torch.fx.Node]:
+    def _rewrite_dropout(self) -> Dict[torch.fx.Node, torch.fx.Node]:
         """``out, mask = native_dropout(x, p, True)``: uses of ``out`` read ``x * mask * (1/(1-p))``
         instead, recomputable from the saved mask (the same bits: the CPU kernel computes exactly
         that). Returns {old output node: new node}."""
@@ -369,14 +366,7 @@ class Planner:
         """Where in the backward each forward value is first read: the joint graph's backward part
         is in the order autograd's engine runs it, so positions there are times."""
         tangents = [n for n in self.joint.graph.nodes if n.op == "placeholder" and "tangents" in str(n.target)]
-        backward: Set[torch.fx.Node] = set()
-        stack = list(tangents)
-        while stack:
-            n = stack.pop()
-            for u in n.users:
-                if u not in backward and u.op != "output":
-                    backward.add(u)
-                    stack.append(u)
+        backward = {n for n in descendants(tangents) if n.op != "output"} - set(tangents)
         inf = len(self.order) + 1
         self.backward_start = min((self.order[n] for n in backward), default=inf)
         self.direct = {n: min((self.order[u] for u in n.users if u in backward), default=inf)
@@ -525,9 +515,7 @@ def search(planner: Planner, budget: int, baseline: Candidate, make: Callable[[i
     n = len(steps)
     if n == 0:
         return baseline, 0, p0, False, 1
-    freed = [0]
-    for st in steps:
-        freed.append(freed[-1] + st.freed)
+    freed = [0, *itertools.accumulate(st.freed for st in steps)]
     costed: Dict[int, Candidate] = {0: baseline}
 
     def peak(k: int) -> int:

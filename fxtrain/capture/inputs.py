@@ -9,12 +9,6 @@ from typing import Any, FrozenSet, Hashable, Iterable, List, Optional, Sequence,
 
 import torch
 
-_SCALARS = (bool, int, float, complex, str, bytes, type(None))
-
-
-def _is_numpy(x: Any) -> bool:
-    return type(x).__module__ == "numpy" and type(x).__name__ in ("ndarray", "matrix")
-
 
 def _path(path: Any) -> str:
     """``path`` is built lazily, as (parent, key) pairs: only an error message reads it."""
@@ -36,7 +30,7 @@ def schema(value: Any, path: Any, device: Optional[torch.device], shapes: Option
                 f"fxtrain.TrainModule: input {_path(path)} is on device '{where}' but the module's "
                 f"parameters are on '{device}'; move the input with .to('{device}') (or the module with .to()).")
         return ("T", value.dtype, value.dim(), value.requires_grad, where.type, value.layout)
-    if _is_numpy(value):
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("ndarray", "matrix"):
         raise TypeError(f"fxtrain.TrainModule: input {_path(path)} is a numpy array; pass a torch.Tensor "
                         f"(torch.from_numpy(x).to(device)) instead.")
     if isinstance(value, (bool, str, bytes, type(None))):

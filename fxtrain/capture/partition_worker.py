@@ -120,8 +120,7 @@ def _receive(stream: BinaryIO) -> bytes:
     head = stream.read(8)
     if len(head) < 8:
         raise EOFError
-    data = stream.read(int.from_bytes(head, "little"))
-    return data
+    return stream.read(int.from_bytes(head, "little"))
 
 
 def _answer(payload: bytes) -> bytes:

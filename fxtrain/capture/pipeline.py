@@ -131,9 +131,7 @@ def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
     Nodes are copied (metadata shallowly), so the passes' rewrites of ``graph`` do not reach it."""
     copy = torch.fx.Graph()
     copy._codegen = graph._codegen
-    env: dict = {}
-    out = copy.graph_copy(graph, env)
-    copy.output(out)
+    copy.output(copy.graph_copy(graph, {}))
     return copy
 
 

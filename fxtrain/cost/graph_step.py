@@ -73,9 +73,7 @@ def _concrete(value: Any, requires_grad: bool, mode: Any, sizes: Optional[Dict[A
     stride = [tp.size_hint(s, sizes) for s in value.stride()]
     with mode:
         out = torch.empty_strided(shape, stride, dtype=value.dtype, device=value.device)
-    if requires_grad:
-        out.requires_grad_(True)
-    return out
+    return out.requires_grad_(requires_grad)
 
 
 def _loss(returns: Sequence[Any]) -> torch.Tensor:

@@ -58,8 +58,7 @@ def _clean_path(path: str) -> str:
 
 def mark(gm: torch.fx.GraphModule, graph: str) -> torch.fx.GraphModule:
     """A copy of ``gm`` whose code announces each op's node to the tracker."""
-    new = torch.fx.GraphModule(gm, _marked_graph(gm.graph, graph))
-    return new
+    return torch.fx.GraphModule(gm, _marked_graph(gm.graph, graph))
 
 
 def _marked_graph(source: torch.fx.Graph, graph: str) -> torch.fx.Graph:

@@ -6,6 +6,7 @@ the storage key is only trusted while the fake tensor it was recorded for is ali
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Dict, Optional, Tuple
 
@@ -52,10 +53,8 @@ class Shadows:
 
     def drop(self, fake: torch.Tensor) -> None:
         self._by_tensor.pop(fake, None)
-        try:
+        with contextlib.suppress(RuntimeError, NotImplementedError):
             self._by_storage.pop(fake.untyped_storage()._cdata, None)
-        except (RuntimeError, NotImplementedError):
-            pass
 
     def __contains__(self, fake: object) -> bool:
         return isinstance(fake, torch.Tensor) and self.get(fake) is not None

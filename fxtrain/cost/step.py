@@ -123,11 +123,8 @@ def _rebuild(opt: torch.optim.Optimizer, params: Any) -> torch.optim.Optimizer:
     mapping = params if isinstance(params, dict) else None
     if mapping is None:
         return type(opt)(params, **opt.defaults)
-    groups = []
-    for g in opt.param_groups:
-        group = {k: v for k, v in g.items() if k != "params"}
-        group["params"] = [mapping[p] for p in g["params"] if p in mapping]
-        groups.append(group)
+    groups = [{**{k: v for k, v in g.items() if k != "params"},
+               "params": [mapping[p] for p in g["params"] if p in mapping]} for g in opt.param_groups]
     return type(opt)(groups, **opt.defaults)
 
 

@@ -18,7 +18,9 @@ a batch) or else at its maximum, which over-estimates and never under-estimates.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -40,7 +42,6 @@ PHASES = ("forward", "backward", "optimizer")
 _DEVICE = torch.ops.prim.device.default
 OUTSIDE = "(outside graphs)"
 OPTIMIZER = "(optimizer)"
-_CONTROL = {"setup", "start"}
 _MADE_BY_STEP = frozenset(PHASES) | {"setup"}   # not "parameters", "inputs", "optimizer state"
 
 
@@ -396,10 +397,8 @@ class CostTracker(TorchDispatchMode):
         if func is torch.ops.aten._local_scalar_dense.default:
             value = self._shadow_of(args[0])
             if value is None:
-                try:
+                with contextlib.suppress(Exception):
                     return func(*args, **kwargs)   # fake mode knows constants made by torch.tensor(...)
-                except Exception:
-                    pass
                 raise ProfileError("the step reads a tensor's value (.item(), int(), a Python branch on data) "
                                    "that a fake run does not have; pass real tensors for such inputs")
             with disable_current_modes():
@@ -425,12 +424,9 @@ class CostTracker(TorchDispatchMode):
         node = current_node()
         return node.module if node is not None else OUTSIDE
 
-    def _category(self) -> str:
-        return self.phase if self.phase in PHASES else "setup"
-
     def _account(self, func: Any, args: Any, kwargs: Any, out: Any, flops: Optional[int] = -1) -> None:
         module = self._module()
-        category = self._category()
+        category = self.phase if self.phase in PHASES else "setup"
         allocated = 0
         for t in _tensors(out):
             if self._track(t, category, module):
@@ -533,10 +529,7 @@ def _value(real: torch.Tensor) -> int:
 def _max_rows(func: Any, args: Any) -> int:
     """The largest size a data-dependent output can have: every element selected."""
     if func.overloadpacket.__name__ == "masked_select":
-        total = 1
-        for size in torch.broadcast_shapes(args[0].shape, args[1].shape):
-            total *= int(size)
-        return total
+        return math.prod(int(size) for size in torch.broadcast_shapes(args[0].shape, args[1].shape))
     return int(args[0].numel())
 
 

@@ -83,9 +83,7 @@ class GuardBuilder:
         return self.env[source]
 
     def call(self, target: Any, *args: Any, method: bool = False) -> Node:
-        if method:
-            return self.graph.call_method(target, args)
-        return self.graph.call_function(target, args)
+        return (self.graph.call_method if method else self.graph.call_function)(target, args)
 
     def require(self, condition: Node, reason: str) -> None:
         """``condition``: a 0-d bool node of the guard graph that must hold for the rewrite to be exact."""

@@ -108,10 +108,7 @@ def defer_dense(gm: torch.fx.GraphModule, plans: Plans, affected: Set[Node]) -> 
     hit_extra = [j for j, o in enumerate(extras) if o in affected]
     if not hit_direct and not hit_extra:
         return 0
-    roots: List[Node] = []
-    for o in [direct[i] for i in hit_direct] + [extras[j] for j in hit_extra]:
-        if o not in roots:
-            roots.append(o)
+    roots = list(dict.fromkeys([direct[i] for i in hit_direct] + [extras[j] for j in hit_extra]))
     computed = {n for n in graph.nodes if n.op != "placeholder"}
     dense, dense_in = copy_subgraph(gm, roots, computed)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -136,8 +133,7 @@ def defer_dense(gm: torch.fx.GraphModule, plans: Plans, affected: Set[Node]) -> 
                 inputs.append((kind, i))
     n_head_out = old.n_outputs if old else 0
     deferred = list(old.deferred) if old else []
-    for k, i in enumerate(hit_direct):
-        deferred.append((position[i], n_head_out + k, value(direct[i])))
+    deferred.extend((position[i], n_head_out + k, value(direct[i])) for k, i in enumerate(hit_direct))
     deferred.sort(key=lambda d: d[0])
     fn = _DenseThenHead(dense, len(dense_in), old.gm if old else None, head_inputs,
                         [roots.index(direct[i]) for i in hit_direct])

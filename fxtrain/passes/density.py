@@ -74,9 +74,7 @@ class DynamoExamples(ExampleSource):
 
     def value(self, node: Any) -> Optional[torch.Tensor]:
         example = self.example(node)
-        if not isinstance(example, torch.Tensor) or is_fake(example):
-            return None
-        return example
+        return example if isinstance(example, torch.Tensor) and not is_fake(example) else None
 
 
 def density_reason(what: str, density: Optional[float], mode: str, threshold: float) -> Tuple[bool, str]:

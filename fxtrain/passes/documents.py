@@ -45,11 +45,10 @@ import torch.nn.functional as F
 from ..options import Options
 from ..runtime.varlen_attention import VARLEN_ATTENTION
 from ..torch_private import NN_SDPA, size_hint
-from ..runtime.step import PassReport
+from ..runtime.step import PassReport, Plans
 from ..runtime.host_counts import HOST_DOCUMENT_LENGTHS
 from .batch_guard import GuardBuilder, host_numbers
 from .density import ExampleSource, density_reason
-from ..runtime.step import Plans
 from .rows import ancestors, value
 from .varlen import erase_replaced, sdpa_arguments
 

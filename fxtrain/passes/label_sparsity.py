@@ -23,8 +23,7 @@ import torch.nn.functional as F
 
 from ..options import Options
 from ..torch_private import NN_PAD
-from ..runtime.step import PassReport
-from ..runtime.step import Plans
+from ..runtime.step import PassReport, Plans
 from .batch_guard import counted_index
 from .density import ExampleSource, add_probe, density_reason
 from .defer import can_defer, defer_outputs

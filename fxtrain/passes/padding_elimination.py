@@ -27,6 +27,7 @@ the graph asserts it on every later batch, raising a clear error instead of a wr
 """
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -36,15 +37,14 @@ import torch.nn.functional as F
 
 from ..options import Options
 from ..torch_private import ASSERT_ASYNC, NN_SDPA
-from ..runtime.step import PassReport
-from ..runtime.step import Plans
+from ..runtime.step import PassReport, Plans
 from .batch_guard import GuardBuilder, counted_index
 from .defer import defer_dense, feeds_resumed_code
 from .label_sparsity import cross_entropy_args, unsupported_cross_entropy
 from .density import ExampleSource, add_probe, density_reason
 from .row_ops import put_rows, row_selection, take_rows
 from .varlen import attention_on_real_tokens, mask_kind, per_position_op, sdpa_arguments
-from .rows import Node, _same, ancestors, descendants, run_node, _same_shape, same_shape_guarded, copy_on_rows, heavy, is_regroup, op_name, row_inputs, value
+from .rows import Node, _same, ancestors, descendants, run_node, _same_shape, same_shape_guarded, copy_on_rows, heavy, op_name, row_inputs, value
 
 NAME = "padding_elimination"
 _SDPA = {NN_SDPA, F.scaled_dot_product_attention}
@@ -69,7 +69,7 @@ def _masks_padding_keys(attn_mask: Any, tokens: torch.Tensor) -> bool:
     return not bool((allowed & real_q & pad_k).any())
 
 
-def _token_mask(gm: torch.fx.GraphModule, sdpas: List[Node], embeddings: List[Node],
+def _token_mask(sdpas: List[Node], embeddings: List[Node],
                 examples: ExampleSource) -> Tuple[Optional[Node], Optional[Any], str]:
     """The placeholder that marks real tokens, and how to read it: ``(node, padding_idx or None, why)``."""
     id_shapes = [value(e.args[0]).shape for e in embeddings]
@@ -166,14 +166,9 @@ def _features_last(gm: torch.fx.GraphModule, start: Node, lead: int, entries: Se
              for d in value(start).shape]
     if not all(isinstance(d, int) for d in shape):
         return False
-    rows = 1
-    for d in shape[:lead]:
-        rows *= d
-    probe = torch.arange(rows, dtype=torch.float64).view(*shape[:lead], *[1] * (len(shape) - lead))
+    probe = torch.arange(math.prod(shape[:lead]), dtype=torch.float64).view(*shape[:lead], *[1] * (len(shape) - lead))
     env: Dict[Node, Any] = {start: probe.expand(shape).contiguous()}
-    needed: Set[Node] = set()
-    for e in entries:
-        needed |= ancestors(e)
+    needed = ancestors(entries)
     for node in gm.graph.nodes:
         if node is start or node not in needed or not any(a in env for a in node.all_input_nodes):
             continue
@@ -219,10 +214,7 @@ class _Plan:
 
 def _plan(gm: torch.fx.GraphModule, lead_shape: Sequence[Any], examples: ExampleSource) -> Tuple[Optional[_Plan], str]:
     plan = _Plan(gm, examples)
-    flat = 1
-    for s in lead_shape:
-        flat = flat * s
-    plan.flat = flat
+    plan.flat = flat = math.prod(lead_shape)
     for node in gm.graph.nodes:
         if _is_embedding_start(node, lead_shape):
             plan.region[node] = len(lead_shape)
@@ -341,7 +333,7 @@ def padding_elimination(gm: torch.fx.GraphModule, examples: ExampleSource, optio
     if not embeddings:
         return PassReport(NAME, False, "no [batch, seq] embedding lookup")
     sdpas = [n for n in graph.nodes if n.op == "call_function" and n.target in _SDPA]
-    mask_node, pad_id, why = _token_mask(gm, sdpas, embeddings, examples)
+    mask_node, pad_id, why = _token_mask(sdpas, embeddings, examples)
     if mask_node is None:
         return PassReport(NAME, False, why)
     real = examples.value(mask_node)
@@ -428,10 +420,7 @@ def _selects_token_rows(node: Node, flat: Any) -> bool:
     if src.op == "call_method" and src.target == "flatten" and len(src.args) == 3 and src.args[1] == 0:
         x = value(src.args[0])
         if isinstance(x, torch.Tensor) and isinstance(src.args[2], int) and src.args[2] < x.dim():
-            rows = 1
-            for d in x.shape[:src.args[2] + 1]:
-                rows = rows * d
-            return _same_shape([rows], [flat])
+            return _same_shape([math.prod(x.shape[:src.args[2] + 1])], [flat])
     return False
 
 
@@ -508,9 +497,6 @@ def _rewrite(gm: torch.fx.GraphModule, plan: _Plan, mask_node: Node, pad_id: Opt
             for a in node.all_input_nodes:
                 if a in plan.frontier and a not in plan.region:
                     gathered(a, plan.frontier[a])
-            if is_regroup(node):
-                rows[node] = rows[node.args[0]]
-                continue
             rows[node] = copy_on_rows(graph, node, rows, lead)
     cut_index = {sel: row_selection(sel)[1] for sel in plan.row_cuts}
     moved: Dict[Node, Node] = {}   # a row selection of padded values -> the same rows taken from the packed layout

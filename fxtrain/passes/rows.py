@@ -10,6 +10,7 @@ upstream from a seed; :func:`replay_on_rows` rebuilds that region on ``[K, *feat
 """
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
@@ -19,7 +20,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..graph_walk import ancestors, descendants  # noqa: F401  (the passes import them from here)
+from ..graph_walk import ancestors, descendants, run_node  # noqa: F401  (the passes import them from here)
 from ..torch_private import NN_GELU, NN_LINEAR, NN_SILU
 from .row_ops import take_rows
 
@@ -45,22 +46,9 @@ _REDUCE_METHODS = {"mean", "sum"}
 _VIEW_METHODS = {"view", "reshape"}
 
 
-def run_node(node: Node, env: Dict[Node, Any]) -> Any:
-    """``node``'s op on the values of its inputs in ``env`` (a call_function or call_method node);
-    raises ``LookupError`` for other nodes, and whatever the op raises."""
-    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
-    if node.op == "call_function":
-        return node.target(*args, **kwargs)
-    if node.op == "call_method":
-        return getattr(args[0], node.target)(*args[1:], **kwargs)
-    raise LookupError(f"cannot run a {node.op} node")
-
-
 def value(node: Any) -> Any:
     """The fake value dynamo recorded for a node (or the constant itself)."""
-    if isinstance(node, Node):
-        return node.meta.get("example_value", node.meta.get("val"))
-    return node
+    return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, Node) else node
 
 
 def _tensor(node: Any) -> Optional[torch.Tensor]:
@@ -101,16 +89,10 @@ def op_name(node: Node) -> str:
     return getattr(node.target, "__name__", str(node.target))
 
 
-def _is_identity_index(index: Any, ndim: int) -> bool:
-    items = index if isinstance(index, tuple) else (index,)
-    for item in items:
-        if item is Ellipsis:
-            continue
-        if not isinstance(item, slice):
-            return False
-        if item.start not in (None, 0) or item.stop is not None or item.step not in (None, 1):
-            return False
-    return True
+def _is_identity_index(index: Any) -> bool:
+    return all(item is Ellipsis or (isinstance(item, slice) and item.start in (None, 0) and item.stop is None
+                                    and item.step in (None, 1))
+               for item in (index if isinstance(index, tuple) else (index,)))
 
 
 def _feature_dim(dim: Any, ndim: int, lead: int) -> bool:
@@ -173,7 +155,7 @@ def row_inputs(node: Node, lead: int, broadcast: Optional[Set[Node]] = None) -> 
         return [(args[0], x.dim() - features)]
     if node.op == "call_function" and target is operator.getitem:
         x = _tensor(args[0])
-        if x is None or x.dim() != out.dim() or not _is_identity_index(args[1], x.dim()):
+        if x is None or x.dim() != out.dim() or not _is_identity_index(args[1]):
             return None
         return [(args[0], lead)]
     if (node.op == "call_function" and target in _ELEMENTWISE_FUNCTIONS) or \
@@ -200,12 +182,7 @@ def _rows_of(x: Any, lead_shape: Sequence[Any], x_lead: int) -> bool:
         return False
     if x_lead == len(lead_shape):
         return _same_shape(t.shape[:x_lead], lead_shape)
-    a, b = 1, 1
-    for s in t.shape[:x_lead]:
-        a = a * s
-    for s in lead_shape:
-        b = b * s
-    return _same(a, b)
+    return _same(math.prod(t.shape[:x_lead]), math.prod(lead_shape))
 
 
 @dataclass
@@ -287,11 +264,7 @@ def replay_on_rows(gm: torch.fx.GraphModule, region: Region, select: Select, ins
         for node in gm.graph.nodes:
             if node not in region.lead or node in rows:
                 continue
-            lead = region.lead[node]
-            if is_regroup(node):
-                rows[node] = rows[node.args[0]]
-                continue
-            rows[node] = copy_on_rows(graph, node, rows, lead)
+            rows[node] = copy_on_rows(graph, node, rows, region.lead[node])
     return rows
 
 
@@ -302,7 +275,10 @@ def is_regroup(node: Node) -> bool:
 
 
 def copy_on_rows(graph: torch.fx.Graph, node: Node, rows: Dict[Node, Node], lead: int) -> Node:
-    """``node`` applied to the row forms of its inputs (dims it names are re-based on the rows)."""
+    """``node`` applied to the row forms of its inputs (dims it names are re-based on the rows); a
+    regroup is its input's row form itself."""
+    if is_regroup(node):
+        return rows[node.args[0]]
     new = graph.node_copy(node, lambda n: rows.get(n, n))
     new.args = _shift_dims(node, new.args, lead)
     if "dim" in new.kwargs:

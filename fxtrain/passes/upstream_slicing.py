@@ -14,8 +14,7 @@ import torch
 import torch.fx
 
 from ..options import Options
-from ..runtime.step import PassReport
-from ..runtime.step import Plans
+from ..runtime.step import PassReport, Plans
 from .defer import can_defer, defer_outputs
 from .density import ExampleSource, density_reason
 from .rows import erase_dead, find_region, replay_on_rows, value

@@ -172,9 +172,7 @@ def _layout(node: Node) -> bool:
     if node.op == "call_function" and node.target is operator.getitem:
         src = node.args[0]
         return isinstance(src, Node) and src.op == "call_method" and src.target in ("split", "chunk")
-    if node.op == "call_function" and node.target is torch.cat:   # a key/value cache that starts empty
-        return True
-    return False
+    return node.op == "call_function" and node.target is torch.cat   # a key/value cache that starts empty
 
 
 def _cat_source(node: Node) -> Optional[Node]:
@@ -299,10 +297,8 @@ def _side_rows(call: Callable[..., Any], side: Any, kind: str, at: Any) -> Any:
     if kind == "keep":
         return side
     per = call(torch.transpose, side, 1, 2)                      # [batch|1, seq|1, h, d]
-    if kind == "tokens":
-        src = call(torch.flatten, per, 0, 1)
-    else:
-        src = call(torch.select, per, 0 if kind == "positions" else 1, 0)
+    src = call(torch.flatten, per, 0, 1) if kind == "tokens" else \
+        call(torch.select, per, 0 if kind == "positions" else 1, 0)
     return call(torch.unsqueeze, call(torch.index_select, src, 0, at), 2)
 
 

@@ -85,9 +85,7 @@ _SDPA = {F.scaled_dot_product_attention, NN_SDPA}
 
 
 def _arg(node: torch.fx.Node, index: int, name: str) -> Any:
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name)
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name)
 
 
 def flops_of(node: torch.fx.Node) -> int:
@@ -117,10 +115,7 @@ def flops_of(node: torch.fx.Node) -> int:
             fwd = attention_flops(q.shape, k.shape, v.shape)
             return fwd + (2 * fwd if _grads(q, k, v) else 0)
         if target is torch.einsum and node.args and isinstance(node.args[0], str):
-            ops = node.args[1:]
-            if len(ops) == 1 and isinstance(ops[0], (tuple, list)):
-                ops = ops[0]
-            tensors = [_example(o) for o in ops]
+            tensors = [_example(o) for o in _product_operands(node)]
             if all(t is not None for t in tensors):
                 return _train(einsum_flops(node.args[0], tensors), *tensors)
     return 0

@@ -52,14 +52,11 @@ class Pipe:
 
     def stage_table(self) -> list:
         """One dict per stage: modules covered, parameters, FLOPs, bytes sent to the next stage."""
-        rows = []
-        for s in self.plan.stages:
-            rows.append({"stage": s.index, "first_module": s.first_module or "-", "last_module": s.last_module or "-",
-                         "nodes": len(s.nodes), "params": s.param_numel, "flops": s.flops,
-                         "forward_flops": s.forward_flops, "weight_flops": s.weight_flops,
-                         "send_bytes": s.send_bytes, "cost": s.cost,
-                         "sends": len(s.outputs) if s.index < self.num_stages - 1 else 0})
-        return rows
+        return [{"stage": s.index, "first_module": s.first_module or "-", "last_module": s.last_module or "-",
+                 "nodes": len(s.nodes), "params": s.param_numel, "flops": s.flops,
+                 "forward_flops": s.forward_flops, "weight_flops": s.weight_flops,
+                 "send_bytes": s.send_bytes, "cost": s.cost,
+                 "sends": len(s.outputs) if s.index < self.num_stages - 1 else 0} for s in self.plan.stages]
 
     def describe(self, file: Any = None, n_microbatches: int = 4) -> str:
         """Print (and return) the plan: per stage parameters, training FLOPs and activation bytes sent

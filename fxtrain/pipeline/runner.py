@@ -28,6 +28,7 @@ value and does not import it: the dependency goes one way, pipe -> runner.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import itertools
@@ -307,7 +308,7 @@ class PipelineRunner:
             self._group = dist.new_group(ranks, timeout=timeout, backend=backend_for(self.device))
         else:
             self._group = group  # the caller's group, with the timeout it was created with
-            self.timeout = _group_timeout(group) or timeout
+            self.timeout = _or_none(process_group_timeout, group) or timeout
         self._uid = (tuple(ranks), next(_builds.setdefault(tuple(ranks), itertools.count())))
         self._shared = self._shared_parameters(plan, captured)
         self._stages: List[_Stage] = []
@@ -320,10 +321,8 @@ class PipelineRunner:
             self._stages.append(stage)
         cls = SCHEDULES[schedule]
         try:
-            if info.placement == "single":
-                self._schedule = cls(self._stages[0], m, loss_fn=self._microbatch_loss, scale_grads=False)
-            else:
-                self._schedule = cls(self._stages, m, loss_fn=self._microbatch_loss, scale_grads=False)
+            stages = self._stages[0] if info.placement == "single" else self._stages
+            self._schedule = cls(stages, m, loss_fn=self._microbatch_loss, scale_grads=False)
         except ValueError as e:  # torch's own constraints (microbatches per round, ...)
             raise PipelineError(f"torch's {cls.__name__} refuses this layout: {e}") from None
         self.last_stats: Dict[str, float] = {}
@@ -529,13 +528,11 @@ class PipelineRunner:
         stages = f"stage {index}" if failed or len(self._stages) == 1 else \
             f"stages {', '.join(map(str, self.stage_indices))}"
         here = f"pipeline {stages} (rank {self.rank}, {self.schedule_name})"
-        store = _default_store()
+        store = _or_none(default_store)
         if failed:
             if store is not None:
-                try:
+                with contextlib.suppress(Exception):
                     store.set(self._store_key(self.rank), f"stage {index} (rank {self.rank}) raised {cause}")
-                except Exception:
-                    pass
             return PipelineError(f"{here} failed: {cause}")
         peer = None
         if store is not None:
@@ -564,15 +561,8 @@ class PipelineRunner:
 _MISSING = object()
 
 
-def _group_timeout(group: Any) -> Optional[datetime.timedelta]:
+def _or_none(read: Callable[..., Any], *args: Any) -> Any:
     try:
-        return process_group_timeout(group)
-    except Exception:
-        return None
-
-
-def _default_store() -> Any:
-    try:
-        return default_store()
+        return read(*args)
     except Exception:
         return None

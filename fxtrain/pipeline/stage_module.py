@@ -13,6 +13,7 @@ non-contiguous outputs are made contiguous to be sent.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Dict, List
 
 import torch
@@ -40,12 +41,6 @@ class StagePlan:
     forward_time: float = 0.0            # balance="measured": seconds per call measured (0: not measured)
     backward_time: float = 0.0
     weight_time: float = 0.0             # the backward's weight-gradient part, when timed apart (zero bubble)
-
-
-def _attr(root: torch.nn.Module, target: str) -> object:
-    for part in target.split("."):
-        root = getattr(root, part)
-    return root
 
 
 def stage_module(captured: CapturedGraph, stage: StagePlan, last: bool) -> torch.fx.GraphModule:
@@ -78,7 +73,7 @@ def stage_module(captured: CapturedGraph, stage: StagePlan, last: bool) -> torch
             if n.op == "get_attr":
                 # Submodules of the captured graph (bodies of higher-order ops such as an inlined
                 # autograd.Function or a checkpointed region) and constant tensors it holds.
-                attrs[n.target] = _attr(captured.gm, n.target)
+                attrs[n.target] = operator.attrgetter(n.target)(captured.gm)
             env[n] = graph.node_copy(n, lookup)
     results = []
     received = set(stage.inputs)

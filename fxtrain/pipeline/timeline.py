@@ -36,9 +36,7 @@ class Timeline:
     @property
     def bubble_fraction(self) -> float:
         """Idle share of all ranks' time over the step."""
-        if not self.makespan:
-            return 0.0
-        return 1.0 - sum(self.busy) / (len(self.busy) * self.makespan)
+        return 1.0 - sum(self.busy) / (len(self.busy) * self.makespan) if self.makespan else 0.0
 
 
 Action = Tuple[str, int, int]   # (kind, stage, microbatch)
@@ -60,25 +58,21 @@ def action_order(schedule: str, stage: int, stages: int, m: int) -> List[Tuple[s
     return order
 
 
-@functools.lru_cache(maxsize=64)
-def _orders(schedule: str, stages: int, ranks: int, m: int) -> Tuple[Tuple[Action, ...], ...]:
-    return tuple(tuple(order) for order in _rank_orders(schedule, stages, ranks, m))
-
-
 def rank_orders(schedule: str, stages: int, ranks: int, m: int) -> List[List[Action]]:
     """Every rank's compute actions in the order the schedule runs them (kept per layout: building
     torch's order takes milliseconds, and plan searches simulate one layout many times)."""
     return [list(order) for order in _orders(schedule, stages, ranks, m)]
 
 
-def _rank_orders(schedule: str, stages: int, ranks: int, m: int) -> List[List[Action]]:
+@functools.lru_cache(maxsize=64)
+def _orders(schedule: str, stages: int, ranks: int, m: int) -> Tuple[Tuple[Action, ...], ...]:
     info = schedule_info(schedule)
     if info.placement == "single":
         if stages != ranks:
             raise ValueError(f"{schedule} runs one stage per rank: {stages} stages need {stages} ranks")
-        return [[(k, s, i) for k, i in action_order(schedule, s, stages, m)] for s in range(stages)]
+        return tuple(tuple((k, s, i) for k, i in action_order(schedule, s, stages, m)) for s in range(stages))
     from ..torch_private import schedule_actions
-    return schedule_actions(info.torch_class, ranks, m, stages // ranks)
+    return tuple(tuple(order) for order in schedule_actions(info.torch_class, ranks, m, stages // ranks))
 
 
 def simulate(forward: Sequence[float], backward: Sequence[float], schedule: str, m: int,

@@ -79,19 +79,16 @@ def run(args: argparse.Namespace) -> int:
             preset = PRESETS[args.model]
             with torch.device("meta"):   # random weights are not needed to cost a step: none are made
                 model = preset.build()
+            call_args: Tuple[Any, ...] = ()
             if optimizations:
                 first = min(args.batch, args.sample_batch)
-                call_args: Tuple[Any, ...] = ()
                 call_kwargs: Dict[str, Any] = preset_batch(args.model, first, args.seq, padding=args.padding,
                                                            label_density=args.label_density)
             else:
-                first = args.batch
                 sample = preset_batch(args.model, 1, args.seq)
-                call_args = ()
                 call_kwargs = fake_inputs(**{k: ((args.batch,) + tuple(v.shape[1:]), v.dtype) for k, v in sample.items()})
         elif ":" in args.model:
             model, call_args, call_kwargs = _load_factory(args.model, args.batch, args.seq)
-            first = args.batch
         else:
             raise ValueError(f"unknown model {args.model!r}; built-in: {', '.join(sorted(PRESETS))}, "
                              f"or path/to/file.py:factory")

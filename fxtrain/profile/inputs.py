@@ -40,10 +40,6 @@ def fake_inputs(**specs: Tuple[Shape, torch.dtype]) -> Dict[str, torch.Tensor]:
     return out
 
 
-def _is_real(t: torch.Tensor) -> bool:
-    return not isinstance(t, FakeTensor) and t.device.type != "meta"
-
-
 def target_device(model: torch.nn.Module, values: Any) -> torch.device:
     """The device of the real (or fake) tensors; torch's default device if everything is on meta.
 
@@ -55,9 +51,7 @@ def target_device(model: torch.nn.Module, values: Any) -> torch.device:
     devices = {t.device for t in tensors if t.device.type != "meta"}
     if len(devices) > 1:
         raise ValueError(f"fxtrain.profile: model and inputs span several devices {sorted(map(str, devices))}")
-    if devices:
-        return devices.pop()
-    return torch.get_default_device()
+    return devices.pop() if devices else torch.get_default_device()
 
 
 def to_fake(t: torch.Tensor, mode: FakeTensorMode, device: torch.device) -> torch.Tensor:
@@ -71,10 +65,8 @@ def fake_values(values: Any, mode: FakeTensorMode, device: torch.device) -> Tupl
     pairs: List[Tuple[torch.Tensor, torch.Tensor]] = []
 
     def convert(t: torch.Tensor) -> torch.Tensor:
-        fake = to_fake(t, mode, device)
-        if t.requires_grad:
-            fake.requires_grad_(True)
-        if _is_real(t):
+        fake = to_fake(t, mode, device).requires_grad_(t.requires_grad)
+        if not isinstance(t, FakeTensor) and t.device.type != "meta":
             pairs.append((fake, t))
         return fake
 
@@ -84,9 +76,7 @@ def fake_values(values: Any, mode: FakeTensorMode, device: torch.device) -> Tupl
 def batch_size(values: Any) -> Optional[int]:
     """The most common leading size among tensor inputs of rank >= 1: what the batch axis is."""
     sizes = Counter(int(t.shape[0]) for t in tree_flatten(values)[0] if isinstance(t, torch.Tensor) and t.dim() >= 1)
-    if not sizes:
-        return None
-    return sizes.most_common(1)[0][0]
+    return sizes.most_common(1)[0][0] if sizes else None
 
 
 def with_batch(values: Any, old: int, new: int) -> Any:

@@ -117,10 +117,7 @@ class ProfileReport:
         """``by_module`` summed up to module paths of at most ``depth`` components."""
         out: Dict[str, ModuleCost] = {}
         for name, cost in self.by_module.items():
-            if name in (OUTSIDE, OPTIMIZER):
-                key = name
-            else:
-                key = ".".join(name.split(".")[:depth]) if name else ""
+            key = name if name in (OUTSIDE, OPTIMIZER) else ".".join(name.split(".")[:depth])
             acc = out.setdefault(key, ModuleCost())
             acc.params += cost.params
             acc.flops_forward += cost.flops_forward
@@ -306,11 +303,8 @@ def _downsample(timeline: List[Tuple[str, int]], points: int = 2000) -> List[Tup
     if len(timeline) <= points:
         return list(timeline)
     step = len(timeline) / points
-    out = []
-    for i in range(points):
-        bucket = timeline[int(i * step):max(int((i + 1) * step), int(i * step) + 1)]
-        out.append(max(bucket, key=lambda p: p[1]))
-    return out
+    return [max(timeline[int(i * step):max(int((i + 1) * step), int(i * step) + 1)], key=lambda p: p[1])
+            for i in range(points)]
 
 
 def build_report(session: Session, cost: StepCost, model_name: str, batch: Optional[int],

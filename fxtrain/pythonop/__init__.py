@@ -1,6 +1,5 @@
 """PythonOp: custom ``torch.autograd.Function``s kept intact, as opaque nodes, inside one graph."""
-from .pending import close_step_log, offer_step, open_step_log
-from .pending import forget as forget_runs
+from .pending import close_step_log, forget as forget_runs, offer_step, open_step_log
 from .python_call import raised_as_eager
 from .registry import CallSpec, qualified_name
 from .route import install, routing

@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 import torch.fx
 
-from ..graph_walk import ancestors
+from ..graph_walk import ancestors, run_node
 from ..torch_private import FakeTensor, unset_fake_temporarily
 from . import pending
 
@@ -58,12 +58,8 @@ def _evaluate(nodes: Sequence[torch.fx.Node], needed: Any) -> Optional[List[torc
                 continue
             if node.op not in ("call_function", "call_method"):
                 return None
-            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
             try:
-                if node.op == "call_function":
-                    env[node] = node.target(*args, **kwargs)
-                else:
-                    env[node] = getattr(args[0], node.target)(*args[1:], **kwargs)
+                env[node] = run_node(node, env)
             except Exception:
                 return None
     values = [env.get(n) for n in nodes]

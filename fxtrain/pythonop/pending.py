@@ -71,9 +71,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if torch.equal(a, b):
         return True
-    if a.is_floating_point() or a.is_complex():
-        return bool(((a == b) | (a.isnan() & b.isnan())).all())
-    return False
+    return (a.is_floating_point() or a.is_complex()) and bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
 class PendingRun:

@@ -303,10 +303,8 @@ def _describe(call: _Call, run: Run, objects: bool) -> Tuple[Describer, Node, Li
     """What the run returned, and wrote into the lists and dicts the traced code passed, as nodes."""
     described = Describer(run.call_inputs, call.record, real=True, objects=objects)
     node = described.result(run.result)
-    writes = []
-    for k, (container, items) in enumerate(zip(run.containers, run.before or [])):
-        if _changed(container, items):
-            writes.append((k, described.container(container)))
+    writes = [(k, described.container(c)) for k, (c, items) in enumerate(zip(run.containers, run.before or []))
+              if _changed(c, items)]
     return described, node, writes
 
 
@@ -395,10 +393,9 @@ def _capture(tx: Any, fn_cls_vt: Any, args: List[Any], kwargs: Dict[str, Any]) -
     slots, containers = _Slots(), []
     arg_nodes = [_argument_node(tx, vt, slots, containers, top=True) for vt in args]
     kw_nodes = {k: _argument_node(tx, vt, slots, containers, top=True) for k, vt in kwargs.items()}
-    fakes = []
     with tx.output.fake_mode:
-        for vt, convert in zip(slots.vts, slots.convert):
-            fakes.append(_example(vt) if convert is None else torch.empty((), dtype=convert))
+        fakes = [_example(vt) if convert is None else torch.empty((), dtype=convert)
+                 for vt, convert in zip(slots.vts, slots.convert)]
     numbers = {i for i, h in enumerate(slots.hints) if h is not None}
     record = torch.is_grad_enabled() and any(f.requires_grad for i, f in enumerate(fakes) if i not in numbers)
     differentiable = [bool(record and i not in numbers and f.requires_grad and (f.is_floating_point() or f.is_complex()))

@@ -182,12 +182,6 @@ class Describer:
         self.seen: Dict[int, Node] = {}       # id(tensor) -> its node, for identity
         self.tensors: List[Any] = []          # per op output: the observed tensor (or None for scalars)
 
-    def _input_index(self, value: Any) -> Optional[int]:
-        for i, t in enumerate(self.call_inputs):
-            if value is t:
-                return i
-        return None
-
     def _new(self, value: torch.Tensor) -> int:
         j = len(self.meta)
         if self.real:
@@ -208,7 +202,7 @@ class Describer:
             known = self.seen.get(id(value))
             if known is not None:
                 return known
-            i = self._input_index(value)
+            i = next((i for i, t in enumerate(self.call_inputs) if value is t), None)
             if i is not None:
                 if top:
                     # apply hands an input back as itself only when forward marked it dirty.

@@ -190,20 +190,17 @@ class CaptureInfo:
                  f"fallback:        {self.fallback_reason or 'no'}",
                  f"python ops:      {', '.join(self.python_ops) or '-'}"]
         lines.extend(f"  run by Python:  {handoff}" for handoff in self.python_op_handoffs)
-        for name, why in self.optimizations.items():
-            lines.append(f"  {name:<22} {why}")
+        lines.extend(f"  {name:<22} {why}" for name, why in self.optimizations.items())
         plan = self.memory_plan
         if plan is not None:
             lines.extend(f"  memory plan: {line}" for line in str(plan).splitlines())
-        for what, d in self.density.items():
-            lines.append(f"  last batch {what}: {d:.3f}")
+        lines.extend(f"  last batch {what}: {d:.3f}" for what, d in self.density.items())
         if self.cache_hits or self.cache_misses or self.cache_log:
             lines.append(f"cache:           {self.cache_hits} hit(s), {self.cache_misses} miss(es)")
             lines.extend(f"  cache {event}" for event in self.cache_log[-5:])
-        for reason, n in self.dense_batches.items():
-            lines.append(f"  dense route: {n} batch(es): {reason}")
-        for reason, n in Counter(self.break_reasons).items():
-            lines.append(f"  break: {reason}" + (f" (x{n})" if n > 1 else ""))
+        lines.extend(f"  dense route: {n} batch(es): {reason}" for reason, n in self.dense_batches.items())
+        lines.extend(f"  break: {reason}" + (f" (x{n})" if n > 1 else "")
+                     for reason, n in Counter(self.break_reasons).items())
         lines.extend(f"  tier {line}" for line in self.tiers)
         reasons = [f"  capture {line}" for line in self.capture_reasons]
         if len(reasons) > 6:

@@ -250,7 +250,6 @@ class Tier:
             self._timing = False
             self._done.set()
             return
-        self.state = "eager"
         self.reason = f"its compile starts {after:g} s after its first call (Options.compile_after)"
         # Started at the second call at the earliest: the first step (capture included) stays the
         # eager executor's, with no thread pickling graphs or process starting beside it.

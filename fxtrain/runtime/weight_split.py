@@ -33,12 +33,13 @@ import contextlib
 import operator
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx
 
 from ..errors import Error
+from ..graph_walk import ancestors
 
 
 @dataclass
@@ -80,11 +81,6 @@ def _mutated_args(node: torch.fx.Node) -> List[torch.fx.Node]:
     return out
 
 
-def _is_multi_output(node: torch.fx.Node) -> bool:
-    val = node.meta.get("val")
-    return isinstance(val, (list, tuple))
-
-
 def split_backward(gm: torch.fx.GraphModule, weight_outputs: Iterable[int]) -> BackwardSplit:
     """Cut ``gm`` (an aten backward graph) so that the outputs at ``weight_outputs`` come from W."""
     weights = tuple(sorted(set(weight_outputs)))
@@ -95,17 +91,11 @@ def split_backward(gm: torch.fx.GraphModule, weight_outputs: Iterable[int]) -> B
     inputs = tuple(i for i in range(len(outs)) if i not in weights)
 
     # B: the backward slice of the input gradients.
-    in_b: Set[torch.fx.Node] = set()
-    stack = [outs[i] for i in inputs if isinstance(outs[i], torch.fx.Node)]
-    while stack:
-        n = stack.pop()
-        if n in in_b or n.op == "placeholder":
-            continue
-        in_b.add(n)
-        stack.extend(n.all_input_nodes)
+    in_b = {n for n in ancestors(outs[i] for i in inputs if isinstance(outs[i], torch.fx.Node))
+            if n.op != "placeholder"}
     # A node returning several values (a PythonOp's backward) hands them out through getitem: those
     # go with it, so only tensors cross from B to W.
-    for n in [n for n in nodes if n in in_b and _is_multi_output(n)]:
+    for n in [n for n in nodes if n in in_b and isinstance(n.meta.get("val"), (list, tuple))]:
         in_b.update(u for u in n.users if u.op == "call_function" and u.target is operator.getitem)
     in_w = [n for n in nodes if n.op not in ("placeholder", "output") and n not in in_b]
     w_set = set(in_w)
