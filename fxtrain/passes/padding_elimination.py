@@ -44,7 +44,8 @@ from .label_sparsity import cross_entropy_args, unsupported_cross_entropy
 from .density import ExampleSource, add_probe, density_reason
 from .row_ops import put_rows, row_selection, take_rows
 from .varlen import attention_on_real_tokens, mask_kind, per_position_op, sdpa_arguments
-from .rows import Node, _same, ancestors, descendants, run_node, _same_shape, same_shape_guarded, copy_on_rows, heavy, op_name, row_inputs, value
+from .rows import (Node, _same, _same_shape, ancestors, copy_on_rows, descendants, heavy, op_name, row_inputs,
+                   run_node, same_shape_guarded, value)
 
 NAME = "padding_elimination"
 _SDPA = {NN_SDPA, F.scaled_dot_product_attention}
