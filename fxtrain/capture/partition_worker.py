@@ -11,7 +11,7 @@ requires_grad beside it: the worker makes its own fake inputs, in a shape enviro
 the executor's name and the autocast contexts in force at capture; back come the aten graphs, the
 ReplaySpec and the pass reports (pickled), or the error's last line. Measured on bert-mlm: 0.05 s to
 pickle, 3.2-4.0 s to partition, 0.15 s to load the answer, graphs and spec identical to an
-in-process partition (docs/benchmarks.md). It runs at nice 19 (``_START``).
+in-process partition (docs/benchmarks.md). It runs at nice 19 (``threads.worker_command``).
 """
 from __future__ import annotations
 
@@ -37,12 +37,6 @@ logger = logging.getLogger("fxtrain")
 # A partition still running after this long is stuck (bert-mlm's takes ~4 s): the worker is killed,
 # the capture keeps the autograd mode. Not Options.compile_timeout, which bounds code generation.
 TIMEOUT = 600.0
-# The loop's cores first, from before the worker imports torch (~3 s of a core). At the default
-# priority the worker took a core from the loop's intra-op threads: bert-mlm on 2 cores (2 threads),
-# steps 2-11 took 0.55-0.97 s each, against 0.22-0.28 s (the autograd mode's own pace) at nice 19;
-# the answer then came after 9.6 s instead of 7.4 s, and 20 steps took 6.4 s instead of 11.4 s (one run each).
-_START = ("import os, runpy\nif hasattr(os, 'nice'):\n    os.nice(19)\n"
-          "runpy.run_module('fxtrain.capture.partition_worker', run_name='__main__')")
 Placeholder = Tuple[Tuple[int, ...], Tuple[int, ...], torch.dtype, str, bool]
 Autocast = Tuple[Tuple[str, torch.dtype, bool], ...]   # device type, dtype, cache_enabled
 _lock = threading.Lock()
@@ -82,7 +76,7 @@ def partition(payload: bytes, timeout: float = TIMEOUT) -> bytes:
         if _proc is None or _proc.poll() is not None:
             root = str(Path(__file__).resolve().parents[2])
             env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-            _proc = subprocess.Popen([sys.executable, "-c", _START], env=env,
+            _proc = subprocess.Popen(threads.worker_command("fxtrain.capture.partition_worker"), env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         proc = _proc
         assert proc.stdin is not None and proc.stdout is not None

@@ -1,4 +1,5 @@
-"""The runtime's background threads (a capture's partition, a tier's compile or load), joined at exit.
+"""The runtime's background threads (a capture's partition, a tier's compile or load), joined at exit,
+and the command that starts their worker processes.
 
 A thread left inside torch's C++ code while the interpreter finalises can end the process with
 "terminate called without an active exception": each gets a moment to return (5 s in all).
@@ -6,6 +7,7 @@ A thread left inside torch's C++ code while the interpreter finalises can end th
 from __future__ import annotations
 
 import atexit
+import sys
 import threading
 import time
 from typing import Any, Callable, List, Set
@@ -25,6 +27,16 @@ def start(target: Callable[..., None], *args: Any, name: str) -> threading.Threa
     _threads.add(thread)
     thread.start()
     return thread
+
+
+def worker_command(module: str, *args: str) -> List[str]:
+    """``python -m module args`` at nice 19, set before the module imports torch (~3 s of a core).
+    The training loop's cores first: at the default priority the partition worker took a core from
+    the loop's intra-op threads, and 20 bert-mlm steps on 2 cores took 12.4 s instead of 6.4 s
+    (docs/benchmarks.md, "The worker at nice 19"). ``sys.argv[1:]`` are ``args``, as with ``-m``."""
+    start = (f"import os, runpy\nif hasattr(os, 'nice'):\n    os.nice(19)\n"
+             f"runpy.run_module({module!r}, run_name='__main__')")
+    return [sys.executable, "-c", start, *args]
 
 
 def on_exit(hook: Callable[[], None]) -> None:

@@ -401,8 +401,8 @@ class Tier:
         package_root = str(Path(__file__).resolve().parents[2])
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")]))
         # Inductor's cache key holds the intra-op thread count its C++ code is generated for.
-        cmd = [sys.executable, "-m", "fxtrain.runtime.tiered", str(given), str(made), "1" if inference else "0",
-               str(torch.get_num_threads())]
+        cmd = threads.worker_command("fxtrain.runtime.tiered", str(given), str(made), "1" if inference else "0",
+                                     str(torch.get_num_threads()))
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
         _workers.add(proc)
         try:
@@ -445,6 +445,5 @@ def _worker(argv: Sequence[str]) -> None:
     made.write_bytes(payload)
 
 
-if __name__ == "__main__":
-    os.nice(19)   # the training loop's cores first; the C++ compiler processes inherit it
+if __name__ == "__main__":   # at nice 19 (threads.worker_command): its C++ compiler processes inherit it
     _worker(sys.argv[1:])
