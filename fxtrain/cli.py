@@ -8,6 +8,7 @@ import os
 import sys
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from .extras import MissingExtra
 from .options import options_table
 
 Command = Tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int], str]
@@ -171,8 +172,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     logging.getLogger("fxtrain").setLevel(level.upper())
     try:
         return COMMANDS[args.command][1](args)
-    except ValueError as e:  # bad arguments that argparse could not see: one line, no traceback
-        print(f"fxtrain {args.command}: error: {e}", file=sys.stderr)
+    except (ValueError, MissingExtra) as e:  # bad arguments argparse could not see, or a missing extra:
+        print(f"fxtrain {args.command}: error: {e}", file=sys.stderr)   # one line, no traceback
         return 2
 
 

@@ -12,6 +12,8 @@ import inspect
 import re
 from typing import Any, Dict, List, Sequence
 
+from .extras import require
+
 # Modules whose docstrings are long prose; the order fixes the corpus for a given Python version.
 _SOURCES = ("argparse", "collections", "functools", "itertools", "json", "re", "typing", "inspect", "textwrap",
             "subprocess", "logging", "unittest", "threading", "dataclasses", "pathlib", "string", "csv",
@@ -48,6 +50,7 @@ def tokenizer(texts: Sequence[str], vocab_size: int = 2000) -> Any:
     """A word-level BERT-style fast tokenizer trained on ``texts`` (``[CLS] ... [SEP]``, ``[MASK]``),
     usable by HF data collators; the vocabulary is the ``vocab_size`` most frequent words."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+    require("transformers", "the corpus tokenizer")
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))

@@ -42,6 +42,7 @@ from tqdm import tqdm
 
 from . import models
 from .cost.step import loss_of
+from .extras import require
 from .module import TrainModule
 from .module_with_loss import ModuleWithLoss
 from .options import ENV_PREFIX, Options
@@ -85,6 +86,7 @@ TIER_ROAM_FROM = TIER_SWITCH + TRIAL_STEPS
 
 
 def _distilbert() -> torch.nn.Module:
+    require("transformers", "the fuzzer's models")
     from transformers import DistilBertConfig, DistilBertForMaskedLM
     cfg = DistilBertConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=2, hidden_dim=128, pad_token_id=0,
                            max_position_embeddings=POSITIONS, dropout=0.0, attention_dropout=0.0)
@@ -92,6 +94,7 @@ def _distilbert() -> torch.nn.Module:
 
 
 def _longformer() -> torch.nn.Module:
+    require("transformers", "the fuzzer's models")
     from transformers import LongformerConfig, LongformerForMaskedLM
     cfg = LongformerConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                            intermediate_size=64, attention_window=4, max_position_embeddings=POSITIONS + 2,
@@ -100,6 +103,7 @@ def _longformer() -> torch.nn.Module:
 
 
 def _roberta_cls() -> torch.nn.Module:
+    require("transformers", "the fuzzer's models")
     from transformers import RobertaConfig, RobertaForSequenceClassification
     cfg = RobertaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                         intermediate_size=128, max_position_embeddings=POSITIONS + 2, pad_token_id=1, num_labels=3,

@@ -11,6 +11,8 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 from torch import nn
 
+from .extras import require
+
 
 def _no_dropout(cfg: Any) -> Any:
     for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "resid_pdrop", "embd_pdrop",
@@ -22,6 +24,7 @@ def _no_dropout(cfg: Any) -> Any:
 
 def bert_mlm(hidden: int = 256, layers: int = 4, heads: int = 4, vocab: int = 30522,
              intermediate: Optional[int] = None, max_positions: int = 512) -> nn.Module:
+    require("transformers", "fxtrain's built-in models")
     from transformers import BertConfig, BertForMaskedLM
     cfg = BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                      intermediate_size=intermediate or 4 * hidden, max_position_embeddings=max_positions,
@@ -30,6 +33,7 @@ def bert_mlm(hidden: int = 256, layers: int = 4, heads: int = 4, vocab: int = 30
 
 
 def roberta_mlm(hidden: int = 256, layers: int = 4, heads: int = 4, vocab: int = 30522) -> nn.Module:
+    require("transformers", "fxtrain's built-in models")
     from transformers import RobertaConfig, RobertaForMaskedLM
     cfg = RobertaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                         intermediate_size=4 * hidden, max_position_embeddings=514, pad_token_id=1)
@@ -37,6 +41,7 @@ def roberta_mlm(hidden: int = 256, layers: int = 4, heads: int = 4, vocab: int =
 
 
 def distilbert_mlm(hidden: int = 256, layers: int = 4, heads: int = 4, vocab: int = 30522) -> nn.Module:
+    require("transformers", "fxtrain's built-in models")
     from transformers import DistilBertConfig, DistilBertForMaskedLM
     cfg = DistilBertConfig(vocab_size=vocab, dim=hidden, n_layers=layers, n_heads=heads, hidden_dim=4 * hidden,
                            pad_token_id=0)
@@ -44,6 +49,7 @@ def distilbert_mlm(hidden: int = 256, layers: int = 4, heads: int = 4, vocab: in
 
 
 def electra_mlm(hidden: int = 256, layers: int = 4, heads: int = 4, vocab: int = 30522) -> nn.Module:
+    require("transformers", "fxtrain's built-in models")
     from transformers import ElectraConfig, ElectraForMaskedLM
     cfg = ElectraConfig(vocab_size=vocab, embedding_size=hidden // 2, hidden_size=hidden, num_hidden_layers=layers,
                         num_attention_heads=heads, intermediate_size=4 * hidden, pad_token_id=0)
@@ -51,6 +57,7 @@ def electra_mlm(hidden: int = 256, layers: int = 4, heads: int = 4, vocab: int =
 
 
 def roberta_cls(hidden: int = 64, layers: int = 2, heads: int = 2, vocab: int = 1000, labels: int = 3) -> nn.Module:
+    require("transformers", "fxtrain's built-in models")
     from transformers import RobertaConfig, RobertaForSequenceClassification
     cfg = RobertaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                         intermediate_size=4 * hidden, max_position_embeddings=514, pad_token_id=1,
@@ -61,12 +68,14 @@ def roberta_cls(hidden: int = 64, layers: int = 2, heads: int = 2, vocab: int = 
 
 
 def gpt2_lm(hidden: int = 256, layers: int = 4, heads: int = 4, vocab: int = 50257, positions: int = 1024) -> nn.Module:
+    require("transformers", "fxtrain's built-in models")
     from transformers import GPT2Config, GPT2LMHeadModel
     cfg = GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=heads, n_positions=positions)
     return GPT2LMHeadModel(_no_dropout(cfg))
 
 
 def t5(d_model: int = 64, layers: int = 2, heads: int = 2, vocab: int = 1000) -> nn.Module:
+    require("transformers", "fxtrain's built-in models")
     from transformers import T5Config, T5ForConditionalGeneration
     cfg = T5Config(vocab_size=vocab, d_model=d_model, d_kv=d_model // heads, d_ff=4 * d_model, num_layers=layers,
                    num_heads=heads, decoder_start_token_id=0, pad_token_id=0)
@@ -76,6 +85,7 @@ def t5(d_model: int = 64, layers: int = 2, heads: int = 2, vocab: int = 1000) ->
 def llama_lm(hidden: int = 256, layers: int = 4, heads: int = 4, vocab: int = 32000,
              kv_heads: Optional[int] = None) -> nn.Module:
     """``kv_heads`` below ``heads``: grouped-query attention (each key/value head serves several)."""
+    require("transformers", "fxtrain's built-in models")
     from transformers import LlamaConfig, LlamaForCausalLM
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(2.75 * hidden),
                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads or heads,
@@ -86,6 +96,7 @@ def llama_lm(hidden: int = 256, layers: int = 4, heads: int = 4, vocab: int = 32
 def swin_cls(image: int = 32, labels: int = 5) -> nn.Module:
     """Tiny HF Swin (patch 2, embed 16, depths [1, 1], heads [2, 2], window 4): its window partition
     divides symbolic image sizes, the case that made a symbolic recapture stall (issue #31)."""
+    require("transformers", "fxtrain's built-in models")
     from transformers import SwinConfig, SwinForImageClassification
     cfg = SwinConfig(image_size=image, patch_size=2, embed_dim=16, depths=[1, 1], num_heads=[2, 2],
                      window_size=4, num_labels=labels, drop_path_rate=0.0)
@@ -93,6 +104,7 @@ def swin_cls(image: int = 32, labels: int = 5) -> nn.Module:
 
 
 def convnext_cls(image: int = 32, labels: int = 5) -> nn.Module:
+    require("transformers", "fxtrain's built-in models")
     from transformers import ConvNextConfig, ConvNextForImageClassification
     cfg = ConvNextConfig(image_size=image, patch_size=2, num_stages=2, hidden_sizes=[16, 32], depths=[1, 1],
                          num_labels=labels, drop_path_rate=0.0)
@@ -101,6 +113,7 @@ def convnext_cls(image: int = 32, labels: int = 5) -> nn.Module:
 
 def vit_cls(image: int = 32, labels: int = 5) -> nn.Module:
     """Call with ``interpolate_pos_encoding=True`` to feed other image sizes."""
+    require("transformers", "fxtrain's built-in models")
     from transformers import ViTConfig, ViTForImageClassification
     cfg = ViTConfig(image_size=image, patch_size=4, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                     intermediate_size=64, num_labels=labels)
@@ -108,6 +121,7 @@ def vit_cls(image: int = 32, labels: int = 5) -> nn.Module:
 
 
 def resnet_cls(labels: int = 5) -> nn.Module:
+    require("transformers", "fxtrain's built-in models")
     from transformers import ResNetConfig, ResNetForImageClassification
     cfg = ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic", num_labels=labels)
     return ResNetForImageClassification(cfg)

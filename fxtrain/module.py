@@ -27,7 +27,7 @@ from .capture.settings import dynamo_settings
 from .capture.sizes import SizesPolicy
 from .options import Options, resolve
 from .pythonop import close_step_log, forget_runs, offer_step, open_step_log, raised_as_eager, routing
-from .torch_private import dims_static, dynamo_config_patch, dynamo_recompile_limit_error
+from .torch_private import check_supported, dims_static, dynamo_config_patch, dynamo_recompile_limit_error
 from .runtime.dense_route import SparseBatchError
 from .errors import Error, FxtrainWarning
 from .signature import forward_signature, present
@@ -88,6 +88,7 @@ class TrainModule(nn.Module):
             raise TypeError(f"fxtrain.TrainModule wraps a torch.nn.Module, got {type(module).__name__}")
         if isinstance(module, TrainModule):
             raise TypeError("module is already a fxtrain.TrainModule; wrap the original module once")
+        check_supported()   # a torch older than the window raises, a newer one warns once
         super().__init__()
         self.module = module
         # The same object, read without nn.Module.__getattr__ on the hot path (~1 µs a read).

@@ -13,6 +13,8 @@ imported inside the function that needs it, so importing this module costs nothi
 from __future__ import annotations
 
 import contextlib
+import re
+import warnings
 
 from typing import Any, Callable, ContextManager, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
@@ -23,9 +25,55 @@ from torch._subclasses.fake_tensor import (DynamicOutputShapeException, FakeTens
                                            unset_fake_temporarily)
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .errors import Error
+from .errors import Error, FxtrainWarning
 
-CHECKED_ON = "2.13.0"
+# ------------------------------------------------------------------------------ the torch window
+# The releases fxtrain is tested on, oldest and newest: `.ci/run` runs the suite on both ends
+# (constraints/torch-*.txt). Every difference between releases is a branch on ``torch_at_least``
+# in this module, and nowhere else (tests/test_torch_private.py checks both).
+WINDOW = ((2, 11), (2, 14))
+TESTED = ("2.11.0", "2.14.1")
+
+
+def parse_version(text: str) -> Tuple[int, int, int]:
+    """(major, minor, patch) of a torch version string. Local and pre-release tags count as the
+    release they lead to: ``2.11.0a0+git1234`` (a source build) and ``2.15.0.dev20260101`` (a
+    nightly) are 2.11.0 and 2.15.0, ``2.14.1+cu130`` is 2.14.1."""
+    match = re.match(r"\s*(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if match is None:
+        raise Error(f"cannot read torch's version {text!r}")
+    major, minor, patch = match.groups()
+    return int(major), int(minor), int(patch or 0)
+
+
+TORCH_VERSION = parse_version(torch.__version__)
+
+
+def torch_at_least(major: int, minor: int, patch: int = 0) -> bool:
+    """Whether the running torch is this release or newer (its nightlies and source builds too)."""
+    return TORCH_VERSION >= (major, minor, patch)
+
+
+_warned: set = set()
+
+
+def check_supported(version: Optional[str] = None) -> None:
+    """Raise :class:`Error` for a torch older than the window; warn once per version for a newer
+    one (it may well work, and runs, but nobody has tested that release). ``import fxtrain`` never
+    calls this, so an environment with another torch can still import it (TrainModule does)."""
+    text = torch.__version__ if version is None else version
+    release = parse_version(text)[:2]
+    window = f"{TESTED[0]} to {TESTED[1]}"
+    if release < WINDOW[0]:
+        raise Error(f"fxtrain needs torch {WINDOW[0][0]}.{WINDOW[0][1]} or newer (tested on {window}); "
+                    f"this is torch {text}: pip install 'torch>={TESTED[0]}'")
+    if release > WINDOW[1] and text not in _warned:
+        _warned.add(text)
+        warnings.warn(f"fxtrain is tested on torch {window}; this is torch {text}. It runs, but "
+                      "report anything that differs from eager PyTorch.", FxtrainWarning, stacklevel=3)
+
+
+CHECKED_ON = TESTED
 
 aten = torch.ops.aten
 # Ops fxtrain's backward passes (passes/cross_entropy_grad.py, embedding_grad.py) rewrite: a code
@@ -143,7 +191,15 @@ def inductor_partition(joint: torch.fx.GraphModule, joint_inputs: Sequence[Any],
     from torch._inductor.virtualized import V
     fake_mode = detect_fake_mode(joint_inputs)
     with V.set_fake_mode(fake_mode) if fake_mode is not None else contextlib.nullcontext():
-        return partition_fn(joint, joint_inputs, partitioner_fn_override=cut, **kwargs)
+        if torch_at_least(2, 13):
+            return partition_fn(joint, joint_inputs, partitioner_fn_override=cut, **kwargs)
+        # 2.11 and 2.12: ``partition_fn`` takes no override, so take its steps here: the joint-graph
+        # passes on the joint's device, then the cut, as 2.13's ``partition_fn`` does with one.
+        from torch._inductor import compile_fx
+        with compile_fx.get_cuda_device_context(joint):
+            device = next(iter(compile_fx.get_inputs_devices(joint_inputs, joint)))
+            joint = compile_fx._recursive_joint_graph_passes(joint, skip_invoke_subgraph=True, input_device=device)
+        return cut(joint, joint_inputs, **kwargs)
 
 
 def partition_saving(joint: torch.fx.GraphModule, saved: Sequence[torch.fx.Node],
@@ -216,28 +272,24 @@ def size_hint(size: Any, overrides: Optional[Dict[Any, int]] = None, fallback: i
     """A concrete value for a size that may be symbolic, without adding a guard: the capturing
     call's value (``symbolic_shapes.optimization_hint``), or the expression evaluated with some of
     its symbols set by ``overrides`` (sympy symbol -> int) and the rest at their hints
-    (``ShapeEnv.backed_var_to_val``, ``var_to_val`` before 2.13)."""
+    (``ShapeEnv.backed_var_to_val``, 2.11 and later)."""
     if not isinstance(size, torch.SymInt):
         return int(size)
     if not overrides:
-        # ``optimization_hint`` is 2.13's name; earlier releases call it ``size_hint`` (the GPU machines'
-        # image has torch 2.11, and fxtrain runs there too).
+        # 2.12 named it ``optimization_hint``; 2.11 has only ``hint_int``, which 2.14 removed.
         from torch.fx.experimental import symbolic_shapes
-        hint = getattr(symbolic_shapes, "optimization_hint", None) or symbolic_shapes.hint_int
+        hint = symbolic_shapes.optimization_hint if torch_at_least(2, 12) else symbolic_shapes.hint_int
         return int(hint(size, fallback=fallback))
     expr = size.node.expr
-    env = size.node.shape_env
-    known = getattr(env, "backed_var_to_val", None)
-    if known is None:
-        known = env.var_to_val
+    known = size.node.shape_env.backed_var_to_val
     values = {s: overrides[s] if s in overrides else known.get(s, fallback) for s in expr.free_symbols}
     return int(expr.xreplace(values))
 
 
 def output_needs_tangent(info: Any) -> bool:
     """Whether AOTAutograd's backward takes a tangent for this forward output (``OutputAliasInfo``:
-    ``requires_grad_for_backward`` since 2.12, ``requires_grad`` before)."""
-    return bool(getattr(info, "requires_grad_for_backward", info.requires_grad))
+    ``requires_grad_for_backward`` since 2.12, ``requires_grad`` in 2.11)."""
+    return bool(info.requires_grad_for_backward if torch_at_least(2, 12) else info.requires_grad)
 
 
 def size_expr(size: Any) -> Any:

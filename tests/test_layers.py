@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent / "fxtrain"
 # Lowest first. A unit (a subpackage, or a top-level module of fxtrain/) may import units of its
 # own layer or below; "fxtrain" is the package's __init__: the public names, on top of everything.
 LAYERS: Sequence[Tuple[str, ...]] = (
-    ("errors", "version", "torch_private", "options", "graph_walk", "report", "models", "capture_state",
+    ("errors", "version", "extras", "torch_private", "options", "graph_walk", "report", "models", "capture_state",
      "corpus", "signature", "state_dicts"),
     ("pythonop",),
     ("runtime",),          # with the contract types: the captured step, plans, reports, guards

@@ -16,6 +16,7 @@ import dataclasses
 import functools
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ..extras import require
 from .schedules import check_layout, placement, schedule_info
 
 
@@ -208,7 +209,7 @@ COLORS = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#55a868"}
 
 
 def plot(timeline: Timeline, path: str, title: str = "simulated") -> str:
-    import matplotlib
+    matplotlib = require("matplotlib", "the pipeline timeline plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Tuple
 
+from ..extras import require
+
 _PHASE_COLOURS = {"start": "#7f7f7f", "forward": "#1f77b4", "backward": "#d62728", "optimizer": "#2ca02c",
                   "end": "#7f7f7f"}
 
@@ -21,12 +23,9 @@ def plot_report(path: str, title: str, group: Callable[[int], Dict[str, Any]], t
 
     ``group(depth)``: the costs per module at that depth (``ProfileReport.group``); the report
     passes what is drawn, so that this view does not import the report that calls it."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:  # optional: everything else works without it
-        raise ImportError("ProfileReport.plot needs matplotlib: pip install matplotlib") from e
+    matplotlib = require("matplotlib", "ProfileReport.plot")   # optional: everything else works without it
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
     depth = 1
     while depth < 12 and len(group(depth + 1)) <= rows and len(group(depth + 1)) > len(group(depth)):

@@ -42,6 +42,10 @@ from ..errors import Error
 from .registry import CONSTANT, DICT, LIST, SCALAR, SPECS, TENSOR, TUPLE, Node
 from .structure import scalar_type
 
+# torch's own ``Function.apply`` as the class stores it: a ``classmethod`` up to 2.13, a C
+# ``classmethod_descriptor`` from 2.14. Both are descriptors; ``__get__(None, cls)`` binds either to a
+# class the same way, so nothing here depends on how torch implements it
+# (tests/test_pythonop.py calls it on every release the suite runs on).
 _FUNCTION_APPLY = torch.autograd.Function.__dict__["apply"]
 _lock = threading.Lock()
 _patched: Dict[type, int] = {}   # class -> outcomes offered for it, in all threads
@@ -227,7 +231,7 @@ def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
         out = _take(runs, args, kwargs)
         if out is not _NOT_KEPT:
             return out
-    return _FUNCTION_APPLY.__func__(cls, *args, **kwargs)
+    return _FUNCTION_APPLY.__get__(None, cls)(*args, **kwargs)
 
 
 # Dynamo's frame converter leaves this frame alone (it is not the model's code) but still converts
