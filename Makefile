@@ -1,14 +1,26 @@
-# Two entry points (README): `make demo` and `make test`. Both create .venv on first use.
-VENV ?= .venv
+# Two entry points (README): `make demo` and `make test`. Both create a venv on first use.
+#
+# TORCH picks the torch release of the tested window, one venv each (.venv/torch-<version>), with
+# the exact versions of constraints/torch-<version>.txt, so `make test` means the same everywhere:
+#   make test                 # torch 2.13.0: its CPU wheel lies on this machine's disk (fast set-up)
+#   make test TORCH=2.11.0    # the oldest release (with transformers 5.17, as on the GPU image)
+#   make test TORCH=2.14.1    # the newest
+# .ci/run tests both ends of the window.
+TORCH ?= 2.13.0
+VENV ?= .venv/torch-$(TORCH)
 PY := $(VENV)/bin/python
+CONSTRAINTS := constraints/torch-$(TORCH).txt
 STAMP := $(VENV)/.fxtrain-installed
 
 .PHONY: demo test test-long bench clean
 
-$(STAMP): pyproject.toml
+$(CONSTRAINTS):
+	@echo "make: no constraints/torch-$(TORCH).txt; tested releases: $(patsubst constraints/torch-%.txt,%,$(wildcard constraints/torch-*.txt))" >&2
+	@exit 2
+
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[test]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -28,4 +40,4 @@ bench: $(STAMP)
 	$(VENV)/bin/fxtrain bench
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf .venv build *.egg-info

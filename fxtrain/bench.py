@@ -22,6 +22,7 @@ from . import models
 from .options import Options
 from .report import format_table
 from .runtime.tiered import TRIAL_STEPS
+from .torch_private import TORCH_VERSION_TEXT
 
 logger = logging.getLogger("fxtrain")
 
@@ -187,7 +188,7 @@ class BenchResult:
             "densities": self.densities,
             "optimizations": self.optimizations,
             "flop_ideal": self.flop_ideal,
-            "torch": torch.__version__,
+            "torch": TORCH_VERSION_TEXT,
             "modes": {name: {"first_step_s": r.first_step_s, "median_ms": r.median_ms, "min_ms": r.min_ms,
                              "step_s": r.step_s, "losses": r.losses, "vs_eager": self.ratio(name, "eager"),
                              "vs_compile": self.ratio(name, "compile"),

@@ -46,7 +46,8 @@ def parse_version(text: str) -> Tuple[int, int, int]:
     return int(major), int(minor), int(patch or 0)
 
 
-TORCH_VERSION = parse_version(torch.__version__)
+TORCH_VERSION_TEXT = torch.__version__          # as torch spells it: recorded in cache headers, bench JSON
+TORCH_VERSION = parse_version(TORCH_VERSION_TEXT)
 
 
 def torch_at_least(major: int, minor: int, patch: int = 0) -> bool:
@@ -61,7 +62,7 @@ def check_supported(version: Optional[str] = None) -> None:
     """Raise :class:`Error` for a torch older than the window; warn once per version for a newer
     one (it may well work, and runs, but nobody has tested that release). ``import fxtrain`` never
     calls this, so an environment with another torch can still import it (TrainModule does)."""
-    text = torch.__version__ if version is None else version
+    text = TORCH_VERSION_TEXT if version is None else version
     release = parse_version(text)[:2]
     window = f"{TESTED[0]} to {TESTED[1]}"
     if release < WINDOW[0]:

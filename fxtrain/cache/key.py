@@ -24,6 +24,7 @@ from torch import nn
 
 from ..capture.inputs import autocast_state
 from ..options import Options
+from ..torch_private import TORCH_VERSION_TEXT
 from ..version import __version__
 from ..errors import Error
 
@@ -179,7 +180,7 @@ def options_digest(options: Options) -> str:
 
 
 def versions() -> Dict[str, str]:
-    return {"fxtrain": __version__, "torch": torch.__version__, "python": platform.python_version()}
+    return {"fxtrain": __version__, "torch": TORCH_VERSION_TEXT, "python": platform.python_version()}
 
 
 def cache_key(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], mode: str, options: Options) -> str:

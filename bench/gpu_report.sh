@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# One prepared run for a lent GPU machine (the `device` tool; 15 minutes a session, 10 a command):
+# the checks in priority order, each bounded by its own timeout, the report written as it goes so
+# that a run cut short still returns what it finished.
+#   bash bench/gpu_report.sh [OUT]      (OUT defaults to $OUT, then ./out)
+# The machine's image has its own torch (2.11 on Python 3.12 when this was written) and no package
+# registry: fxtrain is used from this checkout (PYTHONPATH), with the image's packages.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-${OUT:-out}}
+mkdir -p "$OUT"
+REPORT=$OUT/report.md
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+# `fxtrain` as a command (tests/test_cli.py runs it): a shim beside the interpreter's own scripts.
+if ! command -v fxtrain >/dev/null; then
+    mkdir -p /tmp/fxtrain-bin
+    printf '#!/bin/sh\nexec %s -m fxtrain.cli "$@"\n' "$(command -v $PY)" > /tmp/fxtrain-bin/fxtrain
+    chmod +x /tmp/fxtrain-bin/fxtrain
+    export PATH=/tmp/fxtrain-bin:$PATH
+fi
+
+section() { printf '\n## %s (%s)\n\n' "$1" "$(date -u +%H:%M:%S)" >> "$REPORT"; echo "=== $1"; }
+tail_of() { printf '```\n%s\n```\n' "$(tail -n "${2:-15}" "$1")" >> "$REPORT"; }
+
+{
+    echo "# fxtrain on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
+    echo
+    echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), $(date -u +%Y-%m-%d)"
+    $PY -c "import sys, torch, transformers; print(f'python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}, cuda {torch.cuda.is_available()}')"
+} > "$REPORT" 2>&1
+
+# 1. The suite on this image's torch, CPU device (issue 16: the oldest release, Python 3.12).
+section "make test's selection, CPU device"
+timeout "${CPU_SUITE_S:-220}" $PY -m pytest -q -n "${CPU_WORKERS:-12}" -m "not extended" -p no:cacheprovider \
+    > "$OUT/suite_cpu.log" 2>&1
+echo "exit $?" >> "$OUT/suite_cpu.log"
+grep -E "^(FAILED|ERROR)" "$OUT/suite_cpu.log" | cut -c1-200 > "$OUT/suite_cpu_failures.txt"
+tail_of "$OUT/suite_cpu.log" 4
+echo "failures: $(wc -l < "$OUT/suite_cpu_failures.txt") (suite_cpu_failures.txt)" >> "$REPORT"
+
+# 2. The demo (WORKLOADS="demo gpt2-dense" adds dense GPT-2) on the GPU: eager, torch.compile and fxtrain's executors, interleaved.
+for workload in ${WORKLOADS:-demo}; do
+    section "fxtrain bench --workload $workload --device cuda"
+    timeout "${BENCH_S:-120}" $PY -m fxtrain.cli bench --workload "$workload" --device cuda --no-progress \
+        --modes eager,compile,fxtrain:eager,fxtrain:inductor --json "$OUT/bench_$workload.json" \
+        > "$OUT/bench_$workload.log" 2>&1
+    echo "exit $?" >> "$OUT/bench_$workload.log"
+    tail_of "$OUT/bench_$workload.log" 14
+done
+
+# 3. The suite with FXTRAIN_TEST_DEVICE=cuda (issue 17 makes every test honour it).
+section "make test's selection, FXTRAIN_TEST_DEVICE=cuda"
+FXTRAIN_TEST_DEVICE=cuda timeout "${CUDA_SUITE_S:-220}" $PY -m pytest -q -n "${CUDA_WORKERS:-6}" -m "not extended" \
+    -p no:cacheprovider > "$OUT/suite_cuda.log" 2>&1
+echo "exit $?" >> "$OUT/suite_cuda.log"
+grep -E "^(FAILED|ERROR)" "$OUT/suite_cuda.log" | cut -c1-200 > "$OUT/suite_cuda_failures.txt"
+tail_of "$OUT/suite_cuda.log" 4
+echo "failures: $(wc -l < "$OUT/suite_cuda_failures.txt") (suite_cuda_failures.txt)" >> "$REPORT"
+echo "=== done"
