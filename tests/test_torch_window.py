@@ -221,3 +221,26 @@ def test_install_keeps_the_users_torch(tmp_path):
                 for item in json.loads(report.read_text())["install"]}
     assert "fxtrain" in installs
     assert not {name for name in installs if name == "torch" or name.startswith("nvidia-")}, installs
+
+
+def test_python_call_reaches_torchs_apply_on_this_release():
+    """pythonop/python_call.py binds torch's own ``Function.apply`` as a descriptor (a classmethod up
+    to 2.13, a C classmethod_descriptor from 2.14): its fall-through call runs the Function as
+    ``Fn.apply`` does, forward and backward, on whichever release the suite runs on."""
+    from fxtrain.pythonop import python_call
+
+    class Twice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, k):
+            ctx.k = k
+            return x * k
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * ctx.k, None
+
+    x = torch.randn(3, requires_grad=True)
+    out = python_call.apply(Twice, x, 2.5)
+    assert type(out.grad_fn).__name__ == "TwiceBackward"
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((3,), 2.5))
