@@ -618,6 +618,19 @@ class SideEffectsOutside(Error):
     """A traced call changed objects that exist outside it (``speculate``)."""
 
 
+def _speculation_source_target() -> Optional[str]:
+    """What ``speculate`` names its subtracer after (``speculate_subgraph(source_target=...)``,
+    which dynamo appends to the subgraph's ``source_fn_stack``; the subgraph is thrown away).
+
+    2.13 and later: None (``SubgraphTracer`` then copies its parent's stack). Before 2.13 (checked
+    on 2.11): a name, since its ``SubgraphTracer`` calls ``Graph._target_to_str(source_target)``,
+    which asserts on None; and its ``OutputGraph.subtracer`` then pops the frame's root tracer in its
+    ``finally`` (it never pushed the new one), hiding the assertion behind an ``IndexError``."""
+    if torch_at_least(2, 13):
+        return None
+    return "fxtrain_shape_run"
+
+
 def speculate(tx: Any, fn_vt: Any, args: Sequence[Any]) -> Any:
     """Trace ``fn_vt(*args)`` (dynamo variables) into a throwaway subgraph and return its output
     variable: nothing of it reaches the frame's graph, its side effects or its graph-break counts.
@@ -657,7 +670,8 @@ def speculate(tx: Any, fn_vt: Any, args: Sequence[Any]) -> Any:
         with dynamo_scalar_outputs(tx):
             (out, _), _graph, _lifted = speculate_subgraph(
                 tx, fn_vt, list(args), {}, "fxtrain: a Function's forward, for its outputs' shapes",
-                always_restore=True, restore_side_effects=False, set_subgraph_inputs="automatic")
+                always_restore=True, restore_side_effects=False, set_subgraph_inputs="automatic",
+                source_target=_speculation_source_target())
         traced = tx.output.side_effects
         changed = [vt for key, vt in traced.id_to_variable.items()
                    if key not in side_effects.id_to_variable and vt.mutation_type is not None
