@@ -542,6 +542,18 @@ def install_id_match_guard(source: Any) -> None:
     install_guard(source.make_guard(GuardBuilder.ID_MATCH))
 
 
+def resolve_source_value(tx: Any, source: Any) -> Any:
+    """The object a dynamo ``Source`` names, read from the frame being converted.
+
+    2.13 and later: ``OutputGraph.resolve_source_value(source)``. Before 2.13 (checked on 2.11, whose
+    OutputGraph lacks that method): what it does, ``source.get_value({"G": f_globals, "L": f_locals}, {}, {})``
+    on the root frame's translator (``Source.get_value`` evaluates the source's name there)."""
+    if torch_at_least(2, 13):
+        return tx.output.resolve_source_value(source)
+    root = tx.output.root_tx
+    return source.get_value({"G": root.f_globals, "L": root.f_locals}, {}, {})
+
+
 def build_variable(tx: Any, value: Any) -> Any:
     """Dynamo's variable for a Python value met during conversion (``VariableTracker.build``)."""
     from torch._dynamo.variables import VariableTracker

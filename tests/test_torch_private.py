@@ -395,6 +395,7 @@ def test_pythonop_capture_accessors() -> None:
         seen["number"] = _check("symbolic_scalar_type", tp.symbolic_scalar_type, args[3])
         seen["hint"] = _check("scalar_hint", tp.scalar_hint, args[3])
         seen["expr"] = _check("size_expr", tp.size_expr, args[3].sym_num)
+        seen["value"] = _check("resolve_source_value", tp.resolve_source_value, tx, args[0].source)
         with _check("dynamo_scalar_outputs", tp.dynamo_scalar_outputs, tx):
             fn = tp.build_variable(tx, lambda t: (t * 2).sum().item())
             seen["speculated"] = _check("speculate", tp.speculate, tx, fn, [args[0]])
@@ -407,11 +408,13 @@ def test_pythonop_capture_accessors() -> None:
     variable.call_apply = probe
     try:
         fn = torch.compile(lambda x: OldStyle.apply(x, [x], {"k": 1}, x.shape[0]), backend="eager", dynamic=True)
-        fn(torch.ones(3))
+        x = torch.ones(3)
+        fn(x)
     finally:
         variable.call_apply = original
     assert len(seen["items"]) == 1 and seen["dict"][0][0] == "k"
     assert seen["number"] is int and seen["hint"] == 3 and seen["expr"] is not None
+    assert seen["value"] is x
     assert tp.symbolic_scalar_type(seen["speculated"]) is float and seen["break"]
 
 
