@@ -13,6 +13,7 @@ imported inside the function that needs it, so importing this module costs nothi
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import warnings
 
@@ -121,8 +122,49 @@ def dynamo_compile(fn: Callable[..., Any], backend: Callable[..., Any], dynamic:
 
 
 def dynamo_config_patch(settings: Dict[str, Any]) -> ContextManager[Any]:
-    """Dynamo's config set to ``settings`` within the block (``torch._dynamo.config.patch(dict)``)."""
-    return torch._dynamo.config.patch(settings)
+    """Dynamo's config set to ``settings`` within the block (``torch._dynamo.config.patch(dict)``).
+
+    2.13 and later: the patch alone. Before 2.13 (checked on 2.11): with ``ignore_logging_functions``
+    set, also :func:`_drop_config_dump_errors` for the block. Its compilation metrics dump dynamo's config
+    at the end of every frame's compile (``_get_dynamo_config_for_logging``), sorting each set in
+    it; its blocklist names the alias ``ignore_logger_methods`` rather than the set itself, so
+    the dump sorts functions and raises a TypeError, which torch catches and logs with its
+    traceback (2.13 blocklists ``ignore_logging_functions``). Only torch's own metrics record of
+    that compile is lost."""
+    patch = torch._dynamo.config.patch(settings)
+    if torch_at_least(2, 13) or not settings.get("ignore_logging_functions"):
+        return patch
+    return _drop_config_dump_errors(patch)
+
+
+class _ConfigDumpErrorFilter(logging.Filter):
+    """Drops the record of an error raised while dynamo dumps its config for its metrics."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        tb = error.__traceback__ if error is not None else None
+        while tb is not None:
+            if tb.tb_frame.f_code.co_name == "_get_dynamo_config_for_logging":
+                return False
+            tb = tb.tb_next
+        return True
+
+
+@contextlib.contextmanager
+def _drop_config_dump_errors(inner: ContextManager[Any]) -> Iterator[None]:
+    """``inner``, and within it no record of 2.11's failing config dump from the logger that
+    reports it (``torch._dynamo.metrics_context``: "Unexpected exception logging compilation
+    metrics"). Not only noise: the record's traceback holds the compiling call's frames, and a
+    handler that keeps records (pytest's) would keep that call's outputs and their autograd graph
+    alive."""
+    logger = logging.getLogger("torch._dynamo.metrics_context")
+    drop = _ConfigDumpErrorFilter()
+    logger.addFilter(drop)
+    try:
+        with inner:
+            yield
+    finally:
+        logger.removeFilter(drop)
 
 
 @contextlib.contextmanager

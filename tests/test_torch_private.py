@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import ast
+import logging
 import pathlib
 from typing import Dict, Iterator, List, Optional
 
@@ -161,6 +162,16 @@ def test_dynamo_accessors() -> None:
     _check("dynamo_recompile_reason", tp.dynamo_recompile_reason)
     with _check("dynamo_config_patch", tp.dynamo_config_patch, {"verbose": False}):
         pass
+
+
+def test_dynamo_config_patch_with_logging_functions_logs_no_error(caplog: pytest.LogCaptureFixture) -> None:
+    """Dynamo dumps its config into its metrics after each compile; fxtrain's set of logging functions
+    in it logs no error (2.11's dump fails sorting the functions: that record is dropped)."""
+    settings = {"ignore_logging_functions": {logging.Logger.info, logging.Logger.warning}}
+    with caplog.at_level(logging.ERROR, logger="torch._dynamo"), tp.dynamo_config_patch(settings):
+        fn = torch.compile(lambda t: t + 1, backend="eager")
+        assert torch.equal(fn(torch.ones(2)), torch.full((2,), 2.0))
+    assert not [r for r in caplog.records if "compilation metrics" in r.getMessage()], caplog.records
 
 
 def test_dynamo_accessors_inside_a_capture() -> None:
