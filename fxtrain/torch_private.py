@@ -13,6 +13,7 @@ imported inside the function that needs it, so importing this module costs nothi
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import warnings
 
@@ -122,8 +123,49 @@ def dynamo_compile(fn: Callable[..., Any], backend: Callable[..., Any], dynamic:
 
 
 def dynamo_config_patch(settings: Dict[str, Any]) -> ContextManager[Any]:
-    """Dynamo's config set to ``settings`` within the block (``torch._dynamo.config.patch(dict)``)."""
-    return torch._dynamo.config.patch(settings)
+    """Dynamo's config set to ``settings`` within the block (``torch._dynamo.config.patch(dict)``).
+
+    2.13 and later: the patch alone. Before 2.13 (checked on 2.11): with ``ignore_logging_functions``
+    set, also :func:`_drop_config_dump_errors` for the block. Its compilation metrics dump dynamo's config
+    at the end of every frame's compile (``_get_dynamo_config_for_logging``), sorting each set in
+    it; its blocklist names the alias ``ignore_logger_methods`` rather than the set itself, so
+    the dump sorts functions and raises a TypeError, which torch catches and logs with its
+    traceback (2.13 blocklists ``ignore_logging_functions``). Only torch's own metrics record of
+    that compile is lost."""
+    patch = torch._dynamo.config.patch(settings)
+    if torch_at_least(2, 13) or not settings.get("ignore_logging_functions"):
+        return patch
+    return _drop_config_dump_errors(patch)
+
+
+class _ConfigDumpErrorFilter(logging.Filter):
+    """Drops the record of an error raised while dynamo dumps its config for its metrics."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        tb = error.__traceback__ if error is not None else None
+        while tb is not None:
+            if tb.tb_frame.f_code.co_name == "_get_dynamo_config_for_logging":
+                return False
+            tb = tb.tb_next
+        return True
+
+
+@contextlib.contextmanager
+def _drop_config_dump_errors(inner: ContextManager[Any]) -> Iterator[None]:
+    """``inner``, and within it no record of 2.11's failing config dump from the logger that
+    reports it (``torch._dynamo.metrics_context``: "Unexpected exception logging compilation
+    metrics"). Not only noise: the record's traceback holds the compiling call's frames, and a
+    handler that keeps records (pytest's) would keep that call's outputs and their autograd graph
+    alive."""
+    logger = logging.getLogger("torch._dynamo.metrics_context")
+    drop = _ConfigDumpErrorFilter()
+    logger.addFilter(drop)
+    try:
+        with inner:
+            yield
+    finally:
+        logger.removeFilter(drop)
 
 
 @contextlib.contextmanager
@@ -543,6 +585,18 @@ def install_id_match_guard(source: Any) -> None:
     install_guard(source.make_guard(GuardBuilder.ID_MATCH))
 
 
+def resolve_source_value(tx: Any, source: Any) -> Any:
+    """The object a dynamo ``Source`` names, read from the frame being converted.
+
+    2.13 and later: ``OutputGraph.resolve_source_value(source)``. Before 2.13 (checked on 2.11, whose
+    OutputGraph lacks that method): what it does, ``source.get_value({"G": f_globals, "L": f_locals}, {}, {})``
+    on the root frame's translator (``Source.get_value`` evaluates the source's name there)."""
+    if torch_at_least(2, 13):
+        return tx.output.resolve_source_value(source)
+    root = tx.output.root_tx
+    return source.get_value({"G": root.f_globals, "L": root.f_locals}, {}, {})
+
+
 def build_variable(tx: Any, value: Any) -> Any:
     """Dynamo's variable for a Python value met during conversion (``VariableTracker.build``)."""
     from torch._dynamo.variables import VariableTracker
@@ -619,6 +673,19 @@ class SideEffectsOutside(Error):
     """A traced call changed objects that exist outside it (``speculate``)."""
 
 
+def _speculation_source_target() -> Optional[str]:
+    """What ``speculate`` names its subtracer after (``speculate_subgraph(source_target=...)``,
+    which dynamo appends to the subgraph's ``source_fn_stack``; the subgraph is thrown away).
+
+    2.13 and later: None (``SubgraphTracer`` then copies its parent's stack). Before 2.13 (checked
+    on 2.11): a name, since its ``SubgraphTracer`` calls ``Graph._target_to_str(source_target)``,
+    which asserts on None; and its ``OutputGraph.subtracer`` then pops the frame's root tracer in its
+    ``finally`` (it never pushed the new one), hiding the assertion behind an ``IndexError``."""
+    if torch_at_least(2, 13):
+        return None
+    return "fxtrain_shape_run"
+
+
 def speculate(tx: Any, fn_vt: Any, args: Sequence[Any]) -> Any:
     """Trace ``fn_vt(*args)`` (dynamo variables) into a throwaway subgraph and return its output
     variable: nothing of it reaches the frame's graph, its side effects or its graph-break counts.
@@ -658,7 +725,8 @@ def speculate(tx: Any, fn_vt: Any, args: Sequence[Any]) -> Any:
         with dynamo_scalar_outputs(tx):
             (out, _), _graph, _lifted = speculate_subgraph(
                 tx, fn_vt, list(args), {}, "fxtrain: a Function's forward, for its outputs' shapes",
-                always_restore=True, restore_side_effects=False, set_subgraph_inputs="automatic")
+                always_restore=True, restore_side_effects=False, set_subgraph_inputs="automatic",
+                source_target=_speculation_source_target())
         traced = tx.output.side_effects
         changed = [vt for key, vt in traced.id_to_variable.items()
                    if key not in side_effects.id_to_variable and vt.mutation_type is not None

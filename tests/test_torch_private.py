@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import ast
+import logging
 import pathlib
 from typing import Dict, Iterator, List, Optional
 
@@ -161,6 +162,16 @@ def test_dynamo_accessors() -> None:
     _check("dynamo_recompile_reason", tp.dynamo_recompile_reason)
     with _check("dynamo_config_patch", tp.dynamo_config_patch, {"verbose": False}):
         pass
+
+
+def test_dynamo_config_patch_with_logging_functions_logs_no_error(caplog: pytest.LogCaptureFixture) -> None:
+    """Dynamo dumps its config into its metrics after each compile; fxtrain's set of logging functions
+    in it logs no error (2.11's dump fails sorting the functions: that record is dropped)."""
+    settings = {"ignore_logging_functions": {logging.Logger.info, logging.Logger.warning}}
+    with caplog.at_level(logging.ERROR, logger="torch._dynamo"), tp.dynamo_config_patch(settings):
+        fn = torch.compile(lambda t: t + 1, backend="eager")
+        assert torch.equal(fn(torch.ones(2)), torch.full((2,), 2.0))
+    assert not [r for r in caplog.records if "compilation metrics" in r.getMessage()], caplog.records
 
 
 def test_dynamo_accessors_inside_a_capture() -> None:
@@ -395,6 +406,7 @@ def test_pythonop_capture_accessors() -> None:
         seen["number"] = _check("symbolic_scalar_type", tp.symbolic_scalar_type, args[3])
         seen["hint"] = _check("scalar_hint", tp.scalar_hint, args[3])
         seen["expr"] = _check("size_expr", tp.size_expr, args[3].sym_num)
+        seen["value"] = _check("resolve_source_value", tp.resolve_source_value, tx, args[0].source)
         with _check("dynamo_scalar_outputs", tp.dynamo_scalar_outputs, tx):
             fn = tp.build_variable(tx, lambda t: (t * 2).sum().item())
             seen["speculated"] = _check("speculate", tp.speculate, tx, fn, [args[0]])
@@ -407,11 +419,13 @@ def test_pythonop_capture_accessors() -> None:
     variable.call_apply = probe
     try:
         fn = torch.compile(lambda x: OldStyle.apply(x, [x], {"k": 1}, x.shape[0]), backend="eager", dynamic=True)
-        fn(torch.ones(3))
+        x = torch.ones(3)
+        fn(x)
     finally:
         variable.call_apply = original
     assert len(seen["items"]) == 1 and seen["dict"][0][0] == "k"
     assert seen["number"] is int and seen["hint"] == 3 and seen["expr"] is not None
+    assert seen["value"] is x
     assert tp.symbolic_scalar_type(seen["speculated"]) is float and seen["break"]
 
 

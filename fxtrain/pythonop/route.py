@@ -164,7 +164,7 @@ def _argument_node(tx: Any, vt: Any, slots: _Slots, containers: List[Any], top: 
     if source is not None:
         # The user's very object (not dynamo's reconstruction of it), read from its source; replacing
         # ``model.cfg`` after capture recaptures instead of silently running with the old object.
-        value = tx.output.resolve_source_value(source)
+        value = tp.resolve_source_value(tx, source)
         tp.install_id_match_guard(source)
         return (CONSTANT, value)
     items = tp.sequence_items(vt)
