@@ -79,7 +79,7 @@ def _run(script: str, **env: str) -> subprocess.CompletedProcess:
     full = {k: v for k, v in os.environ.items() if not k.startswith("FXTRAIN_")}
     full.update(env, PYTHONPATH=os.pathsep.join([str(ROOT)] + sys.path))
     return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=full, capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=600)
 
 
 def test_outside_the_window_import_works_and_construction_says_why():
