@@ -127,6 +127,8 @@ class ModeResult:
     losses: List[float] = field(default_factory=list)
     tier: str = "-"                      # executor="auto": the tier that ran the last step
     tiers: List[str] = field(default_factory=list)   # capture_info().tiers at the end
+    ops_per_step: Optional[int] = None       # aten ops dispatched by one step after the timed ones
+    kernels_per_step: Optional[int] = None   # device kernels it launched (CUDA only)
 
     @property
     def median_ms(self) -> float:
@@ -158,13 +160,14 @@ class BenchResult:
 
     def table(self) -> str:
         headers = ["mode", "first step s", "median ms", "min ms", "vs eager", "vs compile", "max |loss - eager|",
-                   "tier at end"]
+                   "ops/step", "kernels/step", "tier at end"]
         rows = []
         for name, r in self.results.items():
             vs_eager, vs_compile, diff = self.ratio(name, "eager"), self.ratio(name, "compile"), self.max_loss_diff(name)
             rows.append([name, r.first_step_s, r.median_ms, r.min_ms,
                          f"{vs_eager:.2f}x" if vs_eager else "-", f"{vs_compile:.2f}x" if vs_compile else "-",
-                         f"{diff:.2e}" if diff is not None else "-", r.tier])
+                         f"{diff:.2e}" if diff is not None else "-", _count(r.ops_per_step),
+                         _count(r.kernels_per_step), r.tier])
         c = self.config
         packed = f"packed documents of {c.packed[0]}..{c.packed[1]} tokens, " if c.packed else ""
         title = (f"{c.model}: batch {c.batch} x seq {c.seq}, {packed}padding {self.densities['padding']:.0%}, "
@@ -192,9 +195,38 @@ class BenchResult:
             "modes": {name: {"first_step_s": r.first_step_s, "median_ms": r.median_ms, "min_ms": r.min_ms,
                              "step_s": r.step_s, "losses": r.losses, "vs_eager": self.ratio(name, "eager"),
                              "vs_compile": self.ratio(name, "compile"),
-                             "max_loss_diff_vs_eager": self.max_loss_diff(name), "tier": r.tier, "tiers": r.tiers}
+                             "max_loss_diff_vs_eager": self.max_loss_diff(name), "tier": r.tier, "tiers": r.tiers,
+                             "ops_per_step": r.ops_per_step, "kernels_per_step": r.kernels_per_step}
                       for name, r in self.results.items()},
         }
+
+
+def _count(n: Optional[int]) -> str:
+    return "-" if n is None else str(n)
+
+
+def count_step(fn: Callable[..., Any], opt: torch.optim.Optimizer, batch: Dict[str, torch.Tensor],
+               device: torch.device) -> Tuple[int, Optional[int]]:
+    """(aten ops dispatched, device kernels launched) by one training step, from ``torch.profiler``.
+
+    An op counts once where Python or a graph dispatched it: an aten op called inside another aten op
+    (``aten::linear`` calling ``aten::addmm``) is that op's work, not a second dispatch. Kernels are
+    the profiler's device activities other than copies and fills (CUDA; None elsewhere). On a GPU
+    a step that dispatches many small ops is bound by the host, whatever FLOPs it saves: these are
+    the numbers that say so. Not timed: the profiler slows the step it watches."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        _step(fn, opt, batch)
+    events = prof.events()
+    ops = sum(1 for e in events if e.name.startswith("aten::")
+              and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")))
+    if device.type != "cuda":
+        return ops, None
+    kernels = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+                  and not e.name.startswith(("Memcpy", "Memset", "[memory]")))
+    return ops, kernels
 
 
 def _wrap(mode: str, model: torch.nn.Module) -> Callable[..., Any]:
@@ -297,6 +329,8 @@ def run_benchmark(config: BenchConfig, progress: bool = True) -> BenchResult:
                 tiers = "".join(f"; {m}: {t.tier}" for m, t in results.items() if t.tier != "-")
                 bar.set_postfix_str(f"{mode} {dt * 1000:.0f} ms{tiers}")
                 bar.update()
+    for mode, (fn, opt) in runs.items():   # one more step each, counted, after the timed ones
+        results[mode].ops_per_step, results[mode].kernels_per_step = count_step(fn, opt, batches[-1], device)
     optimizations = {mode: dict(fn.capture_info().optimizations) for mode, (fn, _) in runs.items()
                      if hasattr(fn, "capture_info")}
     for mode, (fn, _) in runs.items():
