@@ -603,6 +603,17 @@ def build_variable(tx: Any, value: Any) -> Any:
     return VariableTracker.build(tx, value)
 
 
+def wrap_graph_node(tx: Any, fn: Callable[..., Any], node: torch.fx.Node, *constants: Any) -> Any:
+    """Dynamo's variable for ``fn(node, *constants)``, a new node of the graph it is building over ``node``, an
+    existing node of it (``tx.output.create_proxy`` then ``variables.builder.wrap_fx_proxy``, which
+    computes the new node's fake value). Dynamo makes variables only for values it traces itself;
+    an argument it recorded into a node (a tensor subclass's constructor call) has none."""
+    from torch._dynamo.variables.builder import wrap_fx_proxy
+    proxy = tx.output.create_proxy("call_function", fn, (torch.fx.Proxy(node, tx.output.current_tracer), *constants),
+                                    {})
+    return wrap_fx_proxy(tx, proxy)
+
+
 def setup_context_defined(fn_cls: type) -> bool:
     """Whether a Function is new-style (``forward`` without ctx, a ``setup_context`` static method):
     ``torch.autograd.function._is_setup_context_defined(fn_cls.setup_context)``."""

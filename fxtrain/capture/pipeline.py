@@ -17,6 +17,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from .. import torch_private as tp
 from ..options import Options
 from ..passes import ExampleSource, Plans, run_passes
+from ..pythonop.route import drop_unused_subclasses
 from ..runtime.absent_grads import AbsentGradBackward
 from ..runtime.executors import Executor
 from ..runtime.replay import NotReplayable, ReplaySpec, check_graph_arity, replay_spec
@@ -120,6 +121,7 @@ def unpartitioned(rewritten: Rewritten) -> CapturedStep:
 
 # ------------------------------------------------------------------------------------- passes
 def rewrite(gm: torch.fx.GraphModule, context: CaptureContext) -> Rewritten:
+    drop_unused_subclasses(gm)
     dense = torch.fx.GraphModule(gm, _copy_graph(gm.graph))
     plans = Plans()
     reports = run_passes(gm, context.examples, context.options, plans)

@@ -373,7 +373,7 @@ def python_op_backward(key: int, handle: torch.Tensor, grads: List[Optional[torc
     if node is not None and all(g is not None for g in grads) and not torch.is_anomaly_enabled() \
             and not tp.profiler_enabled():
         wanted = [i for i, d in zip(inputs, spec.differentiable) if d]
-        return _finish_grads(_direct_backward(spec, node, grads, inputs), wanted, grads)
+        return _finish_grads(key, _direct_backward(spec, node, grads, inputs), wanted, grads)
     roots, root_grads = [], []
     for o, g in zip(outs, grads):
         if g is not None and o.requires_grad:
@@ -390,15 +390,39 @@ def python_op_backward(key: int, handle: torch.Tensor, grads: List[Optional[torc
             _exit_user_autograd(state)
     else:
         result = (None,) * len(wanted)
-    return _finish_grads(result, wanted, grads)
+    return _finish_grads(key, result, wanted, grads)
 
 
-def _finish_grads(result: Sequence[Optional[torch.Tensor]], wanted: Sequence[torch.Tensor],
+class _AbsentLog(threading.local):
+    entries: Optional[set] = None
+
+
+_absent = _AbsentLog()
+
+
+def log_absent_gradients(entries: Optional[set]) -> Optional[set]:
+    """Collect into ``entries``, until the next call, ``(key, k)`` for every gradient output k of
+    a ``python_op_backward`` call for which the user's backward gave no gradient (None); returns
+    the set collected into before, to be restored.
+
+    The op must return a tensor there, so it returns zeros; but eager leaves such an input without
+    a gradient (``.grad`` stays None, which AdamW tells from zeros: it skips the parameter instead
+    of decaying it). Whoever runs a graph holding the op (the op's own autograd formula, a backward
+    graph: ``runtime/absent_grads.py``) reads the log afterwards and turns the gradients that
+    only such zeros reached back into None. Off (None) unless someone collects: no cost then."""
+    previous = _absent.entries
+    _absent.entries = entries
+    return previous
+
+
+def _finish_grads(key: int, result: Sequence[Optional[torch.Tensor]], wanted: Sequence[torch.Tensor],
                   grads: Sequence[Optional[torch.Tensor]]) -> List[torch.Tensor]:
     out = []
-    for g, i in zip(result, wanted):
-        if g is None:  # an op cannot return None: no gradient from the user's backward is zeros
+    for k, (g, i) in enumerate(zip(result, wanted)):
+        if g is None:  # an op cannot return None: zeros, logged for whoever runs the graph
             g = torch.zeros_like(i)
+            if _absent.entries is not None:
+                _absent.entries.add((key, k))
         elif _shares_storage(g, [x for x in grads if x is not None]):  # nor return (a view of) one of its inputs
             g = g.clone()
         out.append(g)
@@ -517,10 +541,27 @@ def _setup_context(ctx: Any, inputs: Tuple[Any, ...], output: List[torch.Tensor]
 
 
 def _backward(ctx: Any, grads: Sequence[Optional[torch.Tensor]]) -> Tuple[None, List[Optional[torch.Tensor]]]:
-    spec = SPECS[ctx.key]
-    computed = _BACKWARD_OP(ctx.key, ctx.handle, list(grads[:-1]), ctx.sizes)
-    it = iter(computed)
-    return None, [next(it) if d else None for d in spec.differentiable]
+    """The formula's backward: the backward op, with None (not the op's zeros) where the user's
+    backward gave an input no gradient, as eager's engine sees it. (While a tracer records this,
+    the op runs on fake tensors and logs nothing: the traced graph keeps the op's outputs, and
+    whoever runs it reads the log: ``runtime/absent_grads.py``.)"""
+    key = ctx.key
+    spec = SPECS[key]
+    absent: set = set()
+    previous = log_absent_gradients(absent)
+    try:
+        computed = _BACKWARD_OP(key, ctx.handle, list(grads[:-1]), ctx.sizes)
+    finally:
+        log_absent_gradients(previous)
+    it = iter(enumerate(computed))
+    out: List[Optional[torch.Tensor]] = []
+    for d in spec.differentiable:
+        if not d:
+            out.append(None)
+            continue
+        k, g = next(it)
+        out.append(None if (key, k) in absent else g)
+    return None, out
 
 
 class _Formula(torch.autograd.Function):

@@ -66,7 +66,14 @@ def same_states(a: List[torch.Tensor], b: List[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if type(a) not in _PLAIN or type(b) not in _PLAIN:
+        # A tensor subclass may implement no comparison (its __torch_dispatch__ raising for
+        # anything it does not expect, as eager never compares it): only itself is the same.
+        return a is b
     if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
         return False
     if torch.equal(a, b):
@@ -118,6 +125,9 @@ def _node_key(node: Any) -> Any:
         return (kind, tuple(_node_key(c) for c in payload))
     if kind == "dict":
         return (kind, tuple((k, _node_key(c)) for k, c in payload))
+    if kind == "new":
+        cls, args, kwargs = payload
+        return (kind, id(cls), tuple(_node_key(c) for c in args), tuple((k, _node_key(c)) for k, c in kwargs))
     if kind == "constant" and not (payload is None or type(payload) in (bool, int, float, complex, str, tuple)):
         return (kind, id(payload))
     return (kind, payload)

@@ -31,6 +31,9 @@ CONSTANT = "constant"    # a Python value: exact scalars by value, other objects
 SCALAR = "scalar"        # argument: a 0-d op tensor i read back as (int|float|bool); result: same, op output j
 INPUT = "input"          # result: the op's tensor argument i itself (marked dirty, or handed back in a container)
 LIST, TUPLE, DICT = "list", "tuple", "dict"
+# argument: a tensor subclass the traced code made by calling its class, made again for every call
+# from the call's own arguments: (the class, argument nodes, ((keyword, node), ...))
+NEW = "new"
 NAMEDTUPLE, DATACLASS = "namedtuple", "dataclass"
 
 Node = Tuple[str, Any]
@@ -145,6 +148,10 @@ def rebuild_argument(node: Node, tensors: Sequence[torch.Tensor], containers: Li
         return hint if is_fake(t) else pytype(t.item())
     if kind == TUPLE:
         return tuple([rebuild_argument(c, tensors, []) for c in payload])
+    if kind == NEW:
+        cls, args, kwargs = payload
+        return cls(*[rebuild_argument(c, tensors, []) for c in args],
+                   **{k: rebuild_argument(c, tensors, []) for k, c in kwargs})
     if kind == LIST:
         value = [rebuild_argument(c, tensors, []) for c in payload]
     elif kind == DICT:

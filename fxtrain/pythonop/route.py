@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import operator
 import threading
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -32,7 +33,7 @@ from ..capture_state import capturing
 from .example import real_values
 from .op import run_at_capture
 from .pending import Run
-from .registry import (CONSTANT, DETACHED, DICT, LIST, SCALAR, SCALAR_DTYPES, TENSOR, TUPLE, CallSpec, Node,
+from .registry import (CONSTANT, DETACHED, DICT, LIST, NEW, SCALAR, SCALAR_DTYPES, TENSOR, TUPLE, CallSpec, Node,
                        OutputMeta, qualified_name, register)
 from .speculate import NotTraced, bind, trace_forward
 from .structure import Describer, Unrepresentable, build, rebuild_call
@@ -151,7 +152,8 @@ def _argument_node(tx: Any, vt: Any, slots: _Slots, containers: List[Any], top: 
         i = slots.number(vt, kind)
         return (SCALAR, (i, kind, slots.hints[i]))
     if vt.is_tensor():
-        return (TENSOR, slots.tensor(vt))
+        made = _made_subclass(tx, vt, slots)
+        return made if made is not None else (TENSOR, slots.tensor(vt))
     if vt.is_python_constant():
         try:
             value = vt.as_python_constant()
@@ -182,6 +184,106 @@ def _argument_node(tx: Any, vt: Any, slots: _Slots, containers: List[Any], top: 
         return node
     raise HandOff(f"an argument ({vt.python_type().__name__}) is an object made inside the traced code, "
                   f"which the graph cannot pass to it")
+
+
+def _made_subclass(tx: Any, vt: Any, slots: _Slots) -> Optional[Node]:
+    """A tensor subclass the traced code made by calling its class (dynamo records the call as a
+    node of the graph): the op takes the call's arguments instead, and every call of the op makes
+    the subclass again from them, as eager's code makes it every step, before ``apply``.
+
+    The subclass cannot be an input of the op: a wrapper subclass's ``__torch_dispatch__`` sees
+    every op called on it (the PythonOp's own, the detach and copies of the forward's inputs,
+    AOTAutograd's tracing), where it may implement none (raising ``NotImplementedError`` for
+    anything its own forward does not use, as PyTorch's upstream test of this case does), and eager
+    never calls one on it. Made afresh, it is what eager's Function gets: its constructor run on
+    this call's tensors, with its own autograd standing (a wrapper made with ``requires_grad=True``
+    is a new leaf, which no gradient passes through to the tensors it wraps, as in eager).
+    None: not such a call; the tensor is an argument like any other."""
+    try:
+        node = vt.as_proxy().node
+    except Exception:
+        return None
+    if not _constructs_subclass(node):
+        return None
+    cls = node.target
+    try:
+        args = tuple(_graph_argument(tx, a, slots) for a in node.args)
+        kwargs = tuple((k, _graph_argument(tx, a, slots)) for k, a in node.kwargs.items())
+    except NotImplementedError:
+        return None
+    return (NEW, (cls, args, kwargs))
+
+
+def _constructs_subclass(node: torch.fx.Node) -> bool:
+    cls = node.target if node.op == "call_function" else None
+    return (isinstance(cls, type) and issubclass(cls, torch.Tensor) and cls is not torch.Tensor
+            and type(node.meta.get("example_value")) is cls)
+
+
+def drop_unused_subclasses(gm: torch.fx.GraphModule) -> None:
+    """Remove the subclass constructions (``_made_subclass``) that nothing but attribute reads
+    nobody uses needs any more (dynamo's trace of the forward leaves such reads behind): the
+    PythonOps make their subclass themselves, and eager's code made it once per step, not twice."""
+    removed = False
+    for node in reversed(list(gm.graph.nodes)):
+        if node.users or node.op != "call_function":
+            continue
+        if node.target is getattr and isinstance(node.args[0], torch.fx.Node) and _constructs_subclass(node.args[0]):
+            gm.graph.erase_node(node)
+            removed = True
+        elif _constructs_subclass(node):
+            gm.graph.erase_node(node)
+            removed = True
+    if removed:
+        gm.recompile()
+
+
+def _graph_argument(tx: Any, a: Any, slots: _Slots) -> Node:
+    """An argument of a graph node (``_made_subclass``) as an argument node: a tensor or a symbolic
+    number by slot (through a new node over it, dynamo's variable for it), tuples and lists of them
+    item by item, anything else the constant the graph holds. Raises NotImplementedError for a
+    value that is neither (another subclass, a value of a node that is not a tensor or a number)."""
+    if isinstance(a, torch.fx.Node):
+        value = a.meta.get("example_value")
+        if isinstance(value, torch.Tensor) and not _is_subclass(value):
+            return (TENSOR, slots.tensor(tp.wrap_graph_node(tx, torch.ops.aten.alias.default, a)))
+        if isinstance(value, (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return _graph_number(tx, value, slots, a)
+        if isinstance(value, tuple) and all(isinstance(v, (int, torch.SymInt)) for v in value):
+            # a size (torch.Size, made again as a tuple): its numbers one by one
+            return (TUPLE, [_graph_number(tx, v, slots, a, i) for i, v in enumerate(value)])
+        raise NotImplementedError
+    if isinstance(a, (tuple, list)) and _holds_node(a):
+        return (LIST if type(a) is list else TUPLE, [_graph_argument(tx, c, slots) for c in a])
+    return (CONSTANT, a)
+
+
+def _graph_number(tx: Any, value: Any, slots: _Slots, a: torch.fx.Node, index: Optional[int] = None) -> Node:
+    """A number among a node's arguments (``a``, or item ``index`` of ``a``): a constant where the
+    graph holds one, else a slot with the call's value."""
+    if index is not None and not isinstance(value, torch.SymInt):
+        return (CONSTANT, value)
+    if index is not None:
+        vt = tp.wrap_graph_node(tx, operator.getitem, a, index)
+    else:
+        vt = tp.wrap_graph_node(tx, bool if isinstance(value, torch.SymBool) else operator.pos, a)
+    kind = tp.symbolic_scalar_type(vt)
+    if kind is None:
+        if vt.is_python_constant():
+            return (CONSTANT, vt.as_python_constant())
+        raise NotImplementedError
+    i = slots.number(vt, kind)
+    return (SCALAR, (i, kind, slots.hints[i]))
+
+
+def _holds_node(value: Any) -> bool:
+    if isinstance(value, torch.fx.Node):
+        return True
+    return isinstance(value, (tuple, list)) and any(_holds_node(v) for v in value)
+
+
+def _is_subclass(value: torch.Tensor) -> bool:
+    return not tp.is_fake(value) and type(value) not in (torch.Tensor, torch.nn.Parameter)
 
 
 def _example(vt: Any) -> torch.Tensor:

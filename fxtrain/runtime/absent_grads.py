@@ -8,10 +8,18 @@ graph adds it to the real gradient: on the DESIGN §7 model that is ~0.45 s of a
 We switch materialisation off on our nodes (``grad_fn.materialize_grads = False``) and keep one
 specialisation of the backward graph per pattern of absent gradients: an ``add`` whose operand is an
 absent gradient becomes its other operand; any other use gets zeros sized from the run-time shapes.
+
+The other way round, a custom Function's backward may return None for an input (PythonOps,
+``fxtrain/pythonop/op.py``): eager's engine then passes no gradient on, and a parameter that no
+other path reaches keeps ``.grad`` None (AdamW skips it; zeros it would decay). The backward op
+must return zeros there; ``PythonOpSources`` finds, once per graph, the gradient outputs that
+only PythonOp gradients reach, and each run turns those to None whose every PythonOp gradient was
+such zeros this time (the op logs them: ``pythonop.op.log_absent_gradients``).
 """
 from __future__ import annotations
 
 import logging
+import operator
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -44,6 +52,64 @@ def _python_op_backward() -> Any:
 
 
 _ACCEPT_NONE = {_python_op_backward()}
+
+
+def _python_op_log() -> Any:
+    from fxtrain.pythonop.op import log_absent_gradients
+    return log_absent_gradients
+
+
+_ALWAYS = None   # a value a gradient always reaches (a tangent), whatever the PythonOps return
+
+
+def python_op_sources(gm: torch.fx.GraphModule) -> Dict[int, frozenset]:
+    """Per output position of the backward graph ``gm`` that PythonOp gradients reach and no
+    tangent does without one: the ``(key, k)`` gradient outputs of ``python_op_backward`` calls it
+    depends on. Eager's rule, followed node by node: a value carries a gradient when any of its
+    inputs does (a sum of two paths, an op's backward formula with one defined input), a value
+    computed from saved forward values only carries none, a tangent always carries one, and a
+    PythonOp's gradient output carries one unless the user's backward returned None (known only
+    when it runs). An output whose sources all returned None is one eager leaves without a gradient.
+    """
+    op = _python_op_backward()
+    reach: Dict[torch.fx.Node, Optional[frozenset]] = {}
+    none: frozenset = frozenset()
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            reach[n] = _ALWAYS if n.name.startswith("tangents") else none
+        elif n.op == "output":
+            outs = n.args[0] if isinstance(n.args[0], (list, tuple)) else (n.args[0],)
+            found = {}
+            for i, o in enumerate(outs):
+                r = reach.get(o, none) if isinstance(o, torch.fx.Node) else none
+                if r:   # not _ALWAYS (None), not empty
+                    found[i] = r
+            return found
+        elif (n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node)
+              and n.args[0].target is op):
+            reach[n] = frozenset({(n.args[0].args[0], n.args[1])})
+        else:
+            total: set = set()
+            for a in n.all_input_nodes:
+                r = reach.get(a, none)
+                if r is _ALWAYS:
+                    total = None  # type: ignore[assignment]
+                    break
+                total |= r
+            reach[n] = _ALWAYS if total is None else frozenset(total)
+    return {}
+
+
+def _drop_absent(out: Any, sources: Dict[int, frozenset], absent: set, positions: Optional[Sequence[int]] = None) -> List[Any]:
+    """``out`` with None at the positions whose every PythonOp gradient was absent (``positions``:
+    the full graph's output position of each item, when ``out`` is a part of it)."""
+    out = list(out)
+    for j, o in enumerate(out):
+        i = j if positions is None else positions[j]
+        s = sources.get(i)
+        if s is not None and o is not None and s <= absent:
+            out[j] = None
+    return out
 
 
 def _eliminate(gm: torch.fx.GraphModule, absent: Sequence[int]) -> Tuple[torch.fx.GraphModule, List[int]]:
@@ -108,6 +174,8 @@ class AbsentGradBackward:
         self.variants: Dict[Tuple[int, ...], Tuple[Callable[..., Any], List[int]]] = {}
         # (absent tangents, weight outputs) -> the graph cut into B and W (runtime/weight_split.py)
         self.splits: Dict[Tuple[Tuple[int, ...], Tuple[int, ...]], Tuple[Any, List[int]]] = {}
+        # Outputs only PythonOp gradients reach: None after a run where none of those came.
+        self.sources = python_op_sources(gm)
 
     def _variant(self, absent: Tuple[int, ...]) -> Tuple[Callable[..., Any], List[int], Optional[List[int]]]:
         """The specialisation for ``absent``: its callable, the absent gradients it still reads
@@ -135,6 +203,18 @@ class AbsentGradBackward:
 
     def __call__(self, args: List[Any]) -> Any:
         """Boxed call: the list is handed on and cleared, so values die after their last use."""
+        if not self.sources:
+            return self._call(args)
+        absent: set = set()
+        log = _python_op_log()
+        previous = log(absent)
+        try:
+            out = self._call(args)
+        finally:
+            log(previous)
+        return _drop_absent(out, self.sources, absent)
+
+    def _call(self, args: List[Any]) -> Any:
         absent = tuple(i for i in self.tangents if args[i] is None)
         if not absent:
             run = self.compile_full()
@@ -176,7 +256,28 @@ class AbsentGradBackward:
         if compiled is None:
             return list(self(args)), None
         self._materialize(args, needs_zeros)
-        return compiled(args)
+        if not self.sources:
+            return compiled(args)
+        # The PythonOps of either part may give no gradient: each part's outputs are checked
+        # against what both parts' runs logged so far.
+        seen: set = set()
+        log = _python_op_log()
+        previous = log(seen)
+        try:
+            grads, run_weights = compiled(args)
+        finally:
+            log(previous)
+        grads = _drop_absent(grads, self.sources, seen)
+        sources, positions = self.sources, compiled.split.weight_outputs
+
+        def run_checked_weights() -> List[Any]:
+            before = log(seen)
+            try:
+                weights = run_weights()
+            finally:
+                log(before)
+            return _drop_absent(weights, sources, seen, positions)
+        return grads, run_checked_weights
 
     def boxed(self) -> Callable[[List[Any]], Any]:
         def run(args: List[Any]) -> Any:
