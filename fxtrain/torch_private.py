@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import threading
 import warnings
 
 from typing import Any, Callable, ContextManager, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
@@ -993,12 +994,53 @@ def default_store() -> Any:
 # ------------------------------------------------------------------------- graph serialisation
 def pickle_graphs(obj: Any) -> bytes:
     """Pickle an object holding GraphModules with fake-tensor metadata, every op allowed
-    (``torch.fx._graph_pickler.GraphPickler.dumps(obj, Options(ops_filter=None))``)."""
+    (``torch.fx._graph_pickler.GraphPickler.dumps(obj, Options(ops_filter=None))``).
+
+    2.12 and later: that call alone. 2.11: inside :func:`_slices_as_pytree_nodes`, as 2.12's
+    ``dumps`` itself runs. The pickler maps each node's arguments with pytree to replace the nodes
+    in them; 2.11's pytree does not look into a slice, so a node inside one (``x[:, :n]`` with a
+    symbolic ``n``) reached pickle raw ("Unexpected raw Node during pickling")."""
     from torch.fx._graph_pickler import GraphPickler, Options
-    return GraphPickler.dumps(obj, Options(ops_filter=None))
+    if torch_at_least(2, 12):
+        return GraphPickler.dumps(obj, Options(ops_filter=None))
+    with _slices_as_pytree_nodes():
+        return GraphPickler.dumps(obj, Options(ops_filter=None))
 
 
 def unpickle_graphs(payload: bytes, fake_mode: Any) -> Any:
-    """Inverse of :func:`pickle_graphs`; fake values are rebuilt in ``fake_mode``."""
+    """Inverse of :func:`pickle_graphs`; fake values are rebuilt in ``fake_mode``. 2.11: inside
+    :func:`_slices_as_pytree_nodes`, as 2.12's ``loads`` runs (it maps the nodes back the same way)."""
     from torch.fx._graph_pickler import GraphPickler
-    return GraphPickler.loads(payload, fake_mode)
+    if torch_at_least(2, 12):
+        return GraphPickler.loads(payload, fake_mode)
+    with _slices_as_pytree_nodes():
+        return GraphPickler.loads(payload, fake_mode)
+
+
+_slice_lock = threading.Lock()
+_slice_users = [0]
+
+
+@contextlib.contextmanager
+def _slices_as_pytree_nodes() -> Iterator[None]:
+    """``slice`` registered as a pytree node (its start, stop and step the children) within the
+    block, unless it already is: 2.12's ``torch.fx._graph_pickler.patch_pytree_map_over_slice``
+    (``pytree._private_register_pytree_node`` / ``_deregister_pytree_node``), counted so that
+    blocks on two threads (runtime/tiered.py pickles on a worker) do not undo each other's."""
+    with _slice_lock:
+        if _slice_users[0] == 0 and slice in pytree.SUPPORTED_NODES:
+            owned = False
+        else:
+            owned = True
+            if _slice_users[0] == 0:
+                pytree._private_register_pytree_node(slice, lambda x: ([x.start, x.stop, x.step], None),
+                                                     lambda values, _: slice(*values))
+            _slice_users[0] += 1
+    try:
+        yield
+    finally:
+        if owned:
+            with _slice_lock:
+                _slice_users[0] -= 1
+                if _slice_users[0] == 0:
+                    pytree._deregister_pytree_node(slice)
