@@ -132,11 +132,63 @@ def dynamo_config_patch(settings: Dict[str, Any]) -> ContextManager[Any]:
     it; its blocklist names the alias ``ignore_logger_methods`` rather than the set itself, so
     the dump sorts functions and raises a TypeError, which torch catches and logs with its
     traceback (2.13 blocklists ``ignore_logging_functions``). Only torch's own metrics record of
-    that compile is lost."""
+    that compile is lost.
+
+    Before 2.12 (checked on 2.11) also :func:`_user_errors_unfiled` for the block: dynamo's
+    ``UserError`` (a data-dependent branch dynamo cannot guard on: "Consider annotating your code
+    using torch._check*()") was an ``Unsupported`` and filed its message in dynamo's break counters
+    (:func:`dynamo_counters`), once for each frame that met it, beside the "Data-dependent
+    branching" break it turns into. 2.12 made it a plain ``TorchDynamoException`` that files nothing,
+    and fxtrain counts a call's breaks from those counters (capture/breaks.py): one break read as
+    three."""
     patch = torch._dynamo.config.patch(settings)
+    if not torch_at_least(2, 12):
+        patch = _user_errors_unfiled(patch)
     if torch_at_least(2, 13) or not settings.get("ignore_logging_functions"):
         return patch
     return _drop_config_dump_errors(patch)
+
+
+class _Unfiled(threading.local):
+    depth = 0
+
+
+_unfiled = _Unfiled()
+_unfiled_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _user_errors_unfiled(inner: ContextManager[Any]) -> Iterator[None]:
+    """``inner``, and within it (on this thread) a ``torch._dynamo.exc.UserError`` raised files
+    nothing in dynamo's counters, as from 2.12 on (torch 2.11 only). Its ``add_to_stats`` and
+    ``remove_from_stats`` (inherited from ``Unsupported``: ``counters[category][msg]`` plus or
+    minus one) are replaced once, by versions that keep the category it would sit in but count
+    only for an error made outside such a block, so that one made before the block and moved
+    within it (or the other way round) stays balanced."""
+    from torch._dynamo.exc import Unsupported, UserError
+    with _unfiled_lock:
+        if "_fxtrain_unfiled" not in UserError.__dict__:
+            def add_to_stats(self: Any, category: str = "unimplemented") -> None:
+                if "_fxtrain_unfiled" not in self.__dict__:   # the first filing, from __init__
+                    self._fxtrain_unfiled = _unfiled.depth > 0
+                if self._fxtrain_unfiled:
+                    self.category = category
+                else:
+                    Unsupported.add_to_stats(self, category)
+
+            def remove_from_stats(self: Any) -> None:
+                if not self.__dict__.get("_fxtrain_unfiled", False):
+                    Unsupported.remove_from_stats(self)
+
+            UserError.add_to_stats = add_to_stats
+            UserError.remove_from_stats = remove_from_stats
+            UserError._fxtrain_unfiled = True
+    _unfiled.depth += 1
+    try:
+        with inner:
+            yield
+    finally:
+        _unfiled.depth -= 1
 
 
 class _ConfigDumpErrorFilter(logging.Filter):
