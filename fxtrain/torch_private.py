@@ -1036,6 +1036,87 @@ def schedule_actions(class_name: str, ranks: int, n_microbatches: int, stages_pe
              if getattr(a.computation_type, "value", None) in ("F", "B", "I", "W")] for rank_ops in orders]
 
 
+_stage_classes: List[type] = []
+
+
+def pipeline_stage_class() -> type:
+    """The class fxtrain's pipeline stages derive from: ``torch.distributed.pipelining.PipelineStage``
+    (static mode: ``input_args`` and ``output_args`` given), taking tensors of any dtype between
+    stages. A received input requires grad only if it is a floating-point tensor (and the stage has
+    a backward), and none gets a gradient sent back for it.
+
+    2.12 and later: torch's class, which does so itself. 2.11: a subclass that does. 2.11's
+    ``PipelineStage`` makes every receive buffer require grad (``_prepare_forward_infra``, and
+    ``set_local_fwd_input`` for the V schedules' stage pairs on one rank), which fails for an integer
+    tensor a stage hands on (labels, positions: "only Tensors of floating point dtype can require
+    gradients"), and it sends a gradient back for every received input (``_create_grad_send_info``
+    / ``_create_grad_recv_info``), where such an input has none. The subclass marks the buffers as
+    2.12 does, and leaves such inputs out of the gradient exchange on both sides: no send
+    (``grad_send_info`` None), no receive (``grad_recv_info`` None; ``_retrieve_recv_grads`` and
+    ``set_local_bwd_input`` pass it through as None, and the stage's backward skips an output that
+    does not require grad whatever its gradient). And before its first step 2.11's schedule has
+    each stage exchange a dummy tensor with both neighbour stages (``_get_init_p2p_neighbors_ops``),
+    also with a neighbour on the same rank (the V schedules' middle pair), which gloo cannot send
+    to (its pair to itself is never connected); 2.12's warm-up does not, nor does the subclass."""
+    from torch.distributed.pipelining import PipelineStage
+    if torch_at_least(2, 12):
+        return PipelineStage
+    if not _stage_classes:
+        _stage_classes.append(_pipeline_stage_211(PipelineStage))
+    return _stage_classes[0]
+
+
+def _pipeline_stage_211(base: type) -> type:
+    from torch.distributed.pipelining.stage import _RecvInfo
+
+    def differentiable(t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and t.is_floating_point()
+
+    class PipelineStage211(base):  # type: ignore[misc, valid-type]
+        def _prepare_forward_infra(self, num_microbatches: int, args: Any, kwargs: Any = None) -> Any:
+            has_backward = self.has_backward
+            self.has_backward = False        # torch's loop would mark every buffer
+            try:
+                out = super()._prepare_forward_infra(num_microbatches, args, kwargs)
+            finally:
+                self.has_backward = has_backward
+            if has_backward:
+                for infos in self.args_recv_info.values():
+                    for info in infos:
+                        if isinstance(info, _RecvInfo) and differentiable(info.buffer):
+                            info.buffer.requires_grad_(True)
+            return out
+
+        def set_local_fwd_input(self, prev_stage_outputs: Any, mb_index: int) -> None:
+            outputs = prev_stage_outputs if isinstance(prev_stage_outputs, (tuple, list)) else (prev_stage_outputs,)
+            if all(differentiable(t) for t in outputs):
+                return super().set_local_fwd_input(prev_stage_outputs, mb_index)
+            for info, tensor in zip(self.args_recv_info[mb_index], outputs):
+                info.buffer = tensor.detach().requires_grad_(differentiable(tensor))
+
+        def _create_grad_send_info(self, args_recv_info: tuple) -> List[Optional[int]]:
+            return [a.source if isinstance(a, _RecvInfo) and differentiable(a.buffer) else None
+                    for a in args_recv_info]
+
+        def _create_grad_recv_info(self, act_send_info: dict) -> tuple:
+            infos = super()._create_grad_recv_info(act_send_info)
+            return tuple(info if differentiable(info.buffer) else None for info in infos)
+
+        def _retrieve_recv_grads(self, bwd_chunk_id: int) -> Any:
+            return tuple(None if info is None else info.buffer for info in self.grad_recv_info[bwd_chunk_id])
+
+        def set_local_bwd_input(self, next_stage_bwd_outputs: Any, mb_index: int) -> None:
+            for info, tensor in zip(self.grad_recv_info[mb_index], next_stage_bwd_outputs):
+                if info is not None:
+                    info.buffer = tensor
+
+        def _get_init_p2p_neighbors_ops(self) -> List[Any]:
+            mine = self.group_rank
+            return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != mine]
+
+    return PipelineStage211
+
+
 def default_store() -> Any:
     """The key-value store of the default process group
     (``torch.distributed.distributed_c10d._get_default_store()``; raises when none is initialised)."""
