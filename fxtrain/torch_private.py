@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import threading
 import warnings
 
 from typing import Any, Callable, ContextManager, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
@@ -131,11 +132,63 @@ def dynamo_config_patch(settings: Dict[str, Any]) -> ContextManager[Any]:
     it; its blocklist names the alias ``ignore_logger_methods`` rather than the set itself, so
     the dump sorts functions and raises a TypeError, which torch catches and logs with its
     traceback (2.13 blocklists ``ignore_logging_functions``). Only torch's own metrics record of
-    that compile is lost."""
+    that compile is lost.
+
+    Before 2.12 (checked on 2.11) also :func:`_user_errors_unfiled` for the block: dynamo's
+    ``UserError`` (a data-dependent branch dynamo cannot guard on: "Consider annotating your code
+    using torch._check*()") was an ``Unsupported`` and filed its message in dynamo's break counters
+    (:func:`dynamo_counters`), once for each frame that met it, beside the "Data-dependent
+    branching" break it turns into. 2.12 made it a plain ``TorchDynamoException`` that files nothing,
+    and fxtrain counts a call's breaks from those counters (capture/breaks.py): one break read as
+    three."""
     patch = torch._dynamo.config.patch(settings)
+    if not torch_at_least(2, 12):
+        patch = _user_errors_unfiled(patch)
     if torch_at_least(2, 13) or not settings.get("ignore_logging_functions"):
         return patch
     return _drop_config_dump_errors(patch)
+
+
+class _Unfiled(threading.local):
+    depth = 0
+
+
+_unfiled = _Unfiled()
+_unfiled_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _user_errors_unfiled(inner: ContextManager[Any]) -> Iterator[None]:
+    """``inner``, and within it (on this thread) a ``torch._dynamo.exc.UserError`` raised files
+    nothing in dynamo's counters, as from 2.12 on (torch 2.11 only). Its ``add_to_stats`` and
+    ``remove_from_stats`` (inherited from ``Unsupported``: ``counters[category][msg]`` plus or
+    minus one) are replaced once, by versions that keep the category it would sit in but count
+    only for an error made outside such a block, so that one made before the block and moved
+    within it (or the other way round) stays balanced."""
+    from torch._dynamo.exc import Unsupported, UserError
+    with _unfiled_lock:
+        if "_fxtrain_unfiled" not in UserError.__dict__:
+            def add_to_stats(self: Any, category: str = "unimplemented") -> None:
+                if "_fxtrain_unfiled" not in self.__dict__:   # the first filing, from __init__
+                    self._fxtrain_unfiled = _unfiled.depth > 0
+                if self._fxtrain_unfiled:
+                    self.category = category
+                else:
+                    Unsupported.add_to_stats(self, category)
+
+            def remove_from_stats(self: Any) -> None:
+                if not self.__dict__.get("_fxtrain_unfiled", False):
+                    Unsupported.remove_from_stats(self)
+
+            UserError.add_to_stats = add_to_stats
+            UserError.remove_from_stats = remove_from_stats
+            UserError._fxtrain_unfiled = True
+    _unfiled.depth += 1
+    try:
+        with inner:
+            yield
+    finally:
+        _unfiled.depth -= 1
 
 
 class _ConfigDumpErrorFilter(logging.Filter):
@@ -994,6 +1047,87 @@ def schedule_actions(class_name: str, ranks: int, n_microbatches: int, stages_pe
              if getattr(a.computation_type, "value", None) in ("F", "B", "I", "W")] for rank_ops in orders]
 
 
+_stage_classes: List[type] = []
+
+
+def pipeline_stage_class() -> type:
+    """The class fxtrain's pipeline stages derive from: ``torch.distributed.pipelining.PipelineStage``
+    (static mode: ``input_args`` and ``output_args`` given), taking tensors of any dtype between
+    stages. A received input requires grad only if it is a floating-point tensor (and the stage has
+    a backward), and none gets a gradient sent back for it.
+
+    2.12 and later: torch's class, which does so itself. 2.11: a subclass that does. 2.11's
+    ``PipelineStage`` makes every receive buffer require grad (``_prepare_forward_infra``, and
+    ``set_local_fwd_input`` for the V schedules' stage pairs on one rank), which fails for an integer
+    tensor a stage hands on (labels, positions: "only Tensors of floating point dtype can require
+    gradients"), and it sends a gradient back for every received input (``_create_grad_send_info``
+    / ``_create_grad_recv_info``), where such an input has none. The subclass marks the buffers as
+    2.12 does, and leaves such inputs out of the gradient exchange on both sides: no send
+    (``grad_send_info`` None), no receive (``grad_recv_info`` None; ``_retrieve_recv_grads`` and
+    ``set_local_bwd_input`` pass it through as None, and the stage's backward skips an output that
+    does not require grad whatever its gradient). And before its first step 2.11's schedule has
+    each stage exchange a dummy tensor with both neighbour stages (``_get_init_p2p_neighbors_ops``),
+    also with a neighbour on the same rank (the V schedules' middle pair), which gloo cannot send
+    to (its pair to itself is never connected); 2.12's warm-up does not, nor does the subclass."""
+    from torch.distributed.pipelining import PipelineStage
+    if torch_at_least(2, 12):
+        return PipelineStage
+    if not _stage_classes:
+        _stage_classes.append(_pipeline_stage_211(PipelineStage))
+    return _stage_classes[0]
+
+
+def _pipeline_stage_211(base: type) -> type:
+    from torch.distributed.pipelining.stage import _RecvInfo
+
+    def differentiable(t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and t.is_floating_point()
+
+    class PipelineStage211(base):  # type: ignore[misc, valid-type]
+        def _prepare_forward_infra(self, num_microbatches: int, args: Any, kwargs: Any = None) -> Any:
+            has_backward = self.has_backward
+            self.has_backward = False        # torch's loop would mark every buffer
+            try:
+                out = super()._prepare_forward_infra(num_microbatches, args, kwargs)
+            finally:
+                self.has_backward = has_backward
+            if has_backward:
+                for infos in self.args_recv_info.values():
+                    for info in infos:
+                        if isinstance(info, _RecvInfo) and differentiable(info.buffer):
+                            info.buffer.requires_grad_(True)
+            return out
+
+        def set_local_fwd_input(self, prev_stage_outputs: Any, mb_index: int) -> None:
+            outputs = prev_stage_outputs if isinstance(prev_stage_outputs, (tuple, list)) else (prev_stage_outputs,)
+            if all(differentiable(t) for t in outputs):
+                return super().set_local_fwd_input(prev_stage_outputs, mb_index)
+            for info, tensor in zip(self.args_recv_info[mb_index], outputs):
+                info.buffer = tensor.detach().requires_grad_(differentiable(tensor))
+
+        def _create_grad_send_info(self, args_recv_info: tuple) -> List[Optional[int]]:
+            return [a.source if isinstance(a, _RecvInfo) and differentiable(a.buffer) else None
+                    for a in args_recv_info]
+
+        def _create_grad_recv_info(self, act_send_info: dict) -> tuple:
+            infos = super()._create_grad_recv_info(act_send_info)
+            return tuple(info if differentiable(info.buffer) else None for info in infos)
+
+        def _retrieve_recv_grads(self, bwd_chunk_id: int) -> Any:
+            return tuple(None if info is None else info.buffer for info in self.grad_recv_info[bwd_chunk_id])
+
+        def set_local_bwd_input(self, next_stage_bwd_outputs: Any, mb_index: int) -> None:
+            for info, tensor in zip(self.grad_recv_info[mb_index], next_stage_bwd_outputs):
+                if info is not None:
+                    info.buffer = tensor
+
+        def _get_init_p2p_neighbors_ops(self) -> List[Any]:
+            mine = self.group_rank
+            return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != mine]
+
+    return PipelineStage211
+
+
 def default_store() -> Any:
     """The key-value store of the default process group
     (``torch.distributed.distributed_c10d._get_default_store()``; raises when none is initialised)."""
@@ -1004,12 +1138,53 @@ def default_store() -> Any:
 # ------------------------------------------------------------------------- graph serialisation
 def pickle_graphs(obj: Any) -> bytes:
     """Pickle an object holding GraphModules with fake-tensor metadata, every op allowed
-    (``torch.fx._graph_pickler.GraphPickler.dumps(obj, Options(ops_filter=None))``)."""
+    (``torch.fx._graph_pickler.GraphPickler.dumps(obj, Options(ops_filter=None))``).
+
+    2.12 and later: that call alone. 2.11: inside :func:`_slices_as_pytree_nodes`, as 2.12's
+    ``dumps`` itself runs. The pickler maps each node's arguments with pytree to replace the nodes
+    in them; 2.11's pytree does not look into a slice, so a node inside one (``x[:, :n]`` with a
+    symbolic ``n``) reached pickle raw ("Unexpected raw Node during pickling")."""
     from torch.fx._graph_pickler import GraphPickler, Options
-    return GraphPickler.dumps(obj, Options(ops_filter=None))
+    if torch_at_least(2, 12):
+        return GraphPickler.dumps(obj, Options(ops_filter=None))
+    with _slices_as_pytree_nodes():
+        return GraphPickler.dumps(obj, Options(ops_filter=None))
 
 
 def unpickle_graphs(payload: bytes, fake_mode: Any) -> Any:
-    """Inverse of :func:`pickle_graphs`; fake values are rebuilt in ``fake_mode``."""
+    """Inverse of :func:`pickle_graphs`; fake values are rebuilt in ``fake_mode``. 2.11: inside
+    :func:`_slices_as_pytree_nodes`, as 2.12's ``loads`` runs (it maps the nodes back the same way)."""
     from torch.fx._graph_pickler import GraphPickler
-    return GraphPickler.loads(payload, fake_mode)
+    if torch_at_least(2, 12):
+        return GraphPickler.loads(payload, fake_mode)
+    with _slices_as_pytree_nodes():
+        return GraphPickler.loads(payload, fake_mode)
+
+
+_slice_lock = threading.Lock()
+_slice_users = [0]
+
+
+@contextlib.contextmanager
+def _slices_as_pytree_nodes() -> Iterator[None]:
+    """``slice`` registered as a pytree node (its start, stop and step the children) within the
+    block, unless it already is: 2.12's ``torch.fx._graph_pickler.patch_pytree_map_over_slice``
+    (``pytree._private_register_pytree_node`` / ``_deregister_pytree_node``), counted so that
+    blocks on two threads (runtime/tiered.py pickles on a worker) do not undo each other's."""
+    with _slice_lock:
+        if _slice_users[0] == 0 and slice in pytree.SUPPORTED_NODES:
+            owned = False
+        else:
+            owned = True
+            if _slice_users[0] == 0:
+                pytree._private_register_pytree_node(slice, lambda x: ([x.start, x.stop, x.step], None),
+                                                     lambda values, _: slice(*values))
+            _slice_users[0] += 1
+    try:
+        yield
+    finally:
+        if owned:
+            with _slice_lock:
+                _slice_users[0] -= 1
+                if _slice_users[0] == 0:
+                    pytree._deregister_pytree_node(slice)

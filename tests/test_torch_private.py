@@ -337,6 +337,14 @@ def test_distributed_and_subclass_accessors() -> None:
     assert isinstance(w, Wrapper) and w.shape == (2, 3)
 
 
+def test_pipeline_stage_class_is_torchs_stage() -> None:
+    """The stage class the pipeline runner derives from: torch's PipelineStage, or on a release whose
+    stage assumes floating-point activations, a subclass of it that takes any dtype."""
+    from torch.distributed.pipelining import PipelineStage
+    cls = _check("pipeline_stage_class", tp.pipeline_stage_class)
+    assert issubclass(cls, PipelineStage) and tp.pipeline_stage_class() is cls
+
+
 def test_schedule_actions_reads_torch_schedule_orders() -> None:
     """Every rank's F/B/I/W actions of torch's multi-stage schedules (the pipeline simulation)."""
     orders = _check("schedule_actions", tp.schedule_actions, "ScheduleInterleavedZeroBubble", 2, 4, 2)

@@ -159,8 +159,11 @@ def test_trainer_default_arguments_bert_mlm_like_plain_trainer(tmp_path, text):
     from transformers import DataCollatorForLanguageModeling
     paras, tok = text
     rows, evals = corpus.mlm_rows(tok, paras[:32], 16), corpus.mlm_rows(tok, paras[32:40], 16)
+    # seed=1, not 0: transformers before 5.23 (5.17 pinned with torch 2.11) tests ``if self.seed`` and
+    # takes seed=0 for no seed, drawing masks from the global RNG; the two evaluations below would
+    # then mask differently (whichever runs first draws first) on one release only.
     tm = _same_trainer_results(tmp_path, lambda: _bert(len(tok)), rows, evals,
-                               lambda: DataCollatorForLanguageModeling(tok, mlm_probability=0.15, seed=0),
+                               lambda: DataCollatorForLanguageModeling(tok, mlm_probability=0.15, seed=1),
                                resume=False)
     assert tm.capture_info().optimizations["label_sparsity"].startswith("on:")
 

@@ -40,7 +40,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
+from torch.distributed.pipelining import (Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
                                           ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
                                           ScheduleZBVZeroBubble)
 
@@ -53,7 +53,7 @@ from .measure import Target
 from .plan import Plan
 from .schedules import SCHEDULE_INFO, check_layout, placement
 from .stage_module import stage_module
-from ..torch_private import default_store, process_group_timeout
+from ..torch_private import default_store, pipeline_stage_class, process_group_timeout
 
 logger = logging.getLogger("fxtrain")
 
@@ -68,8 +68,8 @@ def backend_for(device: torch.device) -> Optional[str]:
     return {"cpu": "gloo", "cuda": "nccl"}.get(device.type)
 
 
-class _Stage(PipelineStage):
-    """torch's PipelineStage, with fxtrain's input/weight backward split and compute timing.
+class _Stage(pipeline_stage_class()):  # type: ignore[misc]
+    """torch's PipelineStage (``torch_private.pipeline_stage_class``: any dtype between stages), with fxtrain's input/weight backward split and compute timing.
 
     torch's zero-bubble schedules call ``backward_maybe_with_nosync("input")`` for B and
     ``("weight")`` for W (``stage.py``: ``backward_one_chunk(full_backward=False)`` then
