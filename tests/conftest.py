@@ -70,15 +70,129 @@ def _no_fxtrain_environment(monkeypatch):
 
 @pytest.fixture
 def device():
-    """The device parity tests run on (FXTRAIN_TEST_DEVICE, default cpu): see tests/utils.py."""
-    from utils import DEVICE
-    return DEVICE
+    """The device this test runs on: FXTRAIN_TEST_DEVICE (default cpu), the CPU if marked cpu_only."""
+    import utils
+    return utils.current_device()
+
+
+# ------------------------------------------------------------------------------- the test device
+# FXTRAIN_TEST_DEVICE=cuda runs every test on that device, except those marked
+# ``@pytest.mark.cpu_only(reason="...")`` (on a test, a class, a module's ``pytestmark`` or a
+# ``pytest.param``): before each test's fixtures, ``utils.current_device()`` is set to the CPU for
+# those and to the requested device for the others, and the terminal summary lists the reasons.
+# ``--device-audit`` checks, on a machine without that device, that every other test uses it.
+
+
+def _cpu_only_reason(item):
+    """The reason of ``item``'s cpu_only marker, None when it has none; a marker without a reason
+    is an error (the reason is what the summary shows)."""
+    marker = item.get_closest_marker("cpu_only")
+    if marker is None:
+        return None
+    reason = marker.kwargs.get("reason", marker.args[0] if marker.args else "")
+    if not isinstance(reason, str) or not reason.strip():
+        raise pytest.UsageError(f"{item.nodeid}: cpu_only needs a reason: @pytest.mark.cpu_only(reason=\"...\")")
+    return reason
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--device-audit", action="store_true",
+        help="on a machine without FXTRAIN_TEST_DEVICE's device (default cuda when unset): fail every test not "
+             "marked cpu_only that passes (it never put its model or batches on the test device), pass those that "
+             "fail for the missing device, skip the cpu_only ones (docs/architecture.md, the suite)")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    import torch
+    import utils
+    reason = _cpu_only_reason(item)
+    utils._current = torch.device("cpu") if reason is not None else utils.REQUESTED_DEVICE
+    if reason is not None:
+        item.user_properties.append(("cpu_only", reason))  # reaches the xdist controller's summary
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    import utils
+    requested = str(utils.REQUESTED_DEVICE)
+    if requested == "cpu":
+        return
+    by_reason = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            for name, value in getattr(report, "user_properties", ()):
+                if name == "cpu_only":
+                    by_reason.setdefault(value, set()).add(report.nodeid)
+    if not by_reason:
+        return
+    total = len(set().union(*by_reason.values()))
+    ran = "were skipped by --device-audit" if _AUDIT_SIGNATURE is not None else "ran on the CPU"
+    terminalreporter.write_sep("=", f"cpu_only: {total} tests {ran}, not on {requested}")
+    for reason, nodeids in sorted(by_reason.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        files = sorted({n.split("::")[0] for n in nodeids})
+        terminalreporter.write_line(f"{len(nodeids):4d}  {reason}  [{', '.join(files)}]")
+        if config.getoption("verbose") > 0:
+            for nodeid in sorted(nodeids):
+                terminalreporter.write_line(f"        {nodeid}")
+
+
+# ------------------------------------------------------------------------------- --device-audit
+_AUDIT_SIGNATURE = None   # the message torch raises when a tensor goes to the missing device
+_AUDITED = None           # the device the audit checks for (tests may clear the variable)
+
+
+def _start_device_audit():
+    global _AUDIT_SIGNATURE, _AUDITED
+    os.environ.setdefault("FXTRAIN_TEST_DEVICE", "cuda")
+    import torch
+    requested = _AUDITED = os.environ["FXTRAIN_TEST_DEVICE"]
+    try:
+        torch.empty(1).to(requested)
+    except Exception as error:   # torch without CUDA: "Torch not compiled with CUDA enabled"
+        _AUDIT_SIGNATURE = str(error).strip().splitlines()[0]
+    else:
+        raise pytest.UsageError(f"--device-audit needs a machine without {requested}: here tensors reach it, so "
+                                f"run FXTRAIN_TEST_DEVICE={requested} without --device-audit")
+
+
+def pytest_collection_modifyitems(config, items):
+    # Stable sort: long tests first, the rest in collection order. With `-n 2` the wall time is at
+    # least the longest test; started last, it would also add to the time the other worker waits.
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
+    if config.getoption("--device-audit"):
+        for item in items:
+            if _cpu_only_reason(item) is not None:   # the plain CPU run covers these
+                item.add_marker(pytest.mark.skip(reason="device audit: cpu_only"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    if _AUDIT_SIGNATURE is None or call.when == "teardown" or _cpu_only_reason(item) is not None:
+        return
+    report = outcome.get_result()
+    touched = report.failed and _AUDIT_SIGNATURE in report.longreprtext
+    if touched and call.when == "setup":      # a fixture reached the device: do not run the test
+        report.outcome = "skipped"
+        report.longrepr = (str(item.path), item.location[1] or 0, "device audit: reached the device in setup")
+    elif touched:
+        report.outcome, report.longrepr = "passed", None
+    elif report.passed and call.when == "call":
+        report.outcome = "failed"
+        report.longrepr = (f"device audit: passed without FXTRAIN_TEST_DEVICE={_AUDITED}, "
+                           "which this machine lacks: nothing of it went to the test device. Move its model and "
+                           "batches with tests/utils.py's to_device/wrap_pair/current_device(), or mark it "
+                           "@pytest.mark.cpu_only(reason=...).")
 
 
 def pytest_configure(config):
+    if config.getoption("--device-audit"):
+        _start_device_audit()
     config.addinivalue_line(
         "markers", "cpu_only(reason): runs on the CPU whatever FXTRAIN_TEST_DEVICE says (gloo process groups, "
-                   "fresh processes that build their own CPU models); the reason says why")
+                   "fresh processes that build their own CPU models, source scans, CPU kernel routes); the "
+                   "reason is listed in the terminal summary when the test device is not the CPU")
     config.addinivalue_line(
         "markers", "extended: runs in `make test-long`, not in `make test` (more models, sides or seeds of a "
                    "code path `make test` covers once; the suite's 15-minute budget on 2 cores)")
@@ -86,8 +200,3 @@ def pytest_configure(config):
         "markers", "long: one of the suite's longest tests (minutes on 2 cores); started first, so that the "
                    "pytest-xdist workers do not end on it while the other worker idles")
 
-
-def pytest_collection_modifyitems(config, items):
-    # Stable sort: long tests first, the rest in collection order. With `-n 2` the wall time is at
-    # least the longest test; started last, it would also add to the time the other worker waits.
-    items.sort(key=lambda item: item.get_closest_marker("long") is None)

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxtrain import models
-from utils import train_parity, wrap_pair
+from utils import to_device, train_parity, wrap_pair
 
 
 class _Classifier(nn.Module):
@@ -43,7 +43,7 @@ def test_cross_entropy_gradient_in_one_pass(reduction, smoothing, fires, executo
 def test_few_classes_left_alone():
     torch.manual_seed(0)
     tm, _ = wrap_pair(_Classifier("mean", -100, 0.0, classes=10), label_sparsity="off", executor="eager")
-    tm(torch.randn(4, 16), torch.randint(0, 10, (4,))).backward()
+    tm(*to_device((torch.randn(4, 16), torch.randint(0, 10, (4,))))).backward()
     assert tm.capture_info().optimizations["cross_entropy_grad"] == \
         "off: fewer than 256 classes: nothing worth removing"
 

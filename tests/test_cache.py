@@ -15,7 +15,7 @@ import torch
 import fxtrain
 from fxtrain import cli, models
 from fxtrain.cache.store import MAGIC, Store
-from utils import long_params, train_parity, wrap_pair
+from utils import current_device, long_params, to_device, train_parity, wrap_pair
 
 ROOT = Path(__file__).resolve().parent.parent
 STATE_ATOL = 3e-4  # as in test_label_sparsity: AdamW magnifies rounding noise of zero-true gradients
@@ -28,7 +28,8 @@ def _mlm(intermediate=None):
 
 def _batches(n=3, shape=(4, 16), seed=1):
     g = torch.Generator().manual_seed(seed)
-    return [models.synthetic_batch("mlm", shape[0], shape[1], 1000, padding=0.4, label_density=0.2, generator=g)
+    return [models.synthetic_batch("mlm", shape[0], shape[1], 1000, padding=0.4, label_density=0.2, generator=g,
+                                   device=current_device())
             for _ in range(n)]
 
 
@@ -90,7 +91,7 @@ def test_hit_in_a_fresh_process_gives_eagers_losses(tmp_path):
         info = tm.capture_info()
         print(json.dumps(dict(losses=losses, hits=info.cache_hits, misses=info.cache_misses)))
     """)
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), FXTRAIN_TEST_DEVICE="cpu")   # _batches on the CPU there
     runs = [json.loads(subprocess.run([sys.executable, "-c", script], env=env, check=True, capture_output=True,
                                       text=True, timeout=600).stdout.strip().splitlines()[-1]) for _ in range(2)]
     assert (runs[0]["hits"], runs[0]["misses"]) == (0, 1) and (runs[1]["hits"], runs[1]["misses"]) == (1, 0)
@@ -120,7 +121,7 @@ def test_key_of_a_model_does_not_change_once_dynamo_traced_its_code():
     which changed marshal's bytes of it (and so the key) in a process that had captured before."""
     from fxtrain.cache import key
     before = key.module_digest(_mlm())
-    fxtrain.TrainModule(_mlm(), fxtrain.Options(fallback="raise"))(**_batches(1)[0]).loss.backward()
+    fxtrain.TrainModule(to_device(_mlm()), fxtrain.Options(fallback="raise"))(**_batches(1)[0]).loss.backward()
     key._class_digest.cache_clear(), key._code_digest.cache_clear()  # as a new process would compute it
     assert key.module_digest(_mlm()) == before
 
@@ -160,12 +161,12 @@ def _net_from(path, op, name):
 def test_changed_forward_body_is_a_miss(tmp_path, same):
     cache, source = tmp_path / "cache", tmp_path / "netmod.py"
     cache.mkdir()
-    x = torch.randn(4, 8)
-    first = fxtrain.TrainModule(_net_from(source, "* 2.0", "netmod"), fxtrain.Options(cache_dir=str(cache)))
+    x = to_device(torch.randn(4, 8))
+    first = fxtrain.TrainModule(to_device(_net_from(source, "* 2.0", "netmod")), fxtrain.Options(cache_dir=str(cache)))
     first(x).backward()
     # The same file edited: the class has the same name, module and file, only its forward differs.
-    model = _net_from(source, "* 2.0" if same else "* 3.0 + 1.0", "netmod")
-    ref = _net_from(source, "* 2.0" if same else "* 3.0 + 1.0", "netmod")
+    model = to_device(_net_from(source, "* 2.0" if same else "* 3.0 + 1.0", "netmod"))
+    ref = to_device(_net_from(source, "* 2.0" if same else "* 3.0 + 1.0", "netmod"))
     tm = fxtrain.TrainModule(model, fxtrain.Options(cache_dir=str(cache), fallback="raise"))
     loss = tm(x)
     torch.testing.assert_close(loss, ref(x))
@@ -194,13 +195,13 @@ def test_edited_source_file_of_traced_code_is_a_miss(tmp_path):
             def forward(self, x):
                 return helper_mod.scale(self.lin(x)).pow(2).mean()
 
-        x = torch.randn(4, 8)
+        x = to_device(torch.randn(4, 8))
         torch.manual_seed(0)
-        fxtrain.TrainModule(Net(), fxtrain.Options(cache_dir=str(cache)))(x).backward()
+        fxtrain.TrainModule(to_device(Net()), fxtrain.Options(cache_dir=str(cache)))(x).backward()
         helper.write_text("def scale(x):\n    return x * 5.0\n")
         importlib.reload(helper_mod)
         torch.manual_seed(0)
-        model = Net()
+        model = to_device(Net())
         tm = fxtrain.TrainModule(model, fxtrain.Options(cache_dir=str(cache), fallback="raise"))
         torch.testing.assert_close(tm(x), model(x))
         assert tm.capture_info().cache_misses == 1
@@ -254,7 +255,7 @@ def test_two_processes_capturing_the_same_model_at_once(tmp_path):
         tm(**_batches(1)[0]).loss.backward()
         assert tm.capture_info().cache_misses == 1
     """)   # the writers use this process's default executor (the suite's inductor pass changes it)
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), FXTRAIN_TEST_DEVICE="cpu")   # _batches on the CPU there
     procs = [subprocess.Popen([sys.executable, "-c", script], env=env) for _ in range(2)]
     assert all(p.wait(timeout=600) == 0 for p in procs)
     assert len(_entries(tmp_path)) == 1 and not [p for p in tmp_path.iterdir() if p.suffix == ".tmp"]
@@ -358,7 +359,7 @@ class _ReturnsAView(torch.nn.Module):
 
 def test_output_viewing_an_intermediate_is_cached_and_exact(tmp_path):
     """AOTAutograd hands such an output out as a plain tensor (_unsafe_view); a hit does the same."""
-    x = torch.randn(4, 8)
+    x = to_device(torch.randn(4, 8))
     for expected in ((0, 1), (1, 0)):
         torch.manual_seed(0)
         tm, ref = wrap_pair(_ReturnsAView(), cache_dir=str(tmp_path))
@@ -384,7 +385,7 @@ def test_causal_lm_returning_its_dynamic_cache_is_stored_and_rebuilt(tmp_path):
         return models.gpt2_lm(hidden=32, layers=2, heads=2, vocab=500, positions=32)
 
     g = torch.Generator().manual_seed(0)
-    batches = [models.synthetic_batch("clm", 3, 12, 500, padding=0.0, generator=g) for _ in range(3)]
+    batches = [models.synthetic_batch("clm", 3, 12, 500, padding=0.0, generator=g, device=current_device()) for _ in range(3)]
     writer, _ = wrap_pair(gpt2(), cache_dir=str(tmp_path))
     assert type(writer(**batches[0]).past_key_values).__name__ == "DynamicCache"
     assert any(line.startswith("stored") for line in writer.capture_info().cache_log), writer.capture_info().cache_log
@@ -415,7 +416,7 @@ def test_an_object_holding_no_result_of_the_call_is_not_stored(tmp_path):
             return self.lin(x).sum(), self.settings
 
     tm, ref = wrap_pair(WithConfig(), cache_dir=str(tmp_path))
-    loss, settings = tm(torch.randn(2, 4))
+    loss, settings = tm(to_device(torch.randn(2, 4)))
     loss.backward()
     assert settings is tm.module.settings
     assert any("returns a _Settings, which fxtrain cannot rebuild" in line for line in tm.capture_info().cache_log), \

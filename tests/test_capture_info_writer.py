@@ -12,7 +12,11 @@ import ast
 from pathlib import Path
 from typing import List, Optional, Set
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent / "fxtrain"
+
+pytestmark = pytest.mark.cpu_only(reason="source scan (the AST of fxtrain/): no tensors")
 WRITER = ROOT / "runtime" / "info.py"
 MUTATORS = {"append", "extend", "insert", "update", "setdefault", "pop", "popitem", "clear", "remove",
             "discard", "add", "sort", "reverse", "__setitem__", "__delitem__"}

@@ -28,6 +28,7 @@ def _plain_work(seconds: float) -> None:
         sum(range(1000))
 
 
+@pytest.mark.cpu_only(reason="the capture watchdog on plain Python work: no tensors")
 def test_watch_stops_a_compile_sunk_in_sympy():
     started = time.perf_counter()
     with pytest.raises(ExpensiveSymbolicSizes):
@@ -37,6 +38,7 @@ def test_watch_stops_a_compile_sunk_in_sympy():
     _plain_work(0.3)   # nothing pending is delivered later
 
 
+@pytest.mark.cpu_only(reason="the capture watchdog on plain Python work: no tensors")
 def test_watch_leaves_other_work_alone():
     with watched(lambda s: "", warn_after=1e9, sympy_budget=0.1) as watch:
         _plain_work(1.5)          # long, but no sympy
@@ -45,6 +47,7 @@ def test_watch_leaves_other_work_alone():
     assert not watch.stopped and watch.sympy_seconds > 0.1
 
 
+@pytest.mark.cpu_only(reason="the capture watchdog on plain Python work: no tensors")
 def test_watch_warns_once_after_the_threshold(caplog):
     with caplog.at_level(logging.WARNING, logger="fxtrain"):
         with watched(lambda s: f"capturing X has taken {s:.1f} s", warn_after=0.1, sympy_budget=None):
@@ -77,6 +80,7 @@ def test_slow_capture_warning_names_the_capture_and_the_option(caplog):
     assert symbolic and all("Options(dynamic=False)" in m for m in symbolic), slow
 
 
+@pytest.mark.cpu_only(reason="option parsing: no tensors")
 def test_capture_warning_seconds_must_be_positive():
     with pytest.raises(ValueError, match="capture_warning_seconds"):
         fxtrain.Options(capture_warning_seconds=0)

@@ -10,7 +10,7 @@ import pytest
 from fxtrain import bench, cli
 from fxtrain.options import Options
 from fxtrain.runtime.tiered import TRIAL_STEPS
-from utils import DEVICE
+from utils import current_device
 
 TINY = ["--model", "bert-tiny", "--batch", "4", "--seq", "16", "--steps", "2", "--warmup", "0", "--no-progress"]
 
@@ -20,7 +20,7 @@ def test_bench_json_has_every_mode_with_parity(tmp_path, capsys):
     FLOP-ideal ratio, costed by the profiler on the first batch."""
     out = tmp_path / "bench.json"
     assert cli.main(["bench", "--workload", "distilbert-mlm", *TINY, "--modes", "eager,fxtrain,fxtrain:eager",
-                     "--flop-ideal", "--json", str(out)]) == 0
+                     "--flop-ideal", "--device", str(current_device()), "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert (data["config"]["model"], data["config"]["batch"], data["config"]["padding"],
             data["config"]["label_density"]) == ("bert-tiny", 4, 0.5, 0.15)
@@ -46,12 +46,13 @@ def test_bench_json_has_every_mode_with_parity(tmp_path, capsys):
 
 
 def test_demo_prints_side_by_side_table(capsys):
-    assert cli.main(["demo", *TINY]) == 0
+    assert cli.main(["demo", *TINY, "--device", str(current_device())]) == 0
     printed = capsys.readouterr().out
     lines = [l for l in printed.splitlines() if l.startswith(("eager", "fxtrain"))]
     assert [l.split()[0] for l in lines] == ["eager", "fxtrain"]
 
 
+@pytest.mark.cpu_only(reason="CLI argument parsing and listings: no tensors")
 def test_options_lists_every_field(capsys):
     assert cli.main(["options"]) == 0
     printed = capsys.readouterr().out
@@ -62,19 +63,21 @@ def test_options_lists_every_field(capsys):
 def test_bench_runs_on_the_device_it_is_given(tmp_path, capsys):
     """``--device`` (default cpu): the test device here, FXTRAIN_TEST_DEVICE on a GPU machine."""
     out = tmp_path / "bench.json"
-    assert cli.main(["bench", *TINY, "--modes", "eager,fxtrain", "--device", str(DEVICE), "--json", str(out)]) == 0
+    assert cli.main(["bench", *TINY, "--modes", "eager,fxtrain", "--device", str(current_device()), "--json", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert data["config"]["device"] == str(DEVICE)
+    assert data["config"]["device"] == str(current_device())
     assert data["modes"]["fxtrain"]["max_loss_diff_vs_eager"] < 1e-4
-    assert f"on {DEVICE}" in capsys.readouterr().out
+    assert f"on {current_device()}" in capsys.readouterr().out
     assert cli.main(["bench", *TINY, "--device", "no-such-device"]) == 2
 
 
+@pytest.mark.cpu_only(reason="CLI argument parsing and listings: no tensors")
 def test_bad_mode_is_a_one_line_error(capsys):
     assert cli.main(["bench", *TINY, "--modes", "eager,turbo"]) == 2
     assert "unknown mode" in capsys.readouterr().err
 
 
+@pytest.mark.cpu_only(reason="CLI argument parsing and listings: no tensors")
 def test_console_script_runs():
     exe = os.path.join(os.path.dirname(sys.executable), "fxtrain")
     done = subprocess.run([exe, "options"], capture_output=True, text=True, timeout=120)
@@ -94,7 +97,7 @@ def test_bench_shows_the_tier_switch(tmp_path, capsys):
     # graphs then run TRIAL_STEPS steps before their time is compared: end inside them.
     switch = 2 + TRIAL_STEPS
     assert cli.main(["bench", "--model", "bert-tiny", "--batch", "4", "--seq", "16", "--padding", "0",
-                     "--label-density", "1", "--warmup", "0", "--steps", str(switch + 2), "--device", str(DEVICE),
+                     "--label-density", "1", "--warmup", "0", "--steps", str(switch + 2), "--device", str(current_device()),
                      "--modes", "eager,fxtrain:auto", "--await-compiles", "--json", str(out)]) == 0
     data = json.loads(out.read_text())["modes"]
     assert data["fxtrain:auto"]["tier"] == f"inductor since step {switch}", data["fxtrain:auto"]["tiers"]

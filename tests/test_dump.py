@@ -6,14 +6,15 @@ import os
 import torch
 
 import fxtrain
+from utils import to_device
 
 
 def _train(tm):
-    tm(torch.randn(3, 4)).pow(2).sum().backward()
+    tm(to_device(torch.randn(3, 4))).pow(2).sum().backward()
 
 
 def test_each_capture_gets_a_folder_with_readable_graphs(tmp_path):
-    tm = fxtrain.TrainModule(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()),
+    tm = fxtrain.TrainModule(to_device(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())),
                              fxtrain.Options(executor="eager", fallback="raise", save_graphs_dir=str(tmp_path)))
     _train(tm)
     tm.eval()
@@ -32,7 +33,7 @@ def test_each_capture_gets_a_folder_with_readable_graphs(tmp_path):
 def test_unwritable_dir_warns_and_trains(tmp_path, caplog):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    tm = fxtrain.TrainModule(torch.nn.Linear(4, 4), fxtrain.Options(fallback="raise", save_graphs_dir=str(blocker)))
+    tm = fxtrain.TrainModule(to_device(torch.nn.Linear(4, 4)), fxtrain.Options(fallback="raise", save_graphs_dir=str(blocker)))
     with caplog.at_level(logging.WARNING, logger="fxtrain"):
         _train(tm)
     assert "could not write graphs" in caplog.text
@@ -60,8 +61,8 @@ class _WithFunction(torch.nn.Module):
 
 
 def test_dump_names_python_ops_and_the_optimizations(tmp_path):
-    tm = fxtrain.TrainModule(_WithFunction(), fxtrain.Options(fallback="raise", save_graphs_dir=str(tmp_path)))
-    tm(torch.randn(3, 4)).backward()
+    tm = fxtrain.TrainModule(to_device(_WithFunction()), fxtrain.Options(fallback="raise", save_graphs_dir=str(tmp_path)))
+    tm(to_device(torch.randn(3, 4))).backward()
     (folder,) = [tmp_path / f for f in os.listdir(tmp_path)]
     summary = json.loads((folder / "summary.json").read_text())
     assert summary["python_ops"] == tm.capture_info().python_ops and summary["python_ops"][0].endswith("_Double")

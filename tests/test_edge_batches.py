@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxtrain
-from utils import DEVICE, long_params, to_device
+from utils import current_device, long_params, to_device
 from fxtrain import models
 from fxtrain.runtime.deferred import DeferredTensor, StaleDeferredOutput
 from fxtrain.runtime.dense_route import SparseBatchError
@@ -77,10 +77,10 @@ def test_all_ignored_labels_give_eagers_gradients_with_every_pass_on_or_off(capt
                     **{name: passes for name in PASSES})
     g = torch.Generator().manual_seed(1)
     first = models.synthetic_batch("mlm", 4, 16, 300, padding=0.4 if capture == "sparse" else 0.0,
-                                   label_density=0.15 if capture == "sparse" else 1.0, generator=g, device=DEVICE)
+                                   label_density=0.15 if capture == "sparse" else 1.0, generator=g, device=current_device())
     _step_both(tm, ref, first)
     for b, s in [(4, 16), (3, 12)]:
-        batch = models.synthetic_batch("mlm", b, s, 300, padding=0.3, generator=g, device=DEVICE)
+        batch = models.synthetic_batch("mlm", b, s, 300, padding=0.3, generator=g, device=current_device())
         batch["labels"].fill_(-100)
         out, _ = _step_both(tm, ref, batch)
         assert torch.isnan(out.loss)
@@ -118,7 +118,7 @@ def test_outputs_read_after_the_optimizer_step_are_their_forwards(name):
     torch.manual_seed(0)
     tm, ref = _pair(build())
     g = torch.Generator().manual_seed(2)
-    batches = [models.synthetic_batch(kind, 4, 16, 300, padding=0.4, label_density=0.15, generator=g, device=DEVICE)
+    batches = [models.synthetic_batch(kind, 4, 16, 300, padding=0.4, label_density=0.15, generator=g, device=current_device())
                for _ in range(3)]
     _read_after_step(tm, ref, batches)
     why = tm.capture_info().optimizations
@@ -134,7 +134,7 @@ def test_returned_hidden_states_after_a_graph_break_are_eagers():
     tm, ref = _pair(models.roberta_cls(hidden=32, layers=2, heads=2, vocab=300), fallback="raise")
     g = torch.Generator().manual_seed(3)
     for _ in range(3):
-        batch = models.synthetic_batch("cls", 4, 16, 300, padding=0.4, pad_id=1, generator=g, device=DEVICE)
+        batch = models.synthetic_batch("cls", 4, 16, 300, padding=0.4, pad_id=1, generator=g, device=current_device())
         out, ref_out = _step_both(tm, ref, dict(batch, output_hidden_states=True))
         for mine, theirs in zip(out.hidden_states, ref_out.hidden_states):
             torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-4)
@@ -151,7 +151,7 @@ def test_keeping_costs_nothing_when_the_loop_drops_its_outputs(monkeypatch):
     tm = fxtrain.TrainModule(to_device(models.bert_mlm(hidden=32, layers=2, heads=2, vocab=300, max_positions=64)))
     opt = torch.optim.AdamW(tm.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(3)
-    batches = [models.synthetic_batch("mlm", 4, 16, 300, padding=0.4, label_density=0.15, generator=g, device=DEVICE)
+    batches = [models.synthetic_batch("mlm", 4, 16, 300, padding=0.4, label_density=0.15, generator=g, device=current_device())
                for _ in range(3)]
     for batch in batches[:2]:
         tm(**batch).loss.backward()     # the outputs are dropped before the step
@@ -170,7 +170,7 @@ def test_a_hand_written_update_still_makes_a_stale_read_raise():
     torch.manual_seed(0)
     tm = fxtrain.TrainModule(to_device(models.bert_mlm(hidden=32, layers=2, heads=2, vocab=300, max_positions=64)))
     g = torch.Generator().manual_seed(4)
-    out = tm(**models.synthetic_batch("mlm", 4, 16, 300, padding=0.4, label_density=0.15, generator=g, device=DEVICE))
+    out = tm(**models.synthetic_batch("mlm", 4, 16, 300, padding=0.4, label_density=0.15, generator=g, device=current_device()))
     out.loss.backward()
     with torch.no_grad():
         for p in tm.parameters():
@@ -188,7 +188,7 @@ def test_weights_heavier_than_the_outputs_are_not_kept(monkeypatch):
     tm = fxtrain.TrainModule(to_device(models.bert_mlm(hidden=32, layers=2, heads=2, vocab=300, max_positions=64)))
     opt = torch.optim.SGD(tm.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(4)
-    out = tm(**models.synthetic_batch("mlm", 2, 8, 300, padding=0.4, label_density=0.3, generator=g, device=DEVICE))
+    out = tm(**models.synthetic_batch("mlm", 2, 8, 300, padding=0.4, label_density=0.3, generator=g, device=current_device()))
     out.loss.backward()
     opt.step()
     with pytest.raises(StaleDeferredOutput, match="more memory than the output itself"):
@@ -199,7 +199,7 @@ def test_backward_through_an_output_read_after_the_step_raises_as_eager_does():
     torch.manual_seed(0)
     tm, ref = _pair(models.bert_mlm(hidden=32, layers=2, heads=2, vocab=300, max_positions=64))
     g = torch.Generator().manual_seed(5)
-    batch = models.synthetic_batch("mlm", 4, 16, 300, padding=0.4, label_density=0.15, generator=g, device=DEVICE)
+    batch = models.synthetic_batch("mlm", 4, 16, 300, padding=0.4, label_density=0.15, generator=g, device=current_device())
     for model in (tm, ref):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         out = model(**batch)
@@ -221,8 +221,8 @@ def test_left_padding_after_a_right_padded_capture_takes_the_dense_route(caplog)
     torch.manual_seed(0)
     tm, ref = _pair(_gpt2())
     g = torch.Generator().manual_seed(6)
-    right = [models.synthetic_batch("clm", b, s, 300, padding=0.4, generator=g, device=DEVICE) for b, s in [(4, 16), (3, 20)]]
-    left = [models.synthetic_batch("clm", b, s, 300, padding=0.4, padding_side="left", generator=g, device=DEVICE)
+    right = [models.synthetic_batch("clm", b, s, 300, padding=0.4, generator=g, device=current_device()) for b, s in [(4, 16), (3, 20)]]
+    left = [models.synthetic_batch("clm", b, s, 300, padding=0.4, padding_side="left", generator=g, device=current_device())
             for b, s in [(4, 16), (3, 20), (5, 12)]]
     with caplog.at_level(logging.WARNING, logger="fxtrain"):
         for batch in right + left + right:
@@ -239,7 +239,7 @@ def test_classifier_reading_a_padding_position_takes_the_dense_route():
     torch.manual_seed(0)
     tm, ref = _pair(models.roberta_cls(hidden=32, layers=2, heads=2, vocab=300))
     g = torch.Generator().manual_seed(7)
-    batches = [models.synthetic_batch("cls", b, s, 300, padding=0.4, pad_id=1, padding_side=side, generator=g, device=DEVICE)
+    batches = [models.synthetic_batch("cls", b, s, 300, padding=0.4, pad_id=1, padding_side=side, generator=g, device=current_device())
                for b, s, side in [(4, 16, "right"), (3, 12, "right"), (4, 16, "left"), (3, 12, "left")]]
     for batch in batches:
         out, ref_out = _step_both(tm, ref, batch)
@@ -253,7 +253,7 @@ def test_mlm_labels_on_padding_take_the_dense_route():
     torch.manual_seed(0)
     tm, ref = _pair(models.bert_mlm(hidden=32, layers=2, heads=2, vocab=300, max_positions=64))
     g = torch.Generator().manual_seed(8)
-    batches = [models.synthetic_batch("mlm", b, s, 300, padding=0.4, label_density=0.15, generator=g, device=DEVICE)
+    batches = [models.synthetic_batch("mlm", b, s, 300, padding=0.4, label_density=0.15, generator=g, device=current_device())
                for b, s in [(4, 16), (3, 12), (4, 16), (3, 12)]]
     for batch in batches[2:]:
         row, col = (batch["attention_mask"] == 0).nonzero()[0].tolist()
@@ -269,7 +269,7 @@ def test_strict_option_raises_before_anything_runs():
     tm = fxtrain.TrainModule(to_device(models.bert_mlm(hidden=32, layers=2, heads=2, vocab=300, max_positions=64)),
                              fxtrain.Options(sparsity_guard="raise"))
     g = torch.Generator().manual_seed(9)
-    first, second = [models.synthetic_batch("mlm", 4, 16, 300, padding=0.4, label_density=0.15, generator=g, device=DEVICE)
+    first, second = [models.synthetic_batch("mlm", 4, 16, 300, padding=0.4, label_density=0.15, generator=g, device=current_device())
                      for _ in range(2)]
     tm(**first).loss.backward()
     before = {k: v.clone() for k, v in tm.state_dict().items()}
@@ -293,7 +293,7 @@ def test_a_cache_hit_takes_the_dense_route_too(tmp_path):
         torch.manual_seed(0)
         return models.bert_mlm(hidden=32, layers=2, heads=2, vocab=300, max_positions=64)
     g = torch.Generator().manual_seed(10)
-    first, second = [models.synthetic_batch("mlm", 4, 16, 300, padding=0.4, label_density=0.15, generator=g, device=DEVICE)
+    first, second = [models.synthetic_batch("mlm", 4, 16, 300, padding=0.4, label_density=0.15, generator=g, device=current_device())
                      for _ in range(2)]
     writer = fxtrain.TrainModule(to_device(build()), fxtrain.Options(cache_dir=str(tmp_path)))
     writer(**first).loss.backward()

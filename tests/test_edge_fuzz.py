@@ -4,7 +4,7 @@ one seed, a few hundred batches in all, against eager PyTorch. The long mode is
 import pytest
 
 from fxtrain import fuzz
-from utils import DEVICE
+from utils import current_device
 
 CI_BATCHES = 16    # per case in `make test`
 LONG_BATCHES = 32  # per case and seed in `make test-long`, seeds 0 and 1: 512 batches
@@ -34,7 +34,7 @@ def _case(model, seeds, n_batches):
 def test_no_batch_differs_from_eager(model, seeds, n_batches):
     """One test per model (its losses together), so that pytest-xdist spreads the fuzzer's minutes
     over the workers instead of one test bounding the suite's wall time."""
-    results = fuzz.run(fuzz.cases(seeds, [model]), n_batches, progress=False, device=DEVICE)
+    results = fuzz.run(fuzz.cases(seeds, [model]), n_batches, progress=False, device=current_device())
     report = fuzz.summary(results)
     print(report)
     assert not [f for r in results for f in r.findings], report
@@ -55,7 +55,7 @@ def test_no_image_batch_differs_from_eager():
     (symbolic batch, image size kept static once its symbolic reasoning proved expensive). In
     `make test-long` (31 s): `make test` covers Swin's sizes policy with
     tests/test_image_sizes.py::test_swin_new_batch_and_image_sizes, and was at 12:47 of its 15 min."""
-    results = fuzz.run(fuzz.cases([0], ["swin-image"], ["model"]), IMAGE_BATCHES, progress=False, device=DEVICE)
+    results = fuzz.run(fuzz.cases([0], ["swin-image"], ["model"]), IMAGE_BATCHES, progress=False, device=current_device())
     report = fuzz.summary(results)
     print(report)
     assert not [f for r in results for f in r.findings], report
@@ -78,7 +78,7 @@ def test_tier_switch_mid_run_matches_eager(losses, n_batches):
     before (capture, compile, eager steps timed), at and after the switch matches eager, and the
     switch did happen at the batch the awaited compile fixes: GPT-2, one loss up to the end of the
     compiled graphs' trial, and both losses with roaming shapes after it."""
-    results = fuzz.run(fuzz.cases([0], ["gpt2-clm"], losses, tier=True), n_batches, progress=False, device=DEVICE)
+    results = fuzz.run(fuzz.cases([0], ["gpt2-clm"], losses, tier=True), n_batches, progress=False, device=current_device())
     report = fuzz.summary(results)
     print(report)
     assert not [f for r in results for f in r.findings], report

@@ -4,8 +4,12 @@ import importlib
 import pkgutil
 from typing import Dict, List, Set, Type
 
+import pytest
+
 import fxtrain
 from fxtrain import Error, FxtrainWarning
+
+pytestmark = pytest.mark.cpu_only(reason="exception classes of fxtrain: no tensors")
 
 # Classes that must not have those roots. Each one is an internal control signal that no
 # ``except Exception`` may stop, so it derives from BaseException directly; say why here.

@@ -62,7 +62,7 @@ def test_python_op_and_absent_gradient(run):
     torch.manual_seed(0)
     tm, ref = wrap_pair(WithFunction(), **RUNS[run])
     for b in (4, 6):
-        x = torch.randn(b, 8)
+        x = to_device(torch.randn(b, 8))
         tm(x).backward(); ref(x).backward()
         assert_grads_equal(tm.module, ref)
         tm.zero_grad(); ref.zero_grad()
@@ -73,12 +73,12 @@ def test_python_op_and_absent_gradient(run):
                                              keep=["eager-autograd", "eager-graph"]))
 def test_cache_hit_runs_through_the_same_runtime(run, tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # none of its entries from before
-    x = torch.randn(5, 8)
+    x = to_device(torch.randn(5, 8))
     grads = []
     from torch._dynamo.utils import counters
     for attempt in range(2):
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 2))
+        model = to_device(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 2)))
         tm = fxtrain.TrainModule(model, fxtrain.Options(fallback="raise", cache_dir=str(tmp_path), **RUNS[run]))
         bypassed, missed = counters["inductor"]["fxgraph_cache_bypass"], counters["inductor"]["fxgraph_cache_miss"]
         tm(x).pow(2).sum().backward()
@@ -98,12 +98,13 @@ def test_cache_hit_runs_through_the_same_runtime(run, tmp_path, monkeypatch):
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b)
     torch.manual_seed(0)
-    ref = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 2))
+    ref = to_device(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 2)))
     ref(x).pow(2).sum().backward()
     for a, p in zip(grads[1], ref.parameters()):
         torch.testing.assert_close(a, p.grad)
 
 
+@pytest.mark.cpu_only(reason="option parsing: no tensors")
 def test_unknown_backward_mode_is_refused():
     with pytest.raises(ValueError, match="backward"):
         fxtrain.Options(backward="sometimes")
@@ -116,7 +117,7 @@ def test_inductor_convolution_saved_input_keeps_its_layout():
     model = nn.Sequential(nn.Conv2d(3, 8, 4, stride=4), nn.Flatten(), nn.Linear(8 * 4 * 4, 5))
     tm, ref = wrap_pair(model, executor="inductor")
     for _ in range(2):
-        x = torch.randn(2, 3, 16, 16)
+        x = to_device(torch.randn(2, 3, 16, 16))
         tm(x).pow(2).sum().backward(); ref(x).pow(2).sum().backward()
         assert_grads_equal(tm.module, ref)
         tm.zero_grad(); ref.zero_grad()
@@ -125,8 +126,8 @@ def test_inductor_convolution_saved_input_keeps_its_layout():
 def test_profiler_costs_the_graphs_of_either_executor():
     """The profiler runs the graphs of the executor the options name (inductor: its decompositions
     and recomputing partitioner), marked and on fake tensors: the matmuls cost the same."""
-    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 10))
-    x = torch.randn(16, 32)
+    model = to_device(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 10)))
+    x = to_device(torch.randn(16, 32))
     reports = {name: fxtrain.profile(model, x, options=fxtrain.Options(executor=name)) for name in ("eager", "inductor")}
     matmuls = 2 * 16 * (32 * 64 + 64 * 10)
     for name, report in reports.items():

@@ -20,7 +20,7 @@ import fxtrain
 import fxtrain.capture.backend as backend
 import fxtrain.capture.pipeline as pipeline
 from fxtrain import models
-from utils import assert_grads_equal, assert_state_equal, wrap_pair
+from utils import assert_grads_equal, assert_state_equal, current_device, to_device, wrap_pair
 
 
 @pytest.fixture(autouse=True)
@@ -93,14 +93,14 @@ class NormedBranch(nn.Module):
 # ---------------------------------------------------------------------- scalars that change
 def test_float_argument_changing_every_call_captures_at_most_three_times():
     torch.manual_seed(0)
-    model = Tempered()
+    model = to_device(Tempered())
     ref = copy.deepcopy(model)
     tm = fxtrain.TrainModule(model)  # defaults, as a new user would
     opt, ref_opt = torch.optim.SGD(tm.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
     with warnings.catch_warnings():
         warnings.simplefilter("error", fxtrain.FallbackWarning)
         for i in range(80):
-            x, t = torch.randn(2, 4), 1 + i / 100
+            x, t = to_device(torch.randn(2, 4)), 1 + i / 100
             loss, ref_loss = tm(x, t).sum(), ref(x, t).sum()
             _close(loss, ref_loss)
             loss.backward(); ref_loss.backward()
@@ -124,7 +124,7 @@ def test_float_inside_a_structure_and_int_arguments_become_symbolic():
     torch.manual_seed(0)
     tm, ref = wrap_pair(Scaled(), dynamic=None)
     for i in range(30):
-        _step(tm, ref, torch.randn(3, 4), {"scale": 0.5 + i / 7}, steps=i % 5)
+        _step(tm, ref, to_device(torch.randn(3, 4)), {"scale": 0.5 + i / 7}, steps=i % 5)
     assert tm.capture_info().graphs <= 4, tm.capture_info().capture_reasons
 
 
@@ -133,7 +133,7 @@ def test_first_capture_keeps_floats_constant():
     torch.manual_seed(0)
     tm, ref = wrap_pair(Tempered(), dynamic=None)
     for _ in range(3):
-        _step(tm, ref, torch.randn(2, 4), 2.0)
+        _step(tm, ref, to_device(torch.randn(2, 4)), 2.0)
     assert tm.capture_info().graphs == 1 and tm._specialize_float
 
 
@@ -144,8 +144,8 @@ def test_recompile_limit_on_a_later_call_follows_the_policy(monkeypatch, fallbac
     torch.manual_seed(0)
     tm, ref = wrap_pair(Normed(), fallback=fallback, dynamic=None)
     for _ in range(3):
-        _step(tm, ref, torch.randn(4, 4))
-    x = torch.randn(6, 4)  # a new batch size: a second capture, over the limit
+        _step(tm, ref, to_device(torch.randn(4, 4)))
+    x = to_device(torch.randn(6, 4))  # a new batch size: a second capture, over the limit
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if fallback == "raise":
@@ -156,7 +156,7 @@ def test_recompile_limit_on_a_later_call_follows_the_policy(monkeypatch, fallbac
             return
         _step(tm, ref, x)
         for b in (5, 7, 4):
-            _step(tm, ref, torch.randn(b, 4))
+            _step(tm, ref, to_device(torch.randn(b, 4)))
     assert len(_fallbacks(caught)) == 1
     assert "recompile limit" in tm.capture_info().fallback_reason
     assert int(tm.module.bn.num_batches_tracked) == 7
@@ -166,14 +166,15 @@ def test_recompile_limit_on_hf_bert_batch_size_change_falls_back(monkeypatch):
     """The issue's second repro: FXTRAIN_RECOMPILE_LIMIT=1 and a new batch size on HF BERT."""
     monkeypatch.setenv("FXTRAIN_RECOMPILE_LIMIT", "1")
     torch.manual_seed(0)
-    model = models.bert_mlm(hidden=32, layers=2, heads=2, vocab=1000)
+    model = to_device(models.bert_mlm(hidden=32, layers=2, heads=2, vocab=1000))
     ref = copy.deepcopy(model)
     tm = fxtrain.TrainModule(model)
     g = torch.Generator().manual_seed(1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for b, s in ((4, 16), (3, 16), (5, 16)):
-            batch = models.synthetic_batch("mlm", b, s, 1000, padding=0.3, label_density=0.3, generator=g)
+            batch = models.synthetic_batch("mlm", b, s, 1000, padding=0.3, label_density=0.3, generator=g,
+                                           device=current_device())
             out, r = tm(**batch), ref(**batch)
             _close(out.loss, r.loss)
             out.loss.backward(); r.loss.backward()
@@ -201,7 +202,7 @@ def test_recapture_that_fails_after_a_graph_of_the_call_ran(monkeypatch, fallbac
     _failing_passes(monkeypatch, fail_on_call=4)  # call 1 makes graphs 1-2; call 2 fails on its second
     torch.manual_seed(0)
     tm, ref = wrap_pair(NormedBranch(), fallback=fallback, dynamic=None)
-    x = torch.randn(4, 4)
+    x = to_device(torch.randn(4, 4))
     _step(tm, ref, x, k=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -212,7 +213,7 @@ def test_recapture_that_fails_after_a_graph_of_the_call_ran(monkeypatch, fallbac
             assert_state_equal(tm.module, ref)  # BatchNorm updated once (by the eager rerun)
             return
         for k in (2, 3, 1):
-            _step(tm, ref, torch.randn(4, 4), k=k)
+            _step(tm, ref, to_device(torch.randn(4, 4)), k=k)
     assert len(_fallbacks(caught)) == 1
     assert "NotImplementedError: pass cannot handle aten.frobnicate" == tm.capture_info().fallback_reason
     assert int(tm.module.bn.num_batches_tracked) == 4
@@ -253,7 +254,7 @@ def test_failure_after_a_single_graph_updated_buffers_updates_them_once(monkeypa
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for b in (3, 5, 6, 7, 3):
-            _step(tm, ref, torch.randn(b, 4))
+            _step(tm, ref, to_device(torch.randn(b, 4)))
     assert len(_fallbacks(caught)) == 1
     assert int(tm.module.bn.num_batches_tracked) == 5
 
@@ -264,19 +265,19 @@ def test_runtime_error_on_the_nth_call_follows_the_policy(monkeypatch, fallback)
     torch.manual_seed(0)
     tm, ref = wrap_pair(Normed(), fallback=fallback)
     for b in (3, 5, 6, 7, 3):  # not 4: a batch of 4 would share its symbol with the 4 features
-        _step(tm, ref, torch.randn(b, 4))
+        _step(tm, ref, to_device(torch.randn(b, 4)))
     assert tm.capture_info().graphs == 1
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if fallback == "raise":
-            x = torch.randn(3, 4)
+            x = to_device(torch.randn(3, 4))
             with pytest.raises(fxtrain.CaptureError, match="replay buffer exhausted"):
                 tm(x)
             ref(x)
             assert_state_equal(tm.module, ref)
             return
         for b in (3, 7, 2):
-            _step(tm, ref, torch.randn(b, 4))
+            _step(tm, ref, to_device(torch.randn(b, 4)))
     assert len(_fallbacks(caught)) == 1
     assert tm.capture_info().fallback_reason == "RuntimeError: fxtrain runtime: replay buffer exhausted"
     assert int(tm.module.bn.num_batches_tracked) == 8
@@ -289,10 +290,10 @@ def test_runtime_error_in_a_later_graph_does_not_update_buffers_twice(monkeypatc
     torch.manual_seed(0)
     tm, ref = wrap_pair(NormedBranch(), fallback="eager")
     for _ in range(3):
-        _step(tm, ref, torch.randn(4, 4))
+        _step(tm, ref, to_device(torch.randn(4, 4)))
     with pytest.warns(fxtrain.FallbackWarning, match="replay buffer exhausted"):
-        _step(tm, ref, torch.randn(4, 4))
-    _step(tm, ref, torch.randn(4, 4))
+        _step(tm, ref, to_device(torch.randn(4, 4)))
+    _step(tm, ref, to_device(torch.randn(4, 4)))
     assert int(tm.module.bn.num_batches_tracked) == 5
 
 
@@ -311,20 +312,20 @@ def test_user_error_on_a_later_call_is_eagers_error_and_capture_goes_on():
     torch.manual_seed(0)
     tm, ref = wrap_pair(Checked(), fallback="eager")
     for n in (1, 2, 3):
-        _step(tm, ref, torch.randn(2, 4), n)
+        _step(tm, ref, to_device(torch.randn(2, 4)), n)
     graphs = tm.capture_info().graphs
     with warnings.catch_warnings():
         warnings.simplefilter("error", fxtrain.FallbackWarning)
         with pytest.raises(ValueError, match="n must be at most 3, got 5") as err:
-            tm(torch.randn(2, 4), 5)
+            tm(to_device(torch.randn(2, 4)), 5)
         assert type(err.value) is ValueError
         # a shape error too: eager's RuntimeError, not dynamo's
         with pytest.raises(RuntimeError) as eager_err:
-            ref(torch.randn(2, 7), 1)
+            ref(to_device(torch.randn(2, 7)), 1)
         with pytest.raises(RuntimeError) as err:
-            tm(torch.randn(2, 7), 1)
+            tm(to_device(torch.randn(2, 7)), 1)
         assert type(err.value) is type(eager_err.value) and str(err.value) == str(eager_err.value)
-        _step(tm, ref, torch.randn(2, 4), 2)
+        _step(tm, ref, to_device(torch.randn(2, 4)), 2)
     info = tm.capture_info()
     assert info.fallback_reason is None and not tm._eager and info.graphs >= graphs
 
@@ -363,7 +364,7 @@ class TensorBranch(nn.Module):
 def test_break_filed_as_unimplemented_is_counted_with_its_reason():
     torch.manual_seed(0)
     tm, ref = wrap_pair(CountsLabels())
-    x, y = torch.randn(5, 4), torch.tensor([0, 2, -1, 1, 0])
+    x, y = to_device(torch.randn(5, 4)), to_device(torch.tensor([0, 2, -1, 1, 0]))
     _step(tm, ref, x, y)
     info = tm.capture_info()
     assert (info.graphs, info.graph_breaks) == (2, 1)
@@ -377,13 +378,13 @@ def test_two_modules_do_not_report_each_others_breaks():
     a, ref_a = wrap_pair(CountsLabels())
     b, ref_b = wrap_pair(TensorBranch())
     c, ref_c = wrap_pair(Normed())
-    y = torch.tensor([0, 2, -1, 1, 0])
+    y = to_device(torch.tensor([0, 2, -1, 1, 0]))
     for _ in range(2):
-        _step(a, ref_a, torch.randn(5, 4), y)
-        _step(b, ref_b, torch.randn(5, 4))
-        _step(c, ref_c, torch.randn(5, 4))
+        _step(a, ref_a, to_device(torch.randn(5, 4)), y)
+        _step(b, ref_b, to_device(torch.randn(5, 4)))
+        _step(c, ref_c, to_device(torch.randn(5, 4)))
     a2, ref_a2 = wrap_pair(CountsLabels())  # a second instance of the same class breaks on its own
-    _step(a2, ref_a2, torch.randn(5, 4), y)
+    _step(a2, ref_a2, to_device(torch.randn(5, 4)), y)
     ia, ib, ic, ia2 = (m.capture_info() for m in (a, b, c, a2))
     assert ic.graph_breaks == 0 and ic.break_reasons == []
     assert ia.graph_breaks == 1 and ia2.graph_breaks == 1 and ib.graph_breaks >= 1
@@ -413,8 +414,8 @@ def test_hf_deberta_v2_counts_its_graph_break():
     tm, ref = wrap_pair(transformers.DebertaV2ForSequenceClassification(cfg))
     g = torch.Generator().manual_seed(0)
     for b, s in ((4, 12), (3, 9)):
-        batch = dict(input_ids=torch.randint(0, 100, (b, s), generator=g),
-                     labels=torch.randint(0, 3, (b,), generator=g))
+        batch = to_device(dict(input_ids=torch.randint(0, 100, (b, s), generator=g),
+                               labels=torch.randint(0, 3, (b,), generator=g)))
         out, r = tm(**batch), ref(**batch)
         _close(out.loss, r.loss)
         _close(out.logits, r.logits)
@@ -458,10 +459,10 @@ def test_nested_train_module_breaks_are_its_own():
             return ThroughInner.apply(self.l(x), self.inner).sum()
 
     torch.manual_seed(0)
-    inner = fxtrain.TrainModule(Branches(), fxtrain.Options(fallback="raise", dynamic=True))
-    outer = fxtrain.TrainModule(Outer(inner), fxtrain.Options(fallback="raise", dynamic=True))
+    inner = fxtrain.TrainModule(to_device(Branches()), fxtrain.Options(fallback="raise", dynamic=True))
+    outer = fxtrain.TrainModule(to_device(Outer(inner)), fxtrain.Options(fallback="raise", dynamic=True))
     for b in (3, 5):
-        outer(torch.randn(b, 4)).backward()
+        outer(to_device(torch.randn(b, 4))).backward()
     assert outer.capture_info().graph_breaks == 0 and outer.capture_info().break_reasons == []
     assert inner.capture_info().graph_breaks >= 1
 
@@ -477,7 +478,7 @@ def test_cache_entry_never_serves_other_scalar_values(tmp_path):
             return self.l(x) / t + k
 
     torch.manual_seed(0)
-    model, x = Affine(), torch.randn(2, 4)
+    model, x = to_device(Affine()), to_device(torch.randn(2, 4))
 
     def run(calls):
         tm = fxtrain.TrainModule(copy.deepcopy(model), fxtrain.Options(cache_dir=str(tmp_path), fallback="raise"))

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from fxtrain import models
-from utils import train_parity, wrap_pair
+from utils import to_device, train_parity, wrap_pair
 
 
 def _compare_logits(out, ref_out):
@@ -27,6 +27,7 @@ def _check(build, batches, eval_batch):
     assert (info.graphs, info.graph_breaks, info.fallback_reason) == (1, 0, None)
     tm.eval(); ref.eval()
     with torch.no_grad():
+        eval_batch = to_device(eval_batch)
         out, ref_out = tm(**eval_batch), ref(**eval_batch)
     _compare_logits(out, ref_out)
     torch.testing.assert_close(out.loss, ref_out.loss, atol=1e-5, rtol=1e-4)

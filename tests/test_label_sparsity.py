@@ -7,7 +7,7 @@ from torch import nn
 import fxtrain
 from fxtrain import models
 from fxtrain.runtime.deferred import DeferredTensor
-from utils import DEVICE, assert_grads_equal, long_params, to_device, train_parity, wrap_pair
+from utils import current_device, assert_grads_equal, long_params, to_device, train_parity, wrap_pair
 
 SHAPES = [(4, 16), (3, 11), (5, 20)]
 # AdamW turns gradients that are pure rounding noise (the key bias of attention has a true gradient
@@ -30,7 +30,7 @@ def _check_logits(out, ref_out):
 
 def _batches(kind, pad_id, seed, **kw):
     g = torch.Generator().manual_seed(seed)
-    return [models.synthetic_batch(kind, b, s, 1000, padding=0.3, pad_id=pad_id, generator=g, device=DEVICE, **kw) for b, s in SHAPES]
+    return [models.synthetic_batch(kind, b, s, 1000, padding=0.3, pad_id=pad_id, generator=g, device=current_device(), **kw) for b, s in SHAPES]
 
 
 MLM = {

@@ -12,7 +12,11 @@ import ast
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent / "fxtrain"
+
+pytestmark = pytest.mark.cpu_only(reason="source scan (the imports of fxtrain/): no tensors")
 
 # Lowest first. A unit (a subpackage, or a top-level module of fxtrain/) may import units of its
 # own layer or below; "fxtrain" is the package's __init__: the public names, on top of everything.

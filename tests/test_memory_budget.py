@@ -43,6 +43,7 @@ def eager_peak() -> int:
     return measure_step(_gpt2(), optimizer="adamw", **_batch()).peak_bytes
 
 
+@pytest.mark.cpu_only(reason="option parsing: no tensors")
 def test_budget_option_parsing(monkeypatch) -> None:
     assert Options(memory_budget="6GiB").memory_budget == 6 * 2 ** 30
     assert Options(memory_budget="512 MB").memory_budget == 512 * 10 ** 6

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxtrain
-from utils import assert_grads_equal, assert_state_equal, train_parity, wrap_pair
+from utils import assert_grads_equal, assert_state_equal, current_device, to_device, train_parity, wrap_pair
 
 
 class MLP(nn.Module):
@@ -52,7 +52,7 @@ def test_mlp_three_adamw_steps_changing_batch():
     train_parity(tm, ref, batches, lambda out, _: out[0], compare_outputs=lambda o, r: _close(o[1], r[1]))
     assert tm.capture_info().graphs == 1
     tm.eval(); ref.eval()
-    x = torch.randn(5, 8)
+    x = to_device(torch.randn(5, 8))
     _close(tm(x), ref(x))
 
 
@@ -64,7 +64,7 @@ def test_cnn_batchnorm_running_stats_equal_eager():
     assert int(tm.module.bn1.num_batches_tracked) == 3
     _close(tm.module.bn2.running_var, ref.bn2.running_var)
     tm.eval(); ref.eval()
-    x, y = torch.randn(2, 3, 12, 12), torch.randint(0, 5, (2,))
+    x, y = to_device((torch.randn(2, 3, 12, 12), torch.randint(0, 5, (2,))))
     _close(tm(x, y)[1], ref(x, y)[1])
     assert_state_equal(tm.module, ref)  # eval must not touch running stats
 
@@ -93,9 +93,9 @@ class Nested(nn.Module):
 def test_nested_inputs_outputs_and_python_args():
     torch.manual_seed(0)
     tm, ref = wrap_pair(Nested())
-    for kw in (dict(scale=0.5, flag=True, mode="mean", extra=[torch.randn(4)], steps=2),
+    for kw in (dict(scale=0.5, flag=True, mode="mean", extra=[to_device(torch.randn(4))], steps=2),
                dict(scale=2.0, flag=False, mode="sum", extra=None, steps=1)):
-        x, y, z, w = (torch.randn(3, 4) for _ in range(4))
+        x, y, z, w = (to_device(torch.randn(3, 4)) for _ in range(4))
         out = tm((x, (y, z)), {"w": w}, **kw)
         r = ref((x, (y, z)), {"w": w}, **kw)
         assert set(out) == set(r) and out["none"] is None and out["n"] == r["n"]
@@ -110,7 +110,7 @@ def test_nested_inputs_outputs_and_python_args():
 def test_positional_and_keyword_and_none():
     torch.manual_seed(0)
     tm, ref = wrap_pair(MLP())
-    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+    x, y = to_device((torch.randn(4, 8), torch.randint(0, 4, (4,))))
     _close(tm(x, y)[0], ref(x, y)[0])
     _close(tm(x=x, y=y)[0], ref(x=x, y=y)[0])
     _close(tm(x, None), ref(x, None))
@@ -120,7 +120,7 @@ def test_positional_and_keyword_and_none():
 def test_train_eval_no_grad_are_separate_captures():
     torch.manual_seed(0)
     tm, ref = wrap_pair(MLP())
-    x = torch.randn(4, 8)
+    x = to_device(torch.randn(4, 8))
     _close(tm(x), ref(x))
     assert tm.capture_info().graphs == 1
     tm.eval(); ref.eval()
@@ -140,8 +140,8 @@ def test_train_eval_no_grad_are_separate_captures():
 def test_autocast_bf16_matches_eager():
     torch.manual_seed(0)
     tm, ref = wrap_pair(MLP())
-    x, y = torch.randn(6, 8), torch.randint(0, 4, (6,))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    x, y = to_device((torch.randn(6, 8), torch.randint(0, 4, (6,))))
+    with torch.autocast(current_device().type, dtype=torch.bfloat16):
         loss, logits = tm(x, y)
         ref_loss, ref_logits = ref(x, y)
     assert logits.dtype == ref_logits.dtype == torch.bfloat16
@@ -162,7 +162,7 @@ def test_batch_and_length_changes_do_not_recapture():
 
     tm, ref = wrap_pair(Seq())
     for b, s in ((4, 7), (2, 12), (9, 3), (3, 30)):
-        ids = torch.randint(0, 50, (b, s))
+        ids = to_device(torch.randint(0, 50, (b, s)))
         _close(tm(ids), ref(ids))
     assert tm.capture_info().graphs == 1
 
@@ -180,17 +180,17 @@ def test_schema_changes_recapture_correctly(change):
 
     torch.manual_seed(0)
     tm, ref = wrap_pair(M())
-    x = torch.randn(3, 4)
+    x = to_device(torch.randn(3, 4))
     _close(tm(x), ref(x))
     before = tm.capture_info().graphs
     if change == "dtype":
-        x2, kw = torch.randn(3, 4, dtype=torch.float64), {}
+        x2, kw = torch.randn(3, 4, dtype=torch.float64, device=current_device()), {}
     elif change == "rank":
-        x2, kw = torch.randn(2, 3, 4), {}
+        x2, kw = torch.randn(2, 3, 4, device=current_device()), {}
     elif change == "kwargs":
-        x2, kw = x, {"bias": torch.randn(4)}
+        x2, kw = x, {"bias": torch.randn(4, device=current_device())}
     else:
-        x2, kw = torch.randn(3, 4, requires_grad=True), {}
+        x2, kw = torch.randn(3, 4, device=current_device(), requires_grad=True), {}
     out, r = tm(x2, **kw), ref(x2, **kw)
     _close(out, r)
     assert tm.capture_info().graphs == before + 1
@@ -203,14 +203,14 @@ def test_schema_changes_recapture_correctly(change):
 # --------------------------------------------------------------------------- module semantics
 def test_parameters_shared_state_dict_to_and_attributes():
     torch.manual_seed(0)
-    inner = MLP()
+    inner = to_device(MLP())
     tm = fxtrain.TrainModule(inner)
     assert all(p is q for p, q in zip(tm.parameters(), inner.parameters()))
     assert list(tm.state_dict()) == list(inner.state_dict()) == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
     assert [n for n, _ in tm.named_parameters()] == [n for n, _ in inner.named_parameters()]
-    other = MLP()
+    other = to_device(MLP())
     tm.load_state_dict(other.state_dict())
-    x = torch.randn(2, 8)
+    x = to_device(torch.randn(2, 8))
     _close(tm(x), other(x))
     tm.eval()
     assert not inner.training and not inner.fc1.training
@@ -235,7 +235,7 @@ def test_parameter_hooks_fire_like_eager():
     tm.module.fc1.weight.register_hook(lambda g: seen.append(g.clone()) or g * 2)
     ref.fc1.weight.register_hook(lambda g: seen_ref.append(g.clone()) or g * 2)
     tm.module.fc2.bias.register_post_accumulate_grad_hook(lambda p: post.append(p.grad.clone()))
-    x = torch.randn(5, 8)
+    x = to_device(torch.randn(5, 8))
     tm(x).pow(2).sum().backward(); ref(x).pow(2).sum().backward()
     assert len(seen) == len(seen_ref) == 1 and len(post) == 1
     _close(seen[0], seen_ref[0])
@@ -253,7 +253,7 @@ def test_global_module_hooks_never_see_fxtrain_graphs(tmp_path):
     tm, ref = wrap_pair(models.bert_mlm(hidden=32, layers=1, heads=2, vocab=300))
     seen = []
     g = torch.Generator().manual_seed(0)
-    batches = [models.synthetic_batch("mlm", 4, 16, 300, padding=0.5, label_density=0.2, generator=g)
+    batches = [models.synthetic_batch("mlm", 4, 16, 300, padding=0.5, label_density=0.2, generator=g, device=current_device())
                for _ in range(2)]
     # an entry in the on-disk cache, written before the hook exists (dynamo traces a global hook
     # into the graph, and one appending to a list is a side effect no entry can replay)
@@ -294,7 +294,7 @@ def test_graph_break_is_reported_and_correct():
     torch.manual_seed(0)
     tm, ref = wrap_pair(Branchy(), fallback="eager")
     for _ in range(3):
-        x = torch.randn(5, 4)
+        x = to_device(torch.randn(5, 4))
         out, r = tm(x), ref(x)
         _close(out, r)
         out.pow(2).sum().backward(); r.pow(2).sum().backward()   # a BatchNorm output's sum has no gradient
@@ -310,7 +310,7 @@ def test_fullgraph_failure_falls_back_once_without_double_buffer_update():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):
-            x = torch.randn(5, 4)
+            x = to_device(torch.randn(5, 4))
             out, r = tm(x), ref(x)
             _close(out, r)
             out.sum().backward(); r.sum().backward()
@@ -326,22 +326,23 @@ def test_fullgraph_failure_falls_back_once_without_double_buffer_update():
 def test_fullgraph_failure_raises_when_asked():
     tm, _ = wrap_pair(Branchy(), fallback="raise", fullgraph=True)
     with pytest.raises(fxtrain.CaptureError, match="Branchy"):
-        tm(torch.randn(5, 4))
+        tm(to_device(torch.randn(5, 4)))
 
 
 def test_user_error_is_eager_error_not_fallback():
     tm, ref = wrap_pair(MLP(), fallback="eager")
     with pytest.raises(RuntimeError) as eager_err:
-        ref(torch.randn(3, 7))
+        ref(to_device(torch.randn(3, 7)))
     with warnings.catch_warnings():
         warnings.simplefilter("error", fxtrain.FallbackWarning)
         with pytest.raises(type(eager_err.value)):
-            tm(torch.randn(3, 7))
+            tm(to_device(torch.randn(3, 7)))
     assert tm.capture_info().fallback_reason is None
-    _close(tm(torch.ones(3, 8)), ref(torch.ones(3, 8)))
+    _close(tm(torch.ones(3, 8, device=current_device())), ref(torch.ones(3, 8, device=current_device())))
 
 
 # ---------------------------------------------------------------------------------- bad input
+@pytest.mark.cpu_only(reason="input checks at the call: no tensor reaches a device")
 def test_numpy_input_is_a_clear_type_error():
     np = pytest.importorskip("numpy")
     tm = fxtrain.TrainModule(MLP())
@@ -350,11 +351,12 @@ def test_numpy_input_is_a_clear_type_error():
 
 
 def test_wrong_device_is_a_clear_value_error():
-    tm = fxtrain.TrainModule(MLP())
-    with pytest.raises(ValueError, match=r"kwargs\['x'\].*meta.*cpu"):
+    tm = fxtrain.TrainModule(to_device(MLP()))
+    with pytest.raises(ValueError, match=rf"kwargs\['x'\].*meta.*{current_device().type}"):
         tm(x=torch.empty(2, 8, device="meta"))
 
 
+@pytest.mark.cpu_only(reason="input checks at the call: no tensor reaches a device")
 def test_wrapping_non_module_or_twice_is_a_type_error():
     with pytest.raises(TypeError, match="nn.Module"):
         fxtrain.TrainModule(lambda x: x)
@@ -369,7 +371,7 @@ def test_unused_outputs_get_no_materialised_gradient(use, backward):
     torch.manual_seed(0)
     tm, ref = wrap_pair(MLP(), backward=backward)
     for b in (4, 7):
-        x, y = torch.randn(b, 8), torch.randint(0, 4, (b,))
+        x, y = to_device((torch.randn(b, 8), torch.randint(0, 4, (b,))))
         (loss, logits), (rl, rlog) = tm(x, y), ref(x, y)
         pick = {"loss": lambda l, g: l, "both": lambda l, g: l + g.pow(2).sum(), "logits": lambda l, g: g.sum()}[use]
         pick(loss, logits).backward(); pick(rl, rlog).backward()
@@ -382,7 +384,7 @@ def test_absent_gradient_specialisation_removes_the_add():
 
     torch.manual_seed(0)
     tm, ref = wrap_pair(MLP(), backward="graph")  # the aten backward graph's runtime
-    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+    x, y = to_device((torch.randn(4, 8), torch.randint(0, 4, (4,))))
     loss, _ = tm(x, y)
     loss.backward()
     ref(x, y)[0].backward()
@@ -418,7 +420,7 @@ def test_backend_failure_falls_back_with_root_cause(monkeypatch):
     monkeypatch.setattr(pipeline, "split", broken)
     torch.manual_seed(0)
     tm, ref = wrap_pair(MLP(), fallback="eager")
-    x = torch.randn(3, 8)
+    x = to_device(torch.randn(3, 8))
     with pytest.warns(fxtrain.FallbackWarning, match="aten.frobnicate"):
         _close(tm(x), ref(x))
     assert "NotImplementedError: executor cannot handle aten.frobnicate" == tm.capture_info().fallback_reason
@@ -431,14 +433,14 @@ def test_backend_failure_falls_back_with_root_cause(monkeypatch):
 def test_recompile_limit_goes_through_fallback_policy():
     torch.manual_seed(0)
     tm, ref = wrap_pair(MLP(), fallback="raise", recompile_limit=1)
-    x = torch.randn(3, 8)
+    x = to_device(torch.randn(3, 8))
     _close(tm(x), ref(x))
     with pytest.raises(fxtrain.CaptureError):
         tm(x.double().float().requires_grad_())  # a new requires_grad pattern needs a second capture
     tm2, ref2 = wrap_pair(MLP(), fallback="eager", recompile_limit=1)
     tm2(x)
     with pytest.warns(fxtrain.FallbackWarning):
-        xr = torch.randn(3, 8, requires_grad=True)
+        xr = torch.randn(3, 8, device=current_device(), requires_grad=True)
         _close(tm2(xr), ref2(xr))
 
 
@@ -450,9 +452,9 @@ def test_a_dropped_train_module_is_freed_with_its_model():
     import weakref
 
     def train_once():
-        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+        model = to_device(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1)))
         tm = fxtrain.TrainModule(model)
-        tm(torch.randn(4, 8)).sum().backward()
+        tm(to_device(torch.randn(4, 8))).sum().backward()
         return weakref.ref(model), weakref.ref(tm)
 
     model, tm = train_once()

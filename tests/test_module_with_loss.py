@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 import fxtrain
 from fxtrain import models
-from utils import DEVICE, to_device, train_parity
+from utils import current_device, to_device, train_parity
 
 
 def _mlm_loss(outputs, labels):
@@ -18,7 +18,7 @@ def test_loop_loss_in_graph_fires_label_sparsity_and_matches_eager():
     ref = fxtrain.ModuleWithLoss(__import__("copy").deepcopy(model), _mlm_loss)
     tm = fxtrain.TrainModule(fxtrain.ModuleWithLoss(model, _mlm_loss), fxtrain.Options(fallback="raise"))
     g = torch.Generator().manual_seed(1)
-    batches = [models.synthetic_batch("mlm", b, s, 1000, padding=0.3, label_density=0.1, generator=g, device=DEVICE)
+    batches = [models.synthetic_batch("mlm", b, s, 1000, padding=0.3, label_density=0.1, generator=g, device=current_device())
                for b, s in [(4, 16), (3, 11), (5, 20)]]
     # What HF Trainer reads: outputs["loss"]; the model got no labels, so its own loss is not computed.
     train_parity(tm, ref, batches, lambda out, _: out["loss"], state_atol=3e-4,

@@ -8,6 +8,8 @@ import torch
 import fxtrain
 from fxtrain.options import Options, options_table, resolve
 
+pytestmark = pytest.mark.cpu_only(reason="option parsing: no tensors")
+
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):

@@ -8,7 +8,7 @@ from torch import nn
 import fxtrain
 from fxtrain import models
 from fxtrain.runtime.deferred import DeferredTensor
-from utils import DEVICE, assert_grads_equal, long_params, to_device, train_parity, wrap_pair
+from utils import current_device, assert_grads_equal, long_params, to_device, train_parity, wrap_pair
 
 SHAPES = [(4, 16), (3, 11), (5, 20)]
 STATE_ATOL = 3e-4  # AdamW magnifies rounding noise in zero-true gradients (see test_label_sparsity)
@@ -27,7 +27,7 @@ def _batches(kind, pad_id, seed, side="right", padding=0.4, shapes=SHAPES, **kw)
     g = torch.Generator().manual_seed(seed)
     kw.setdefault("label_density", 0.2)
     return [models.synthetic_batch(kind, b, s, 1000, padding=padding, pad_id=pad_id, padding_side=side,
-                                   generator=g, device=DEVICE, **kw) for b, s in shapes]
+                                   generator=g, device=current_device(), **kw) for b, s in shapes]
 
 
 def _same_logits(out, ref_out):

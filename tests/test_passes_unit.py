@@ -19,6 +19,7 @@ from fxtrain.passes.batch_guard import GuardBuilder, counted_index
 from fxtrain.passes.label_sparsity import label_sparsity
 from fxtrain.passes.padding_elimination import padding_elimination
 from fxtrain.passes.row_ops import row_selection
+from utils import to_device
 
 B, S, H, HEADS, V = 3, 8, 16, 2, 50
 
@@ -84,10 +85,10 @@ def _head_inputs(labelled, seed=0):
     labels = torch.randint(0, V, (B, S), generator=g)
     labels[torch.rand(B, S, generator=g) >= labelled] = -100
     labels[0, 0] = 3   # at least one labelled row
-    return {"hidden": torch.randn(B, S, H, generator=g), "labels": labels,
-            "w1": torch.randn(H, H, generator=g) / 4, "b1": torch.randn(H, generator=g),
-            "ln_w": torch.rand(H, generator=g) + 0.5, "ln_b": torch.randn(H, generator=g),
-            "decoder": torch.randn(V, H, generator=g) / 4, "bias": torch.randn(V, generator=g)}
+    return to_device({"hidden": torch.randn(B, S, H, generator=g), "labels": labels,
+                      "w1": torch.randn(H, H, generator=g) / 4, "b1": torch.randn(H, generator=g),
+                      "ln_w": torch.rand(H, generator=g) + 0.5, "ln_b": torch.randn(H, generator=g),
+                      "decoder": torch.randn(V, H, generator=g) / 4, "bias": torch.randn(V, generator=g)})
 
 
 HEAD_WEIGHTS = ("hidden", "w1", "b1", "ln_w", "ln_b", "decoder", "bias")
@@ -142,9 +143,9 @@ def _encoder_inputs(seed=0, lengths=(8, 5, 3), label_on_padding=False):
         labels[2, S - 1] = 7
     w = {name: torch.randn(*shape, generator=g) / 4 for name, shape in
          [("emb", (V, H)), ("wq", (H, H)), ("wk", (H, H)), ("wv", (H, H)), ("wo", (H, H))]}
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels, **w,
-            "ln_w": torch.rand(H, generator=g) + 0.5, "ln_b": torch.randn(H, generator=g),
-            "decoder": torch.randn(V, H, generator=g) / 4}
+    return to_device({"input_ids": ids, "attention_mask": mask, "labels": labels, **w,
+                      "ln_w": torch.rand(H, generator=g) + 0.5, "ln_b": torch.randn(H, generator=g),
+                      "decoder": torch.randn(V, H, generator=g) / 4})
 
 
 ENCODER_WEIGHTS = ("emb", "wq", "wk", "wv", "wo", "ln_w", "ln_b", "decoder")
@@ -205,7 +206,7 @@ def _kept_rows_sum(x, keep):
 
 
 def test_the_batch_guard_counts_a_selection_and_checks_conditions_before_the_step():
-    inputs = {"x": torch.arange(12.0).view(6, 2), "keep": torch.tensor([1, 0, 1, 1, 0, 0])}
+    inputs = to_device({"x": torch.arange(12.0).view(6, 2), "keep": torch.tensor([1, 0, 1, 1, 0, 0])})
     gm = _traced(_kept_rows_sum, inputs)
     plans = Plans()
     x, keep = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -228,7 +229,7 @@ def test_the_batch_guard_counts_a_selection_and_checks_conditions_before_the_ste
     assert guard.check(*inputs.values()).tolist() == [1, 3]   # condition holds; 3 rows kept
     assert guard.failed(tuple(inputs.values())) == []
     torch.testing.assert_close(gm(*inputs.values())[0], _kept_rows_sum(*inputs.values())[0])
-    bad = dict(inputs, keep=torch.tensor([1, -1, 0, 0, 0, 0]))
+    bad = dict(inputs, keep=to_device(torch.tensor([1, -1, 0, 0, 0, 0])))
     assert guard.failed(tuple(bad.values())) == ["keep is negative somewhere"]
 
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch._dynamo.utils import counters
 
-from utils import train_parity, wrap_pair
+from utils import to_device, train_parity, wrap_pair
 
 
 def _sum(out, _):
@@ -128,9 +128,9 @@ def test_graph_breaks_counted_as_torch_compile_counts_them():
     counters["graph_break"]["an earlier, unrelated break"] += 1
     for model_type in (Branchy, ExplicitBreak):
         torch.manual_seed(0)
-        x = torch.randn(5, 4)
+        x = to_device(torch.randn(5, 4))
         before = _dynamo_breaks()
-        torch.compile(model_type(), backend="aot_eager")(x)
+        torch.compile(to_device(model_type()), backend="aot_eager")(x)
         theirs = _dynamo_breaks() - before
         tm, ref = wrap_pair(model_type(), dynamic=None)
         train_parity(tm, ref, [dict(x=x)], _sum)

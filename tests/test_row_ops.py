@@ -9,7 +9,7 @@ from torch import nn
 
 from fxtrain import models
 from fxtrain.passes.scatter_in_place import scatter_in_place
-from utils import train_parity, wrap_pair
+from utils import to_device, train_parity, wrap_pair
 
 aten = torch.ops.aten
 STATE_ATOL = 3e-4  # AdamW magnifies rounding noise in zero-true gradients (see test_label_sparsity)
@@ -125,7 +125,7 @@ def _scatter_graph(share_zeros: bool) -> torch.fx.GraphModule:
 def test_scatter_into_private_zeros_runs_in_place(share_zeros):
     """In place only when nothing else reads the zeros; the value is the functional op's either way."""
     gm = _scatter_graph(share_zeros)
-    rows, index = torch.randn(2, 3), torch.tensor([1, 4])
+    rows, index = to_device((torch.randn(2, 3), torch.tensor([1, 4])))
     expected = gm(rows, index)
     report = scatter_in_place(gm)
     assert report.applied is not share_zeros

@@ -5,6 +5,7 @@ import torch
 
 import fxtrain
 from fxtrain import models
+from utils import to_device
 
 
 def _assert_grads_equal(a: torch.nn.Module, b: torch.nn.Module, atol: float = 1e-5) -> None:
@@ -16,12 +17,12 @@ def _assert_grads_equal(a: torch.nn.Module, b: torch.nn.Module, atol: float = 1e
 
 def test_mlp_trains_like_eager_over_changing_batches():
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 3))
+    net = to_device(torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 3)))
     ref = copy.deepcopy(net)
     tm = fxtrain.TrainModule(net, fxtrain.Options(fallback="raise"))
     opt, ref_opt = torch.optim.AdamW(tm.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for batch in (5, 9, 4):
-        x, y = torch.randn(batch, 8), torch.randint(0, 3, (batch,))
+        x, y = to_device((torch.randn(batch, 8), torch.randint(0, 3, (batch,))))
         loss = torch.nn.functional.cross_entropy(tm(x), y)
         ref_loss = torch.nn.functional.cross_entropy(ref(x), y)
         torch.testing.assert_close(loss, ref_loss)
@@ -35,11 +36,11 @@ def test_mlp_trains_like_eager_over_changing_batches():
 
 
 def test_bert_mlm_loss_and_grads_equal_eager_with_unused_logits():
-    model = models.build("bert-tiny")
+    model = to_device(models.build("bert-tiny"))
     ref = copy.deepcopy(model)
     tm = fxtrain.TrainModule(model, fxtrain.Options(fallback="raise"))
     for batch, seq in ((4, 16), (3, 11)):
-        b = models.preset_batch("bert-tiny", batch, seq, padding=0.3, label_density=0.2)
+        b = to_device(models.preset_batch("bert-tiny", batch, seq, padding=0.3, label_density=0.2))
         out, ref_out = tm(**b), ref(**b)
         torch.testing.assert_close(out.loss, ref_out.loss)
         torch.testing.assert_close(out.logits, ref_out.logits)

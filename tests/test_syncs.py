@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxtrain import models
-from utils import DEVICE, count_syncs, to_device, wrap_pair
+from utils import current_device, count_syncs, to_device, wrap_pair
 
 WARMUP = 3
 RUNTIME_MODES = ("autograd", "graph")
@@ -184,7 +184,7 @@ def test_python_op_step_never_syncs(backward):
     """The backward reads the PythonOp's handle, which lives on the CPU whatever the device (so the
     counter treats it as a host tensor on a CPU run too; checked here)."""
     from fxtrain.pythonop.op import _new_handle
-    with torch.device(DEVICE):
+    with torch.device(current_device()):
         assert _new_handle(7).device.type == "cpu"
     tm, _ = wrap_pair(WithPythonOp(), executor="eager", backward=backward)
     counter, _ = _steady(tm, _mlp_batches(WARMUP + 1))

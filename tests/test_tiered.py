@@ -10,7 +10,7 @@ from torch import nn
 
 import fxtrain
 from fxtrain.runtime.tiered import TRIAL_STEPS
-from utils import wrap_pair
+from utils import to_device, wrap_pair
 
 # Inductor fuses and so reorders float sums (conftest.INDUCTOR_TOLERANCE: ten times the defaults).
 COMPILED = dict(rtol=1.3e-5, atol=1e-4)
@@ -31,14 +31,14 @@ class Head(nn.Module):
 
 def _batch(rows: int, seed: int):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(rows, 16, generator=g), torch.randint(0, 8, (rows,), generator=g)
+    return to_device((torch.randn(rows, 16, generator=g), torch.randint(0, 8, (rows,), generator=g)))
 
 
 def _step(tm, ref, opts, batch, tolerance):
     losses = []
-    state = torch.get_rng_state()   # each model draws the same dropout masks
+    seed = int(torch.randint(2 ** 31, ()))   # each model draws the same dropout masks, on any device
     for model, opt in zip((tm, ref), opts):
-        torch.set_rng_state(state)
+        torch.manual_seed(seed)
         opt.zero_grad()
         loss, _ = model(*batch)
         loss.backward()
@@ -164,7 +164,7 @@ class TwoDropouts(Head):
 
 class RandomNoise(Head):
     def forward(self, x, y):
-        logits = self.b(torch.tanh(self.a(x)) + torch.randn(x.shape[0], 32) * 0.1)
+        logits = self.b(torch.tanh(self.a(x)) + torch.randn(x.shape[0], 32, device=x.device) * 0.1)
         return nn.functional.cross_entropy(logits, y), logits
 
 
@@ -183,6 +183,7 @@ def test_random_ops_that_compiled_code_would_draw_otherwise_stay_eager(model, re
     assert info.tiers == [f"graph 0 (train): eager: {reason}"], info.tiers
 
 
+@pytest.mark.cpu_only(reason="option parsing: no tensors")
 def test_auto_is_an_option_and_an_environment_override(monkeypatch):
     monkeypatch.setenv("FXTRAIN_EXECUTOR", "auto")
     assert fxtrain.Options().with_env().executor == "auto"

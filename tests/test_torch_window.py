@@ -28,6 +28,8 @@ from fxtrain import torch_private as tp
 
 ROOT = pathlib.Path(fxtrain.__file__).resolve().parent.parent
 
+pytestmark = pytest.mark.cpu_only(reason="torch version checks, package metadata and fresh processes that build their own CPU models")
+
 
 @pytest.mark.parametrize("text, expected", [
     ("2.11.0", (2, 11, 0)), ("2.11.0a0+git1234abc", (2, 11, 0)), ("2.14.1+cu130", (2, 14, 1)),

@@ -7,7 +7,7 @@ from torch import nn
 import fxtrain
 from fxtrain import models
 from fxtrain.runtime.deferred import DeferredTensor
-from utils import train_parity, wrap_pair
+from utils import to_device, train_parity, wrap_pair
 
 SHAPES = [(4, 16), (3, 11), (5, 20)]
 STATE_ATOL = 3e-4  # see test_label_sparsity.py: AdamW amplifies rounding noise in zero-true gradients
@@ -71,7 +71,7 @@ def test_last_token_and_returned_hidden_states_are_deferred():
 def test_off_by_option():
     torch.manual_seed(0)
     tm, ref = wrap_pair(LastToken(), upstream_slicing="off")
-    batch = dict(ids=torch.randint(0, 30, (3, 5)), y=torch.randint(0, 2, (3,)))
+    batch = to_device(dict(ids=torch.randint(0, 30, (3, 5)), y=torch.randint(0, 2, (3,))))
     out = tm(**batch)
     assert not isinstance(out[1], DeferredTensor)
     torch.testing.assert_close(out[0], ref(**batch)[0])

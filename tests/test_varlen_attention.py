@@ -16,12 +16,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fxtrain import models
 from fxtrain import torch_private as tp
 from fxtrain.runtime import varlen_attention as va
-from utils import DEVICE, long_params, to_device, train_parity, wrap_pair
+from utils import REQUESTED_DEVICE, current_device, long_params, to_device, train_parity, wrap_pair
 
 
 # The kernels the test device has: "generic" everywhere; "with_lse" where torch_private registers a
 # kernel that returns the log-sum-exp (the CPU's flash kernel), so nothing is skipped on any device.
-KERNELS = ["generic"] + (["with_lse"] if tp.attention_with_lse(DEVICE.type) is not None else [])
+KERNELS = ["generic"] + (["with_lse"] if tp.attention_with_lse(REQUESTED_DEVICE.type) is not None else [])
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -173,7 +173,7 @@ def test_attention_never_runs_over_padding():
     torch.manual_seed(0)
     tm, ref = wrap_pair(models.bert_mlm(hidden=32, layers=2, heads=2, vocab=1000))
     batch = models.synthetic_batch("mlm", 4, 16, 1000, padding=0.4, generator=torch.Generator().manual_seed(5),
-                                   label_density=0.2, device=DEVICE)
+                                   label_density=0.2, device=current_device())
     lengths = batch["attention_mask"].sum(1).tolist()
     assert max(lengths) < 16
     tm(**batch).loss.backward()   # capture

@@ -16,14 +16,24 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxtrain
 
-# The device the parity tests run on: FXTRAIN_TEST_DEVICE=cuda runs them on a GPU (default "cpu").
-# The conftest keeps this variable when it clears FXTRAIN_*. Tests that are inherently CPU say so.
-DEVICE = torch.device(os.environ.get("FXTRAIN_TEST_DEVICE") or "cpu")
+# The device the suite is asked to run on: FXTRAIN_TEST_DEVICE=cuda runs it on a GPU (default "cpu").
+# The conftest keeps this variable when it clears FXTRAIN_*. Read it at import time only to decide
+# what to collect (tests/test_varlen_attention.py's kernels); a test asks ``current_device()``.
+REQUESTED_DEVICE = torch.device(os.environ.get("FXTRAIN_TEST_DEVICE") or "cpu")
+_current = REQUESTED_DEVICE  # set per test by tests/conftest.py (``pytest_runtest_setup``)
+
+
+def current_device() -> torch.device:
+    """The device the running test uses: REQUESTED_DEVICE, or the CPU for a test marked
+    ``cpu_only(reason)`` (tests/conftest.py sets it before each test's fixtures). ``to_device``,
+    ``wrap_pair``, the sync counter and the ``device`` fixture use it; a test that builds tensors
+    itself passes ``device=current_device()`` or moves them with ``to_device``."""
+    return _current
 
 
 def to_device(obj: Any, device: Any = None) -> Any:
     """``obj`` (a tensor, a module, or a nest of dicts/lists/tuples of tensors) on the test device."""
-    device = DEVICE if device is None else torch.device(device)
+    device = current_device() if device is None else torch.device(device)
     if isinstance(obj, torch.nn.Module):
         return obj.to(device)
     return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), obj)
@@ -146,7 +156,7 @@ class SyncCounter(TorchDispatchMode):
             return False
         on_host = any(source is h for h in self._host)
         # CPU run: a tensor stands for a device tensor, unless fxtrain keeps it on the CPU anyway.
-        from_device = source.device.type != "cpu" or (DEVICE.type == "cpu" and not on_host)
+        from_device = source.device.type != "cpu" or (current_device().type == "cpu" and not on_host)
         if packet in _READS:
             return from_device
         if packet is _aten._to_copy:
@@ -157,7 +167,7 @@ class SyncCounter(TorchDispatchMode):
                 return True
             # CPU run: a copy that only names the CPU is a move to the host; one that converts the
             # dtype too is model code's ``x.to(self.device, dtype)``, a copy on the device on a GPU.
-            return DEVICE.type == "cpu" and kwargs.get("dtype") in (None, source.dtype)
+            return current_device().type == "cpu" and kwargs.get("dtype") in (None, source.dtype)
         if packet is _aten.copy_ and len(args) > 1 and isinstance(args[1], torch.Tensor):
             return args[0].device.type == "cpu" and args[1].device.type != "cpu"
         return False
