@@ -900,9 +900,101 @@ def attention_with_lse(device_type: str) -> Optional[Any]:
     ``[batch, heads, len]`` float32; ``backward(grad, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)``.
     The CPU flash kernel pair (``aten._scaled_dot_product_flash_attention_for_cpu`` and its
     ``_backward``: the kernels ``F.scaled_dot_product_attention`` and its autograd use on the CPU),
-    no dropout. The CUDA kernels return the log-sum-exp too, but with RNG state and padding of their
-    own: not wired up until a GPU run can check them."""
+    no dropout. On CUDA, fxtrain's varlen attention uses the variable-length kernels of
+    ``varlen_kernels`` instead (one call over every sequence), not a per-sequence pair."""
     return _ATTENTION_WITH_LSE.get(device_type)
+
+
+
+# ------------------------------------------------------- variable-length attention kernels (CUDA)
+# Attention over packed sequences ``[tokens, heads, dim]`` in one kernel call, told where each
+# sequence starts by ``cu_seqlens`` (int32 on the device, ``[0, l0, l0 + l1, ..., tokens]``) and the
+# longest length (a host int). The positional schemas below are the same on torch 2.11.0, 2.13.0 and
+# 2.14.1 (read from each release's ``_schema``; 2.13 added the keyword-only ``block_table`` and
+# ``num_splits`` to ``_flash_attention_forward``, which fxtrain leaves at their defaults); shapes are
+# those of ``torch/_meta_registrations.py`` of each release:
+#
+# ``aten._efficient_attention_forward(query, key, value, bias, cu_seqlens_q, cu_seqlens_k,
+#   max_seqlen_q, max_seqlen_k, dropout_p, custom_mask_type, compute_log_sumexp=False, *, scale,
+#   seqlen_k, window_size) -> (output, logsumexp, philox_seed, philox_offset, max_q, max_k)``:
+#   q/k/v ``[1, tokens, heads, dim]`` (cu_seqlens needs batch 1), output ``[1, tokens, heads, dim_v]``,
+#   logsumexp float32 ``[sequences, heads, ceil(max_seqlen_q / 32) * 32]`` (CUDA pads to its kernel
+#   alignment; ROCm's is compact on 2.14, hence no ROCm route), seed/offset empty CPU scalars when
+#   dropout is 0. ``custom_mask_type`` 0 none, 1 causal from the top left, 2 from the bottom right:
+#   equal here since every sequence attends to itself (as many queries as keys).
+# ``aten._efficient_attention_backward(grad_out, query, key, value, bias, out, cu_seqlens_q,
+#   cu_seqlens_k, max_seqlen_q, max_seqlen_k, logsumexp, dropout_p, philox_seed, philox_offset,
+#   custom_mask_type, bias_requires_grad, *, scale, num_splits_key, window_size,
+#   shared_storage_dqdkdv) -> (dq, dk, dv, dbias)``: the forward's logsumexp as it was; seed and
+#   offset are only read with dropout; ``out`` must be contiguous (the kernel derives its row stride).
+# ``aten._flash_attention_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+#   is_causal, return_debug_mask, *, scale, ...) -> (output, softmax_logsumexp, rng_state, unused,
+#   debug_attn_mask)``: fp16/bf16 only, q/k/v ``[tokens, heads, dim]`` (3-d: the varlen path), output
+#   the same, logsumexp float32 ``[heads, tokens]``; rng_state uint64 ``[2]`` (unused at p=0).
+# ``aten._flash_attention_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k,
+#   max_q, max_k, dropout_p, is_causal, rng_state, unused, *, scale, ...) -> (dq, dk, dv)``: given
+#   empty rng tensors at p=0, as torch.nn.attention.varlen does (it passes zeros: a fill kernel).
+#
+# ``torch.nn.attention.varlen.varlen_attn`` (2.11+) wraps the same flash kernels (or cuDNN) in its
+# own autograd op with fp16/bf16 only; fxtrain's op needs forward and backward as separate kernels
+# (its backward is a custom op below autograd), so it calls the aten ops directly.
+
+#: The efficient kernel pads its log-sum-exp's last dim to a multiple of this (CUDA, 2.11 to 2.14.1).
+EFFICIENT_LSE_ALIGN = 32
+
+
+def _efficient_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                              max_len: int, causal: bool, scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    out, lse = aten._efficient_attention_forward(
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), None, cu_seqlens, cu_seqlens, max_len, max_len,
+        0.0, 1 if causal else 0, True, scale=scale)[:2]
+    return out.squeeze(0), lse
+
+
+def _efficient_varlen_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               out: torch.Tensor, lse: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int,
+                               causal: bool, scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    unused = torch.empty((), dtype=torch.long)
+    dq, dk, dv, _ = aten._efficient_attention_backward(
+        grad.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), None, out.contiguous().unsqueeze(0),
+        cu_seqlens, cu_seqlens, max_len, max_len, lse, 0.0, unused, unused, 1 if causal else 0, False,
+        scale=scale)
+    return dq.squeeze(0), dk.squeeze(0), dv.squeeze(0)
+
+
+def _flash_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                          max_len: int, causal: bool, scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    out, lse = aten._flash_attention_forward(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, 0.0, causal,
+                                             False, scale=scale)[:2]
+    return out, lse
+
+
+def _flash_varlen_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           out: torch.Tensor, lse: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int,
+                           causal: bool, scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rng_state = torch.empty((2,), dtype=torch.uint64, device=q.device)   # read only with dropout
+    unused = torch.empty((0,), device=q.device)
+    dq, dk, dv = aten._flash_attention_backward(grad, q, k, v, out, lse, cu_seqlens, cu_seqlens, max_len, max_len,
+                                                0.0, causal, rng_state, unused, scale=scale)
+    return dq, dk, dv
+
+
+_VARLEN_KERNELS = {"efficient": (_efficient_varlen_forward, _efficient_varlen_backward),
+                   "flash": (_flash_varlen_forward, _flash_varlen_backward)}
+
+
+def varlen_kernels(kind: str) -> Tuple[Callable[..., Any], Callable[..., Any]]:
+    """``(forward, backward)`` of torch's variable-length attention kernel ``kind`` ("efficient":
+    the CUTLASS memory-efficient kernel, float32/fp16/bf16; "flash": FlashAttention-2, fp16/bf16),
+    on packed ``[tokens, heads, dim]`` q/k/v, no dropout, checked on 2.11.0, 2.13.0 and 2.14.1 (the
+    schemas above).
+
+    ``forward(q, k, v, cu_seqlens, max_len, causal, scale) -> (out [tokens, heads, dim_v], lse)``,
+    lse float32 ``[sequences, heads, ceil(max_len / EFFICIENT_LSE_ALIGN) * EFFICIENT_LSE_ALIGN]``
+    (efficient) or ``[heads, tokens]`` (flash); ``backward(grad, q, k, v, out, lse, cu_seqlens,
+    max_len, causal, scale) -> (dq, dk, dv)``. ``cu_seqlens`` int32 on q's device, one entry per
+    non-empty sequence plus one; causal is each sequence's own causal mask."""
+    return _VARLEN_KERNELS[kind]
 
 
 # ------------------------------------------------------------------ fake tensors and dispatch

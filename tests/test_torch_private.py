@@ -378,6 +378,35 @@ def test_attention_with_lse_kernels_match_sdpa() -> None:
         torch.testing.assert_close(a, b)
 
 
+
+# The arguments varlen_kernels passes by position, per op: a release that renamed or moved one fails here.
+_VARLEN_POSITIONAL = {
+    "_efficient_attention_forward": ["query", "key", "value", "bias", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
+                                     "max_seqlen_k", "dropout_p", "custom_mask_type", "compute_log_sumexp"],
+    "_efficient_attention_backward": ["grad_out_", "query", "key", "value", "bias", "out", "cu_seqlens_q",
+                                      "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "logsumexp", "dropout_p",
+                                      "philox_seed", "philox_offset", "custom_mask_type", "bias_requires_grad"],
+    "_flash_attention_forward": ["query", "key", "value", "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p",
+                                 "is_causal", "return_debug_mask"],
+    "_flash_attention_backward": ["grad_out", "query", "key", "value", "out", "logsumexp", "cum_seq_q", "cum_seq_k",
+                                  "max_q", "max_k", "dropout_p", "is_causal", "rng_state", "unused"],
+}
+
+
+@pytest.mark.parametrize("op", sorted(_VARLEN_POSITIONAL))
+def test_varlen_kernel_schemas(op: str) -> None:
+    """The variable-length attention kernels (CUDA) are there with the arguments varlen_kernels passes
+    by position, and ``scale`` as a keyword; their output counts are those it unpacks."""
+    for kind in ("efficient", "flash"):
+        assert all(callable(f) for f in _check("varlen_kernels", tp.varlen_kernels, kind))
+    schema = getattr(torch.ops.aten, op).default._schema
+    names = [a.name for a in schema.arguments]
+    assert names[:len(_VARLEN_POSITIONAL[op])] == _VARLEN_POSITIONAL[op], names
+    assert "scale" in [a.name for a in schema.arguments if a.kwarg_only], names
+    assert len(schema.returns) == {"_efficient_attention_forward": 6, "_efficient_attention_backward": 4,
+                                   "_flash_attention_forward": 5, "_flash_attention_backward": 3}[op]
+    assert tp.EFFICIENT_LSE_ALIGN == 32
+
 def test_pythonop_capture_accessors() -> None:
     """What PythonOp capture reads of dynamo: checked inside dynamo's conversion of a frame, where a
     Function's ``call_apply`` meets them (a plain accessor check for the rest)."""

@@ -15,21 +15,40 @@ fills in the step's one device-to-host transfer (``host_counts.row_lengths``), s
 never synchronises. Consecutive sequences of equal length run as one batched call (a dense batch
 is then one call, as in eager).
 
-Kernels: where torch has an attention kernel that also returns the softmax's log-sum-exp for the
-device (``torch_private.attention_with_lse``, the CPU flash kernel), the backward reuses it and
-costs one pass; elsewhere the forward is ``F.scaled_dot_product_attention`` (the device's own best
-kernel) and the backward recomputes the attention weights in plain tensor ops: an extra
-``q @ k^T`` and softmax, and the ``[len, len]`` weights in memory, but nothing device-specific.
+Routes (``route``: by device type, dtype and head dim; the forward, the backward and both fakes
+ask it alike):
+
+- ``"efficient"`` / ``"flash"`` (CUDA): ONE variable-length kernel call over every sequence per
+  direction, told where each starts by ``cu_seqlens`` (``torch_private.varlen_kernels``): the
+  memory-efficient kernel for float32 (and half types before sm80), FlashAttention-2 for fp16/bf16
+  on sm80+. Issue 17: the per-run loop below cost an H100 2,805 kernel launches in 5 BERT-MLM steps
+  (16x128, 54% padding), 60% of the host time in the backward's ~14 ops per run, and ran 0.26x
+  eager, host-bound. ``cu_seqlens`` is built on the host from the host lengths and copied to the
+  device from pinned memory without blocking (no synchronisation); consecutive calls with the same
+  lengths tensor (every layer of a step, forward and backward) reuse one copy.
+  ``lse`` is the kernel's own: ``[heads, tokens]`` (flash), or the efficient kernel's
+  ``[sequences, heads, max length rounded up to 32]`` flattened to 1-d (its size depends on the
+  lengths' values, so the fake gives it an unbacked size, like the row counts of ``host_counts``).
+- ``"blocks_lse"`` (the CPU): per run of equal lengths, through a kernel that also returns the
+  softmax's log-sum-exp (``torch_private.attention_with_lse``, the CPU flash kernel), whose backward
+  reuses it and costs one pass. Kept on the CPU: no variable-length kernel there, and the batched
+  runs already make the demo ~6-8x eager.
+- ``"blocks"`` (anything else: float64 on CUDA, ROCm, odd head dims): per run,
+  ``F.scaled_dot_product_attention`` forward and a backward recomputing the attention weights in
+  plain tensor ops: an extra ``q @ k^T`` and softmax, and the ``[len, len]`` weights in memory, but
+  nothing device-specific.
 """
 from __future__ import annotations
 
+import itertools
 import logging
+import threading
 from typing import Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from ..torch_private import attention_with_lse
+from ..torch_private import EFFICIENT_LSE_ALIGN, attention_with_lse, is_fake, varlen_kernels
 
 logger = logging.getLogger("fxtrain")
 Tensor = torch.Tensor
@@ -97,12 +116,115 @@ def _lse_dtype(q: Tensor) -> torch.dtype:
     return torch.promote_types(q.dtype, torch.float32)
 
 
+#: Routes that run every sequence in one variable-length kernel call (CUDA).
+VARLEN_ROUTES = ("efficient", "flash")
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def route(device_type: str, dtype: torch.dtype, head_dim: int, capability: Optional[Tuple[int, int]] = None,
+          hip: bool = False, value_dim: Optional[int] = None) -> str:
+    """Which kernels ``varlen_attention`` runs for q/k/v of ``dtype`` on ``device_type``:
+    "flash", "efficient", "blocks_lse" or "blocks" (module docstring). ``capability``: the CUDA
+    device's (major, minor), None where unknown (no GPU in this process: tracing only).
+
+    Flash wants fp16/bf16, sm80+ and equal head dims; the efficient kernel float32/fp16 (bf16 from
+    sm80); both a head dim that is a multiple of 8 (their aligned kernels) up to 256. ROCm's
+    kernels lay the log-sum-exp out otherwise (torch_private): per-run there."""
+    value_dim = head_dim if value_dim is None else value_dim
+    sm80 = capability is None or tuple(capability) >= (8, 0)
+    if device_type == "cuda" and not hip and all(d % 8 == 0 and 0 < d <= 256 for d in (head_dim, value_dim)):
+        if dtype in _HALF and capability is not None and sm80 and head_dim == value_dim:
+            return "flash"
+        if dtype in (torch.float32, torch.float16) or (dtype == torch.bfloat16 and sm80):
+            return "efficient"
+    return "blocks_lse" if attention_with_lse(device_type) is not None else "blocks"
+
+
+def _capability(device: torch.device) -> Optional[Tuple[int, int]]:
+    """The CUDA device's compute capability (cached by torch), None without a usable GPU."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def _route_of(q: Tensor, v: Tensor) -> str:
+    return route(q.device.type, q.dtype, q.shape[-1], _capability(q.device), torch.version.hip is not None,
+                 v.shape[-1])
+
+
+_local = threading.local()
+
+
+def _sequences(lengths: Tensor, tokens: int, device: torch.device) -> Tuple[Tensor, int, int]:
+    """``(cu_seqlens, sequences, max_length)`` of the non-empty sequences: int32 ``[0, l0, l0 + l1,
+    ..., tokens]`` on ``device``. Built from the host lengths and copied from pinned memory without
+    blocking (a non-blocking copy from pageable memory, or a blocking one, would wait for the device);
+    the last result is kept for the same lengths tensor, so a step's layers share one copy."""
+    last = getattr(_local, "last", None)
+    if last is not None and last[0] is lengths and last[1] == device:
+        return last[2]
+    values = lengths.tolist()  # a CPU tensor: a host read
+    if sum(values) != tokens:
+        raise RuntimeError(f"fxtrain varlen_attention: sequence lengths add up to {sum(values)}, "
+                           f"but {tokens} packed rows were given")
+    found = [n for n in values if n > 0]
+    bounds = [0, *itertools.accumulate(found)]
+    pin = device.type == "cuda" and torch.cuda.is_available()
+    cu = torch.tensor(bounds, dtype=torch.int32, pin_memory=pin).to(device, non_blocking=True)
+    result = (cu, len(found), max(found, default=0))
+    if not is_fake(cu):
+        _local.last = (lengths, device, result)
+    return result
+
+
+def _kernel_ready(x: Tensor) -> Tensor:
+    """``x`` as the variable-length kernels read it: unit stride in the head dim, the other strides
+    multiples of 8 elements (their aligned kernels); the packed q/k/v of the passes already are."""
+    if x.stride(-1) == 1 and x.stride(0) % 8 == 0 and x.stride(1) % 8 == 0:
+        return x
+    return x.contiguous()
+
+
+def _efficient_lse_length(max_len: int) -> int:
+    return -(-max_len // EFFICIENT_LSE_ALIGN) * EFFICIENT_LSE_ALIGN
+
+
+def _empty_lse(kind: str, q: Tensor) -> Tensor:
+    shape = (0,) if kind == "efficient" else (q.shape[1], q.shape[0])
+    return q.new_empty(shape, dtype=torch.float32)
+
+
+def _varlen_forward(kind: str, q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, scale: float,
+                    causal: bool) -> Tuple[Tensor, Tensor]:
+    cu, count, max_len = _sequences(lengths, q.shape[0], q.device)
+    if count == 0:   # no tokens at all
+        return q.new_empty((q.shape[0], q.shape[1], v.shape[2])), _empty_lse(kind, q)
+    out, lse = varlen_kernels(kind)[0](_kernel_ready(q), _kernel_ready(k), _kernel_ready(v), cu, max_len,
+                                       causal, scale)
+    return out.contiguous(), (lse.reshape(-1) if kind == "efficient" else lse)
+
+
+def _varlen_backward(kind: str, grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                     lengths: Tensor, scale: float, causal: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    cu, count, max_len = _sequences(lengths, q.shape[0], q.device)
+    if count == 0:
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    if kind == "efficient":
+        lse = lse.view(count, q.shape[1], _efficient_lse_length(max_len))
+    parts = varlen_kernels(kind)[1](grad.contiguous(), _kernel_ready(q), _kernel_ready(k), _kernel_ready(v),
+                                    out.contiguous(), lse, cu, max_len, causal, scale)
+    return tuple(p.contiguous() for p in parts)  # type: ignore[return-value]
+
+
 @torch.library.custom_op("fxtrain::varlen_attention", mutates_args=())
 def varlen_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, scale: float,
                      causal: bool) -> Tuple[Tensor, Tensor]:
     """``(out, lse)``: ``out`` like ``q`` (``[tokens, heads, dim]``); ``lse`` ``[tokens, heads]``
     (accumulation type) where a kernel returned it, else empty (the backward then recomputes)."""
-    kernels = attention_with_lse(q.device.type)
+    kind = _route_of(q, v)
+    if kind in VARLEN_ROUTES:
+        return _varlen_forward(kind, q, k, v, lengths, scale, causal)
+    kernels = attention_with_lse(q.device.type) if kind == "blocks_lse" else None
     runs = list(_runs(lengths, q.shape[0]))
     out = _Packer(q, runs)
     lse = _Packer(q, runs, width=1, dtype=_lse_dtype(q)) if kernels else None
@@ -121,7 +243,14 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, scale: fl
 @varlen_attention.register_fake
 def _varlen_attention_fake(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, scale: float,
                            causal: bool) -> Tuple[Tensor, Tensor]:
-    lse = q.new_empty((q.shape[0], q.shape[1]), dtype=_lse_dtype(q)) if attention_with_lse(q.device.type) \
+    kind = _route_of(q, v)
+    if kind == "efficient":   # [sequences, heads, max length rounded up]: sized by the lengths' values
+        size = torch.library.get_ctx().new_dynamic_size()
+        return q.new_empty((q.shape[0], q.shape[1], v.shape[2])), q.new_empty((size,), dtype=torch.float32)
+    if kind == "flash":
+        return q.new_empty((q.shape[0], q.shape[1], v.shape[2])), q.new_empty((q.shape[1], q.shape[0]),
+                                                                               dtype=torch.float32)
+    lse = q.new_empty((q.shape[0], q.shape[1]), dtype=_lse_dtype(q)) if kind == "blocks_lse" \
         else q.new_empty((0,))
     return torch.empty_like(q), lse
 
@@ -130,7 +259,11 @@ def _varlen_attention_fake(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, sca
 def varlen_attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                               lengths: Tensor, scale: float, causal: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients of ``varlen_attention``'s ``out`` for q, k and v, sequence by sequence."""
-    kernels = attention_with_lse(q.device.type) if lse.numel() or q.shape[0] == 0 else None
+    kind = _route_of(q, v)
+    if kind in VARLEN_ROUTES:
+        return _varlen_backward(kind, grad, q, k, v, out, lse, lengths, scale, causal)
+    kernels = attention_with_lse(q.device.type) if kind == "blocks_lse" and (lse.numel() or q.shape[0] == 0) \
+        else None
     runs = list(_runs(lengths, q.shape[0]))
     grads = [_Packer(x, runs) for x in (q, k, v)]
     for offset, count, length in runs:
@@ -172,6 +305,8 @@ def _math_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float,
 @varlen_attention_backward.register_fake
 def _varlen_attention_backward_fake(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                                     lengths: Tensor, scale: float, causal: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    if _route_of(q, v) in VARLEN_ROUTES:   # the kernels' gradients are contiguous (made so at worst)
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
