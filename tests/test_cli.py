@@ -31,7 +31,7 @@ def test_bench_json_has_every_mode_with_parity(tmp_path, capsys):
         assert len(m["step_s"]) == 2 and all(t > 0 for t in m["step_s"]) and m["first_step_s"] > 0
         assert len(m["losses"]) == 3
         assert m["max_loss_diff_vs_eager"] < 1e-4, name
-        assert m["ops_per_step"] > 0 and (m["kernels_per_step"] is None) == (DEVICE.type != "cuda"), name
+        assert m["ops_per_step"] > 0 and (m["kernels_per_step"] is None) == (current_device().type != "cuda"), name
         if name == "fxtrain":   # the default executor, "auto": two steps run on the eager executor
             assert m["tier"].startswith("eager") and m["tiers"], (name, m["tier"], m["tiers"])
         else:                   # no tiers with executor="eager", nor for PyTorch eager
@@ -117,17 +117,17 @@ def test_ops_per_step_count_each_dispatch_once():
     def counts(layers, wrap):
         torch.manual_seed(0)
         model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
-                                      for _ in range(layers)]).to(DEVICE)
+                                      for _ in range(layers)]).to(current_device())
         fn = TrainModule(model, Options(executor="eager", fallback="raise")) if wrap else model
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        step = {"x": torch.randn(4, 8, device=DEVICE)}
+        step = {"x": torch.randn(4, 8, device=current_device())}
         call = lambda x: {"loss": fn(x).square().mean()}
         for _ in range(2):   # the capture and a replay
             bench._step(call, opt, step)
-        return bench.count_step(call, opt, step, DEVICE)
+        return bench.count_step(call, opt, step, current_device())
 
     for wrap in (False, True):
         (one, k1), (two, k2), (three, k3) = (counts(n, wrap) for n in (1, 2, 3))
         assert 0 < one < two < three and three - two == two - one, (wrap, one, two, three)
-        if DEVICE.type == "cuda":
+        if current_device().type == "cuda":
             assert 0 < k1 < k2 < k3 and k3 - k2 == k2 - k1, (wrap, k1, k2, k3)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import fxtrain
-from utils import DEVICE, to_device
+from utils import current_device, to_device
 
 
 def _adamw_parity(model: nn.Module, batches: List[torch.Tensor], options: Dict[str, Any]) -> fxtrain.TrainModule:

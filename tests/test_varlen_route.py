@@ -22,9 +22,9 @@ import torch
 
 from fxtrain import torch_private as tp
 from fxtrain.runtime import varlen_attention as va
-from utils import DEVICE, to_device
+from utils import REQUESTED_DEVICE, current_device, to_device
 
-ON_CUDA = DEVICE.type == "cuda"
+ON_CUDA = REQUESTED_DEVICE.type == "cuda"
 
 
 # ------------------------------------------------------------------------------ route choice
@@ -261,7 +261,7 @@ def test_kernel_launches_do_not_grow_with_sequences(dtype):
     """One kernel call per direction: a forward and backward over 3 sequences launch as many CUDA
     kernels as over 24 of different lengths, and no device-to-host copy (no synchronisation)."""
     def launches(lengths):
-        q, k, v = (torch.randn(sum(lengths), 4, 64, device=DEVICE, dtype=dtype, requires_grad=True) for _ in range(3))
+        q, k, v = (torch.randn(sum(lengths), 4, 64, device=current_device(), dtype=dtype, requires_grad=True) for _ in range(3))
         host = torch.tensor(lengths)
         va.varlen_attention(q, k, v, host, 0.125, True)[0].sum().backward()   # warm-up
         torch.cuda.synchronize()
