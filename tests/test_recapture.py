@@ -61,7 +61,14 @@ def test_no_capture_on_sizes_already_run_when_symbolic_sizes_break_the_graph():
     train_parity(tm, ref, batches, _sum)
     info = tm.capture_info()
     captures = info.graphs
-    assert captures == 3 and info.graph_breaks == 1
+    if info.break_reasons[0].startswith("Attempted to call torch in-graph function on only torch.SymInt"):
+        # Dynamo without tensorify (torch 2.11) cannot put torch.div on SymInts in a graph: it breaks
+        # there, and the rest of forward, whose reshape then reads a tensor, fails in the backend
+        # (aten._local_scalar_dense: a second break) and runs as Python, as under torch.compile.
+        assert (captures, info.graph_breaks) == (2, 2), info.break_reasons
+        assert "_local_scalar_dense" in info.break_reasons[1], info.break_reasons
+    else:   # the div is in the graph; the size read from it breaks once
+        assert (captures, info.graph_breaks) == (3, 1), info.break_reasons
     train_parity(tm, ref, batches + [dict(x=torch.randn(4, 12, 8))] + batches[:1], _sum)
     assert info.graphs == captures
     # Each capture says why it happened: the two after the first, the switch to symbolic sizes.

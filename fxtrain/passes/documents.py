@@ -116,12 +116,15 @@ def is_document_mask(mask: torch.Tensor, positions: torch.Tensor, causal: bool) 
 
 
 _NO_MASK = "no mask (plain or causal attention over whole rows)"
+# transformers 5.17 (with torch 2.11) builds this tensor where later releases pass no mask.
+_CAUSAL_ROWS = "a plain causal mask over whole rows (no [batch, seq] integer input among its mask's inputs)"
 
 
-def _packed_without_mask(gm: torch.fx.GraphModule, examples: ExampleSource) -> Optional[str]:
-    """Where no attention has a mask but the capturing batch is packed (a ``[batch, seq]`` integer
-    input restarting within rows: ``position_ids`` of ``DataCollatorWithFlattening``), what the
-    user sees and how to get attention within documents: HF builds that mask only without a cache."""
+def _packed_without_mask(gm: torch.fx.GraphModule, examples: ExampleSource, what: str) -> Optional[str]:
+    """Where no attention has a per-document mask (``what``: none, or a plain causal one) but the
+    capturing batch is packed (a ``[batch, seq]`` integer input restarting within rows:
+    ``position_ids`` of ``DataCollatorWithFlattening``), what the user sees and how to get
+    attention within documents: HF builds that mask only without a cache."""
     for node in gm.graph.nodes:
         if node.op != "placeholder":
             continue
@@ -134,7 +137,7 @@ def _packed_without_mask(gm: torch.fx.GraphModule, examples: ExampleSource) -> O
         documents = len(_lengths(real))
         name = re.sub(r"^l_(kwargs_)?|_$", "", node.name)   # dynamo's placeholder name of the input
         return (f"a packed batch ({documents} documents in {real.shape[0]} row(s): {name} restarts) "
-                "with no attention mask: each token attends (the earlier) tokens of its whole row, across "
+                f"with {what}: each token attends (the earlier) tokens of its whole row, across "
                 "documents, as eager computes it. For attention within documents pass use_cache=False "
                 "(or set model.config.use_cache = False), as HF's packing guide says: HF then builds the "
                 "per-document mask, which this pass runs document by document")
@@ -184,6 +187,9 @@ def _documents_of(mask: Any, sdpa_mask: Node, b: int, s: int,
                 and real.dtype != torch.bool and tuple(real.shape) == (b, s):
             candidates.append((node, real))
     if not candidates:
+        rows = torch.arange(s, device=mask.device).expand(b, s)   # one document a row
+        if is_document_mask(mask, rows, causal=True):
+            return None, _CAUSAL_ROWS
         return None, "no [batch, seq] integer input (position_ids) among its mask's inputs"
     for node, real in sorted(candidates, key=lambda c: c[0].name):
         for causal in (True, False):   # one-token documents fit both: causal is the stricter
@@ -218,7 +224,10 @@ def packed_attention(gm: torch.fx.GraphModule, examples: ExampleSource, options:
         found[sdpa] = (dims, *docs)
     if not found:
         reasons = sorted({w.split(": ", 1)[1] for w in why})
-        packed = _packed_without_mask(gm, examples) if reasons == [_NO_MASK] else None
+        packed = None
+        if set(reasons) <= {_NO_MASK, _CAUSAL_ROWS}:
+            what = "no attention mask" if reasons == [_NO_MASK] else "a plain causal mask over whole rows"
+            packed = _packed_without_mask(gm, examples, what)
         return PassReport(NAME, False, packed or "; ".join(reasons))
     # The capturing batch's attention work, documents over whole rows: what 'auto' weighs.
     positions = {p for _, p, _ in found.values()}
