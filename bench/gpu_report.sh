@@ -49,7 +49,17 @@ for workload in ${WORKLOADS:-demo}; do
     tail_of "$OUT/bench_$workload.log" 14
 done
 
-# 3. The suite with FXTRAIN_TEST_DEVICE=cuda (issue 17 makes every test honour it).
+# 3. The CUDA attention routes first (one variable-length kernel call per direction: flash for
+#    fp16/bf16 on sm80+, memory-efficient for fp32), then the passes that use them.
+section "varlen attention and the passes over it, FXTRAIN_TEST_DEVICE=cuda"
+FXTRAIN_TEST_DEVICE=cuda timeout "${VARLEN_S:-120}" $PY -m pytest -q -n 4 -p no:cacheprovider -m "not extended" \
+    tests/test_varlen_route.py tests/test_varlen_attention.py tests/test_padding_elimination.py \
+    tests/test_packed_batches.py > "$OUT/varlen_cuda.log" 2>&1
+echo "exit $?" >> "$OUT/varlen_cuda.log"
+grep -E "^(FAILED|ERROR)" "$OUT/varlen_cuda.log" | cut -c1-200 >> "$REPORT"
+tail_of "$OUT/varlen_cuda.log" 4
+
+# 4. The suite with FXTRAIN_TEST_DEVICE=cuda (issue 17 makes every test honour it).
 section "make test's selection, FXTRAIN_TEST_DEVICE=cuda"
 FXTRAIN_TEST_DEVICE=cuda timeout "${CUDA_SUITE_S:-220}" $PY -m pytest -q -n "${CUDA_WORKERS:-6}" -m "not extended" \
     -p no:cacheprovider > "$OUT/suite_cuda.log" 2>&1
