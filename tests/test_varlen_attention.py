@@ -16,7 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fxtrain import models
 from fxtrain import torch_private as tp
 from fxtrain.runtime import varlen_attention as va
-from utils import REQUESTED_DEVICE, current_device, long_params, to_device, train_parity, wrap_pair
+from utils import (REQUESTED_DEVICE, current_device, long_params, to_device, train_left_padded_gpt2, train_parity,
+                   wrap_pair)
 
 
 # The kernels the test device has: "generic" everywhere; "with_lse" where torch_private registers a
@@ -61,12 +62,7 @@ def test_gpt2_left_padding_matches_eager():
     """Causal attention with left padding, default options (label sparsity too): each real token
     sees the real tokens at or before it in its own row; loss, gradients and weights are eager's."""
     tm, ref = wrap_pair(_gpt2())
-    g = torch.Generator().manual_seed(3)
-    batches = [models.synthetic_batch("clm", b, s, 1000, padding=0.4, padding_side="left", generator=g,
-                                      labels_at_end=0.5) for b, s in [(4, 16), (3, 11)]]
-    train_parity(tm, ref, batches, lambda out, _: out.loss, state_atol=3e-4)
-    why = tm.capture_info().optimizations["padding_elimination"]
-    assert why.startswith("on:") and "sequence by sequence: 2 of 2" in why, why
+    train_left_padded_gpt2(tm, ref)
 
 
 def _llama_batches(side, seed=3, positions=False):

@@ -284,16 +284,11 @@ def test_capture_with_the_one_call_route(kind, monkeypatch):
     through partitioning and saving for the backward) and training steps on the one-call route,
     its kernels emulated on the CPU: eager's loss, gradients and weights, and the backward met."""
     from fxtrain import models
-    from utils import train_parity, wrap_pair
+    from utils import train_left_padded_gpt2, wrap_pair
     aten = _Emulated()
     monkeypatch.setattr(tp, "aten", aten)
     monkeypatch.setattr(va, "_route_of", lambda q, v: kind)
     torch.manual_seed(0)
     tm, ref = wrap_pair(models.gpt2_lm(hidden=32, layers=2, heads=2, vocab=1000, positions=64))
-    g = torch.Generator().manual_seed(3)
-    batches = [models.synthetic_batch("clm", b, s, 1000, padding=0.4, padding_side="left", generator=g,
-                                      labels_at_end=0.5) for b, s in [(4, 16), (3, 11)]]
-    train_parity(tm, ref, batches, lambda out, _: out.loss, state_atol=3e-4)
-    why = tm.capture_info().optimizations["padding_elimination"]
-    assert why.startswith("on:") and "sequence by sequence: 2 of 2" in why, why
+    train_left_padded_gpt2(tm, ref)
     assert f"{kind}_forward" in aten.calls and f"{kind}_backward" in aten.calls, aten.calls
