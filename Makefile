@@ -5,9 +5,11 @@
 #   make test                 # torch 2.13.0: its CPU wheel lies on this machine's disk (fast set-up)
 #   make test TORCH=2.11.0    # the oldest release (with transformers 5.17, as on the GPU image)
 #   make test TORCH=2.14.1    # the newest
+#   make test TORCH=2.11.0 PYTHON=python3.12   # another interpreter (its own venv: .venv/python3.12-torch-2.11.0)
 # .ci/run tests both ends of the window.
 TORCH ?= 2.13.0
-VENV ?= .venv/torch-$(TORCH)
+PYTHON ?= python3
+VENV ?= .venv/$(if $(filter python3,$(PYTHON)),,$(notdir $(PYTHON))-)torch-$(TORCH)
 PY := $(VENV)/bin/python
 CONSTRAINTS := constraints/torch-$(TORCH).txt
 STAMP := $(VENV)/.fxtrain-installed
@@ -19,7 +21,7 @@ $(CONSTRAINTS):
 	@exit 2
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
-	test -x $(PY) || python3 -m venv $(VENV)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -e '.[test]'
 	touch $(STAMP)
 
