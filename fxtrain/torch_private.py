@@ -865,6 +865,52 @@ def free_unbacked_symbols(value: Any) -> set:
     return set(free(value))
 
 
+
+def shape_env_of(graphs: Iterable[Optional[torch.fx.GraphModule]]) -> Optional[Any]:
+    """The ShapeEnv behind the symbolic sizes of ``graphs``' placeholders (None if every size is
+    static): ``SymNode.shape_env``."""
+    for gm in graphs:
+        for node in (gm.graph.nodes if gm is not None else ()):
+            if node.op != "placeholder":
+                continue
+            val = node.meta.get("val")
+            for size in (tuple(val.shape) if isinstance(val, torch.Tensor) else (val,)):
+                if isinstance(size, torch.SymInt):
+                    return size.node.shape_env
+    return None
+
+
+def shape_guards(shape_env: Any) -> List[Any]:
+    """The guards on sizes ``shape_env`` has recorded so far, oldest first (``ShapeEnv.guards``:
+    ``ShapeGuard``s, each a sympy expression that held for the sizes it was recorded on)."""
+    return list(shape_env.guards)
+
+
+def size_guard_check(shape_env: Any, placeholders: Sequence[Any], guards: Sequence[Any]) -> Callable[[Sequence[Any]], bool]:
+    """A function of a call's graph inputs (in ``placeholders``' order) telling whether ``guards``
+    hold for their sizes: the expression ``ShapeEnv.produce_guards_expression`` writes for them
+    (what inductor's FX graph cache checks an entry's guards with, over the inputs named
+    ``L['t<i>']``), compiled once and evaluated as ``ShapeEnv.evaluate_guards_expression`` does,
+    with ``SYMPY_INTERP`` as its globals. Raises if a guard names a size the inputs do not
+    determine (a data-dependent one). 2.11 to 2.14: the same signatures."""
+    from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+    # Only the inputs with a symbolic size, with their static sizes too (ignore_static=False): a guard
+    # such as Eq(s0, 8) makes s0 a replacement, so that the size reads as static from then on.
+    symbolic = [i for i, p in enumerate(placeholders)
+                if any(isinstance(s, torch.SymInt) for s in (tuple(p.shape) if isinstance(p, torch.Tensor) else (p,)))]
+    if not guards or not symbolic:
+        return lambda args: True
+    text = shape_env.produce_guards_expression([placeholders[i] for i in symbolic], guards=list(guards),
+                                               ignore_static=False)
+    if text is None:
+        return lambda args: True
+    code = compile(text, "<fxtrain size guards>", "eval")
+    names = [f"t{k}" for k in range(len(symbolic))]
+
+    def check(args: Sequence[Any]) -> bool:
+        return bool(eval(code, SYMPY_INTERP, {"L": {n: args[i] for n, i in zip(names, symbolic)}}))
+    return check
+
 # ---------------------------------------------------------------------------- graph targets
 # The C functions behind torch.nn.functional that dynamo records as call_function targets
 # (``torch._C._nn.<name>``; several are the very objects ``F.<name>`` are, others are wrapped).

@@ -234,3 +234,111 @@ def test_warm_start_runs_the_stored_compiled_graphs_from_the_first_step(tmp_path
     assert third.capture_info().cache_hits == 1
     assert third.capture_info().records[0].tier.from_cache is False, third.capture_info().tiers
     assert "Options.compile_after" in third.capture_info().tiers[0], third.capture_info().tiers
+
+
+def _sizes_step(tm, ref, opts, batch, tolerance):
+    """One training step on a batch of keyword inputs (an HF model's), eager's loss, gradients and
+    weights (NaN positions included)."""
+    losses = []
+    for model, opt in zip((tm, ref), opts):
+        opt.zero_grad()
+        loss = model(**batch).loss
+        loss.backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[0], losses[1], equal_nan=True, **tolerance)
+    for (name, p), q in zip(tm.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, equal_nan=True, **tolerance, msg=lambda m: f"{name}: {m}")
+    for opt in opts:
+        opt.step()
+
+
+def _sparse_switch(tm, ref, batches):
+    """Train on ``batches`` (their sizes change, and so do their real tokens and labels): one capture
+    with symbolic sizes, the compile awaited after two steps, TRIAL_STEPS steps timing the eager
+    executor, and every batch after on inductor's graphs, with no recapture."""
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (tm, ref)]
+    batches = [to_device(b) for b in batches]
+    for batch in batches[:2]:
+        _sizes_step(tm, ref, opts, batch, EXACT)
+    info = tm.capture_info()
+    assert info.graphs == 1, info.capture_reasons
+    assert info.wait_for_compiles(600), info.tiers
+    tier = info.records[0].tier
+    assert str(tier) == "eager, compiled graphs ready for the next step", info.tiers
+    for batch in batches[2:3 + TRIAL_STEPS]:
+        _sizes_step(tm, ref, opts, batch, EXACT)
+    assert tier.state == "compiled", str(tier)
+    for batch in batches[3 + TRIAL_STEPS:]:
+        _sizes_step(tm, ref, opts, batch, COMPILED)
+    assert tier.state == "compiled" and info.graphs == 1, (info.tiers, info.capture_reasons)
+    return tier
+
+
+def test_sparse_symbolic_capture_reaches_inductor(monkeypatch):
+    """A BERT-MLM capture with symbolic sizes (batch and sequence) and the sparsity passes'
+    data-dependent row counts (real tokens, labelled positions) moves to inductor's graphs under
+    executor="auto", which then serve batches of other sizes and other row counts every step, with
+    no recapture, at eager's losses and gradients."""
+    import fxtrain.runtime.tiered as tiered
+    from fxtrain import models
+    monkeypatch.setattr(tiered, "SLOWER", float("inf"))   # the trial keeps them whatever the timings
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(models.bert_mlm(hidden=32, layers=2, heads=2, vocab=500), executor="auto", compile_after=0.0)
+    g = torch.Generator().manual_seed(0)
+    batches = [models.synthetic_batch("mlm", 3 + i % 3, 16 + (5 * i) % 17, 500, padding=0.4, label_density=0.15,
+                                      generator=g) for i in range(TRIAL_STEPS + 7)]
+    tier = _sparse_switch(tm, ref, batches)
+    why = tm.capture_info().optimizations
+    assert why["padding_elimination"].startswith("on:") and why["label_sparsity"].startswith("on:"), why
+    assert tier.size_guards is None or tier.size_guards.failed == 0, str(tier)
+
+
+@pytest.mark.extended   # the same switch as the BERT-MLM test above, on packed documents
+def test_packed_llama_capture_reaches_inductor(monkeypatch):
+    """Packed rows of one shape, documents of other lengths every step: inductor's graphs serve
+    them all. The worker pins the rows' sizes (the causal-LM loss pads the labels, and
+    ``constant_pad_nd`` reads a whole size()): a batch of another shape runs on the eager executor,
+    at eager's numbers, and capture_info() says so."""
+    import fxtrain.runtime.tiered as tiered
+    from fxtrain import models
+    monkeypatch.setattr(tiered, "SLOWER", float("inf"))
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(models.llama_lm(hidden=32, layers=2, heads=2, vocab=500), executor="auto", compile_after=0.0)
+    g = torch.Generator().manual_seed(0)
+    batches = [models.packed_batch(2, 32, 500, documents=(3, 12), generator=g) for i in range(TRIAL_STEPS + 7)]
+    tier = _sparse_switch(tm, ref, batches + [models.packed_batch(3, 24, 500, documents=(3, 12), generator=g)])
+    assert tm.capture_info().optimizations["packed_attention"].startswith("on:"), tm.capture_info().optimizations
+    assert tier.size_guards is not None and tier.size_guards.failed == 1, str(tier)
+
+
+def test_a_size_inductor_specialised_runs_eagerly(monkeypatch):
+    """Where loading the compiled graphs records a guard on a size (as inductor does when it
+    specialises one: here the batch size made 8 by hand), calls whose sizes meet it run inductor's
+    graphs, the others the eager executor's, each at eager's numbers, and capture_info() says so."""
+    import fxtrain.runtime.tiered as tiered
+    compile_all = tiered._compile_all
+
+    def specialising(fw, *args, **kwargs):
+        out = compile_all(fw, *args, **kwargs)
+        x = next(n for n in fw.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
+                 and isinstance(n.meta["val"].shape[0], torch.SymInt))
+        assert bool(x.meta["val"].shape[0] == 8)   # records Eq(s, 8) in the graphs' ShapeEnv
+        return out
+    monkeypatch.setattr(tiered, "_compile_all", specialising)
+    monkeypatch.setattr(tiered, "SLOWER", float("inf"))
+    tm, ref = wrap_pair(Head(), executor="auto", compile_after=0.0)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (tm, ref)]
+    _step(tm, ref, opts, _batch(8, 0), EXACT)      # a capture with symbolic sizes, its sample size 8
+    _step(tm, ref, opts, _batch(8, 1), EXACT)
+    info = tm.capture_info()
+    assert info.wait_for_compiles(600), info.tiers
+    tier = info.records[0].tier
+    for seed in range(2, 3 + TRIAL_STEPS):
+        _step(tm, ref, opts, _batch(8, seed), EXACT)
+    assert tier.state == "compiled" and tier.size_guards is not None, str(tier)
+    _step(tm, ref, opts, _batch(8, 20), COMPILED)
+    _step(tm, ref, opts, _batch(7, 21), EXACT)     # fails the guard: the eager executor's exact numbers
+    _step(tm, ref, opts, _batch(5, 22), EXACT)
+    _step(tm, ref, opts, _batch(8, 23), COMPILED)
+    assert tier.size_guards.failed == 2 and info.graphs == 1, str(tier)
+    assert "sizes outside its guards (" in info.tiers[0] and "Eq(s" in info.tiers[0] and "run eagerly: 2 call(s) so far" in info.tiers[0], info.tiers

@@ -486,3 +486,25 @@ def test_tier_accessors(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch)
         with pytest.raises(tp.NotInInductorCache):
             tp.inductor_compile(new, tp.placeholder_examples(new), is_backward=False, is_inference=True,
                                 cached_only=True)
+
+
+def test_size_guard_accessors() -> None:
+    """What runtime/tiered.py reads back from loaded graphs: their ShapeEnv, the guards recorded on
+    it, and a per-call check of new guards over the graph inputs (a tensor and a SymInt input)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    mode = tp.FakeTensorMode(shape_env=ShapeEnv())
+    gm = make_fx(lambda t, n: (t * n,), tracing_mode="symbolic")(torch.empty(4, 8), 3)
+    assert _check("shape_env_of", tp.shape_env_of, [None, make_fx(lambda t: (t + 1,))(torch.empty(2))]) is None
+    env = _check("shape_env_of", tp.shape_env_of, [gm])
+    assert env is not None
+    examples = tp.placeholder_examples(gm)
+    known = len(_check("shape_guards", tp.shape_guards, env))
+    assert bool(examples[0].shape[0] == 4) and bool(examples[0].shape[1] > 5)   # as a compile specialising records them
+    added = tp.shape_guards(env)[known:]
+    assert len(added) == 2, [str(g.expr) for g in added]
+    check = _check("size_guard_check", tp.size_guard_check, env, examples, added)
+    assert check([torch.empty(4, 8), 3]) and check([torch.empty(4, 6), 5])
+    assert not check([torch.empty(5, 8), 3]) and not check([torch.empty(4, 5), 3])
+    assert _check("size_guard_check", tp.size_guard_check, env, examples, [])([torch.empty(9, 9), 1])
+    del mode

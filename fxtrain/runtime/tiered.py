@@ -33,10 +33,25 @@ what is lost against executor="inductor" is the min-cut partition's recomputatio
 A capture stays on the eager executor, with the reason in ``capture_info()``, when the compiled
 graphs could not give eager's numbers or cannot be made ahead: random ops other than a chain of
 dropouts (inductor's own random code draws other numbers; dropout runs eager's kernel, under
-``fallback_random``, and a chain keeps eager's order of draws), symbolic sizes (inductor may specialise sizes after dynamo installed its
-guards), custom autograd Functions (PythonOps: each becomes an opaque call inductor cannot fuse),
+``fallback_random``, and a chain keeps eager's order of draws), custom autograd Functions (PythonOps: each becomes an opaque call inductor cannot fuse),
 a memory budget's plan, graphs the replay does not run; and when the compile fails or outlives
 ``Options.compile_timeout`` (logged once).
+
+Symbolic sizes (a capture made dynamic by a change of batch or sequence size, and the row counts of
+the sparsity passes, which are data-dependent) compile as they are: inductor's code takes the sizes
+at each call. Dynamo's guards were installed at capture, before inductor ran; a size inductor then
+specialises on (``Eq(s0, 8)``, a divisibility for vector code) is a guard it records in the graphs'
+ShapeEnv, read back when the graphs load (``compiled_from``). Such guards are checked at each call
+on the graph inputs (``torch_private.size_guard_check``: one compiled Python expression, a few µs),
+and a call whose sizes fail them runs on the eager executor, as the capture would without a tier.
+The worker's retrace can pin a size too (a decomposition or meta kernel that reads a whole
+``size()``: ``constant_pad_nd``, which an HF causal-LM loss runs on its labels): the graphs it hands
+back are then concrete where the capture's were symbolic (``_pinned``), and the same per-call check
+sends other sizes to the eager executor. A guard on a size the inputs do not determine (a
+data-dependent row count) cannot be checked: that capture stays on the eager executor, with the
+guard as the reason. On the CPU, a BERT-MLM capture with padding and sparse labels adds no guard
+(its compiled graphs serve every batch and sequence size); the packed Llama's is pinned to its
+rows' shape, which packing keeps fixed (tests/test_tiered.py).
 """
 from __future__ import annotations
 
@@ -94,9 +109,6 @@ def stays_eager(step: Any) -> str:
     graphs = [g for g in (step.forward_graph, step.backward_graph) if g is not None]
     for gm in graphs:
         for node in gm.graph.nodes:
-            val = node.meta.get("val")
-            if node.op == "placeholder" and _symbolic(val):
-                return "symbolic sizes: inductor could specialise a size after dynamo installed the capture's guards"
             if node.op != "call_function":
                 continue
             if str(node.target).startswith("fxtrain.python_op"):
@@ -129,11 +141,6 @@ def _random_order(gm: torch.fx.GraphModule) -> str:
             count += 1
         newest[node] = before
     return ""
-
-
-def _symbolic(val: Any) -> bool:
-    sizes = list(val.shape) if isinstance(val, torch.Tensor) else [val]
-    return any(isinstance(s, torch.SymInt) for s in sizes)
 
 
 def _lean(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -204,13 +211,75 @@ class TierMaker:
         return self.made
 
 
-def compiled_from(payload: bytes, step: Any) -> Callable[..., Any]:
+class SizeGuards:
+    """The sizes inductor specialised the loaded graphs on (module docstring): a check of a call's
+    graph inputs, and the guards as text for ``capture_info()``."""
+
+    def __init__(self, check: Callable[[Sequence[Any]], bool], text: str) -> None:
+        self.check, self.text = check, text
+        self.failed = 0    # calls whose sizes failed them (run on the eager executor)
+
+
+def _sizes(val: Any) -> Tuple[Any, ...]:
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else (val,)
+
+
+def _pinned(captured: torch.fx.GraphModule, loaded: torch.fx.GraphModule) -> List[Tuple[int, Optional[int], Any, int]]:
+    """Sizes symbolic in the capture's graph and concrete in the graph loaded from the worker (the
+    worker's retrace or compile specialised them: a decomposition that reads a whole ``size()``
+    does): (placeholder index, dimension or None for a SymInt input, the captured size, the value)."""
+    pinned = []
+    pairs = zip((n for n in captured.graph.nodes if n.op == "placeholder"),
+                (n for n in loaded.graph.nodes if n.op == "placeholder"))
+    for i, (old, new) in enumerate(pairs):
+        was, now = old.meta.get("val"), new.meta.get("val")
+        for d, (a, b) in enumerate(zip(_sizes(was), _sizes(now))):
+            if isinstance(a, torch.SymInt) and isinstance(b, int):
+                pinned.append((i, d if isinstance(was, torch.Tensor) else None, a, b))
+    return pinned
+
+
+def _pinned_check(step: Any, fw: torch.fx.GraphModule, bw: Optional[torch.fx.GraphModule]) -> Tuple[Callable[[Sequence[Any]], bool], str]:
+    """A check that a call's forward inputs have the sizes the loaded graphs were specialised to.
+    A specialised size of the backward's inputs that the forward's do not pin (a data-dependent
+    row count) cannot be checked ahead: RuntimeError."""
+    fixed = _pinned(step.forward_graph, fw)
+    symbols = {tp.size_expr(size) for _, _, size, _ in fixed}
+    if bw is not None and step.backward_graph is not None:
+        for _, _, size, value in _pinned(step.backward_graph, bw):
+            if not tp.size_expr(size).free_symbols <= {s for e in symbols for s in e.free_symbols}:
+                raise RuntimeError(f"the worker specialised a size the graph inputs do not determine ({tp.size_expr(size)} = {value})")
+    want = [(i, d, value) for i, d, _, value in fixed]
+
+    def check(args: Sequence[Any]) -> bool:
+        return all((args[i] if d is None else args[i].shape[d]) == value for i, d, value in want)
+    return check, ", ".join(f"Eq({tp.size_expr(size)}, {value})" for _, _, size, value in fixed)
+
+
+def compiled_from(payload: bytes, step: Any) -> Tuple[Callable[..., Any], Optional[SizeGuards]]:
     """The compiled core of ``step`` from a worker's payload (its retraced graphs), loaded from
-    inductor's on-disk cache only (no code generation here: ``NotInInductorCache`` on a miss)."""
+    inductor's on-disk cache only (no code generation here: ``NotInInductorCache`` on a miss), and
+    the guards on sizes that loading added (None if none)."""
     fw, bw = tp.unpickle_graphs(payload, tp.FakeTensorMode(shape_env=ShapeEnv()))
+    env = tp.shape_env_of((fw, bw))
+    known = len(tp.shape_guards(env)) if env is not None else 0
     with tp.dynamo_compile_lock():
         forward, backward = _compile_all(fw, bw, step.inference, cached_only=True)
-    return replayed(forward, backward, step.spec)
+    core = replayed(forward, backward, step.spec)
+    pinned, pinned_text = _pinned_check(step, fw, bw)
+    added = tp.shape_guards(env)[known:] if env is not None else []
+    if not added and not pinned_text:
+        return core, None
+    text = ", ".join(t for t in (pinned_text, ", ".join(str(g.expr) for g in added)) if t)
+    guarded = pinned
+    if added:
+        try:
+            shapes = tp.size_guard_check(env, tp.placeholder_examples(fw), added)
+        except Exception as e:
+            raise RuntimeError(f"inductor specialised sizes the graph inputs do not determine ({text}): "
+                               f"{(str(e).strip() or type(e).__name__).splitlines()[0]}") from None
+        guarded = lambda args: pinned(args) and shapes(args)   # noqa: E731
+    return core, SizeGuards(guarded, text)
 
 
 class Tier:
@@ -243,6 +312,7 @@ class Tier:
         self.payload: Optional[bytes] = None
         self._stored: Optional[bytes] = None   # an earlier run's payload, loaded instead of compiling
         self.on_kept: Optional[Callable[["Tier"], None]] = None
+        self.size_guards: Optional[SizeGuards] = None   # what inductor specialised the loaded graphs on
         self.from_cache = False
         why = stays_eager(step)
         if why:
@@ -338,7 +408,7 @@ class Tier:
     def _load_stored(self, payload: bytes, step: Any, timeout: float) -> None:
         started = time.perf_counter()
         try:
-            core = compiled_from(payload, step)
+            core = self._guarded(*compiled_from(payload, step))
         except Exception as e:
             logger.info("%s: an earlier run's compiled graphs could not be loaded (%s); compiling them again",
                         self.owner, (str(e).strip() or type(e).__name__).splitlines()[0])
@@ -348,6 +418,21 @@ class Tier:
         self.payload, self.compile_seconds, self._next = payload, time.perf_counter() - started, core
         self._done.set()
 
+    def _guarded(self, core: Callable[..., Any], guards: Optional[SizeGuards]) -> Callable[..., Any]:
+        """``core``, or where loading added guards on sizes, a callable that runs it on the calls
+        whose sizes meet them and the eager executor's core on the others."""
+        self.size_guards = guards
+        if guards is None:
+            return core
+        eager, check = self._eager, guards.check
+
+        def run(*args: Any) -> Any:
+            if check(args):
+                return core(*args)
+            guards.failed += 1
+            return eager(*args)
+        return run
+
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Block until the compile has finished (or failed); True if it has. The switch itself
         happens at the next call."""
@@ -355,13 +440,15 @@ class Tier:
         return self._done.wait(timeout)
 
     def __str__(self) -> str:
+        guarded = "" if self.size_guards is None else \
+            f"; sizes outside its guards ({self.size_guards.text}) run eagerly: {self.size_guards.failed} call(s) so far"
         if self.state == "compiled" and self.from_cache:
             return (f"inductor since step {self.since_step} (an earlier run's compiled graphs, loaded in "
-                    f"{self.compile_seconds:.2f} s)")
+                    f"{self.compile_seconds:.2f} s{guarded})")
         if self.state == "compiled":
             measured = "" if self.step_seconds is None else \
                 f"; {self.step_seconds[1] * 1e3:.3g} ms per step against eager's {self.step_seconds[0] * 1e3:.3g} ms"
-            return f"inductor since step {self.since_step} (compiled in {self.compile_seconds:.1f} s{measured})"
+            return f"inductor since step {self.since_step} (compiled in {self.compile_seconds:.1f} s{measured}{guarded})"
         if self.state == "compiling":
             return ("eager, compiled graphs ready for the next step" if self._next is not None
                     else "eager, loading an earlier run's compiled graphs" if self.from_cache
@@ -382,7 +469,7 @@ class Tier:
                                                     _saved_outputs(step.spec, step.forward_graph))))
                 self._run_worker(given, made, step.inference, timeout - (time.perf_counter() - start))
                 payload = made.read_bytes()
-            core = compiled_from(payload, step)
+            core = self._guarded(*compiled_from(payload, step))
             self.payload = payload
         except Exception as e:   # never the training loop's problem: it goes on eagerly
             if threads.exiting.is_set():
@@ -418,6 +505,13 @@ class Tier:
             raise RuntimeError(f"worker exited with {proc.returncode}: {lines[-1] if lines else 'no message'}")
 
 
+# Ops the worker's retrace keeps whole (inductor lowers each itself): the backward ops fxtrain's
+# passes rewrite around, and constant_pad_nd, whose decomposition reads its input's whole size()
+# and so pinned a symbolic capture to its sample sizes (the shifted labels of an HF causal-LM loss:
+# the packed Llama compiled for its first batch's [2, 24] only).
+RETRACE_KEEPS = (*tp.BACKWARD_PASS_OPS, torch.ops.aten.constant_pad_nd.default)
+
+
 def _worker(argv: Sequence[str]) -> None:
     """The worker process: retrace with inductor's decompositions, compile, write the graphs the
     parent is to load (pickled, then compiled as unpickled, so its cache keys are the parent's)."""
@@ -425,7 +519,7 @@ def _worker(argv: Sequence[str]) -> None:
     torch.set_num_threads(int(argv[3]))
     fw, bw, saved = tp.unpickle_graphs(given.read_bytes(), tp.FakeTensorMode(shape_env=ShapeEnv()))
     with tp.inductor_eager_random():   # dropout kept whole, to run eager's kernel
-        table = InductorExecutor().decompositions(keep=tp.BACKWARD_PASS_OPS)
+        table = InductorExecutor().decompositions(keep=RETRACE_KEEPS)
     random = [n.target for n in fw.graph.nodes if n.op == "call_function" and tp.draws_random_numbers(n)]
     fw = tp.retrace(fw, table)
     now = [n.target for n in fw.graph.nodes if n.op == "call_function" and tp.draws_random_numbers(n)]
