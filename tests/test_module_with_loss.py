@@ -42,7 +42,7 @@ def test_plain_outputs_give_loss_and_outputs_and_missing_target_is_clear():
 
 def test_hf_trainer_trains_a_module_with_loss_like_eager(tmp_path):
     # HF Trainer places model and batches on its own device: not moved to the test device here.
-    """The documented recipe (docs/sparsity.md): Trainer(model=TrainModule(ModuleWithLoss(...)),
+    """The documented recipe (docs/integrations.md): Trainer(model=TrainModule(ModuleWithLoss(...)),
     remove_unused_columns=False). Logged losses equal eager Trainer's, and label sparsity fired."""
     from transformers import Trainer, TrainingArguments
 
