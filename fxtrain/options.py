@@ -23,7 +23,8 @@ _FALSE = {"0", "false", "no", "off"}
 
 @dataclass
 class Options:
-    """Every knob of fxtrain. The README table is generated from these fields (``fxtrain options``)."""
+    """Every knob of fxtrain. docs/options.md holds the table generated from these fields
+    (``fxtrain options``; tests/test_docs.py checks that it does)."""
 
     executor: str = field(default="auto", metadata={
         "choices": ("eager", "inductor", "auto"),
@@ -214,7 +215,7 @@ def resolve(options: Optional[Options]) -> Options:
 
 
 def options_table() -> str:
-    """Markdown table of every option, its environment variable and default (used for the README)."""
+    """Markdown table of every option, its environment variable and default (docs/options.md)."""
     rows = ["| option | env var | default | meaning |", "|---|---|---|---|"]
     for f in fields(Options):
         choices = f.metadata.get("choices")

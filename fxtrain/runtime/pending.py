@@ -3,7 +3,7 @@
 Why: AOTAutograd's partition (capture/pipeline.py: ``partition``, a joint trace on fake tensors) is
 most of a cold first step, and on the graphs the sparsity passes leave, whose sizes are
 data-dependent, it costs 2.5x what it costs on dense ones: bert-mlm 3.6-4.3 s of a 6 s first step
-(docs/benchmarks.md, "First step, cold"). The autograd mode (runtime/runner.py) needs none of it:
+(docs/benchmarks.md, "First step, and the on-disk cache"). The autograd mode (runtime/runner.py) needs none of it:
 the torch-level graph after fxtrain's forward passes runs under PyTorch's own autograd, with eager's
 numbers, about as fast as the aten graphs on these workloads. So dynamo gets that runtime at once,
 and the call after the partition is back runs what the whole step makes (the graph mode where the
