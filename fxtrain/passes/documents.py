@@ -132,7 +132,12 @@ def _packed_without_mask(gm: torch.fx.GraphModule, examples: ExampleSource, what
         if not isinstance(real, torch.Tensor) or real.dim() != 2 or real.dtype in (torch.bool,) \
                 or real.is_floating_point() or real.is_complex() or real.shape[1] < 2:
             continue
-        if not bool((real[:, 0] == 0).all()) or not bool(((real[:, 1:] - real[:, :-1]) != 1).any()):
+        step = real[:, 1:] - real[:, :-1]
+        restart = step != 1
+        # Positions: every row starts at 0, grows by one within a document and restarts at 0. Not
+        # positions: BERT's token_type_ids (all zeros, or 0s then 1s) repeat a value or jump to 1.
+        if not bool((real[:, 0] == 0).all()) or not bool(restart.any()) or not bool((~restart).any()) \
+                or not bool((real[:, 1:][restart] == 0).all()):
             continue   # not positions, or positions that never restart
         documents = len(_lengths(real))
         name = re.sub(r"^l_(kwargs_)?|_$", "", node.name)   # dynamo's placeholder name of the input
