@@ -342,3 +342,24 @@ def test_a_size_inductor_specialised_runs_eagerly(monkeypatch):
     _step(tm, ref, opts, _batch(8, 23), COMPILED)
     assert tier.size_guards.failed == 2 and info.graphs == 1, str(tier)
     assert "sizes outside its guards (" in info.tiers[0] and "Eq(s" in info.tiers[0] and "run eagerly: 2 call(s) so far" in info.tiers[0], info.tiers
+
+
+@pytest.mark.cpu_only(reason="fake tensors stand for a second GPU: the choice is tested, not a compile")
+def test_the_worker_and_the_loader_use_the_graphs_device(monkeypatch):
+    """Under torchrun/DDP rank r trains on device r: the worker and the loading thread make the
+    graphs' device current (not device 0, which every rank's compile would otherwise fill); CPU
+    graphs change nothing."""
+    import fxtrain.runtime.tiered as tiered
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    with FakeTensorMode():
+        on_gpu = make_fx(lambda t: (t * 2,))(torch.empty(2, 3, device="cuda:1"))
+    on_cpu = make_fx(lambda t: (t * 2,))(torch.empty(2, 3))
+    chosen = []
+    monkeypatch.setattr(torch.accelerator, "set_device_index", chosen.append)
+    assert tiered.graphs_device([None, on_cpu]) is None
+    tiered.use_graphs_device([on_cpu, None])
+    assert chosen == []
+    assert tiered.graphs_device([on_cpu, on_gpu]) == torch.device("cuda", 1)
+    tiered.use_graphs_device([None, on_gpu])
+    assert chosen == [1]

@@ -33,7 +33,8 @@ def worker_command(module: str, *args: str) -> List[str]:
     """``python -m module args`` at nice 19, set before the module imports torch (~3 s of a core).
     The training loop's cores first: at the default priority the partition worker took a core from
     the loop's intra-op threads, and 20 bert-mlm steps on 2 cores took 12.4 s instead of 6.4 s
-    (docs/architecture.md, "Decisions and why": the partition in a worker process). ``sys.argv[1:]`` are ``args``, as with ``-m``."""
+    (docs/architecture.md, "Decisions and why": the partition in a worker process).
+    ``sys.argv[1:]`` are ``args``, as with ``-m``."""
     start = (f"import os, runpy\nif hasattr(os, 'nice'):\n    os.nice(19)\n"
              f"runpy.run_module({module!r}, run_name='__main__')")
     return [sys.executable, "-c", start, *args]

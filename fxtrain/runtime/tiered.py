@@ -143,6 +143,27 @@ def _random_order(gm: torch.fx.GraphModule) -> str:
     return ""
 
 
+def graphs_device(graphs: Sequence[Optional[torch.fx.GraphModule]]) -> Optional[torch.device]:
+    """The accelerator the graphs' inputs live on (the first placeholder off the CPU), None for
+    CPU graphs."""
+    for gm in graphs:
+        for node in (gm.graph.nodes if gm is not None else ()):
+            val = node.meta.get("val")
+            if node.op == "placeholder" and isinstance(val, torch.Tensor) and val.device.type not in ("cpu", "meta"):
+                return val.device
+    return None
+
+
+def use_graphs_device(graphs: Sequence[Optional[torch.fx.GraphModule]]) -> None:
+    """Make the graphs' device this thread's current accelerator (``torch.accelerator``, any
+    backend): the worker process and the loading thread start on device 0, and inductor creates its
+    context, loads its kernels and autotunes on the current device. Under torchrun/DDP, where rank r
+    trains on device r, each rank's worker then uses its rank's device, not the first one's memory."""
+    device = graphs_device(graphs)
+    if device is not None and device.index is not None:
+        torch.accelerator.set_device_index(device.index)
+
+
 def _lean(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A copy keeping only the fake values the compile needs (placeholders) and the absent-gradient
     specialisation reads (adds and their operands): stack traces and every node's fake value would
@@ -261,6 +282,7 @@ def compiled_from(payload: bytes, step: Any) -> Tuple[Callable[..., Any], Option
     inductor's on-disk cache only (no code generation here: ``NotInInductorCache`` on a miss), and
     the guards on sizes that loading added (None if none)."""
     fw, bw = tp.unpickle_graphs(payload, tp.FakeTensorMode(shape_env=ShapeEnv()))
+    use_graphs_device((fw, bw))     # this runs on a thread of its own
     env = tp.shape_env_of((fw, bw))
     known = len(tp.shape_guards(env)) if env is not None else 0
     with tp.dynamo_compile_lock():
@@ -518,6 +540,7 @@ def _worker(argv: Sequence[str]) -> None:
     given, made, inference = Path(argv[0]), Path(argv[1]), argv[2] == "1"
     torch.set_num_threads(int(argv[3]))
     fw, bw, saved = tp.unpickle_graphs(given.read_bytes(), tp.FakeTensorMode(shape_env=ShapeEnv()))
+    use_graphs_device((fw, bw))
     with tp.inductor_eager_random():   # dropout kept whole, to run eager's kernel
         table = InductorExecutor().decompositions(keep=RETRACE_KEEPS)
     random = [n.target for n in fw.graph.nodes if n.op == "call_function" and tp.draws_random_numbers(n)]
