@@ -50,6 +50,8 @@ class BenchConfig:
     # executor="auto": wait for the background compiles after the second step (untimed), so that the
     # timed steps show the compiled tier whatever the machine's compile speed.
     await_compiles: bool = False
+    # Every mode's forward under torch.autocast(device type, this dtype): "bf16" or "fp16"; None: float32.
+    autocast: Optional[str] = None
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.modes if m not in MODES]
@@ -57,6 +59,8 @@ class BenchConfig:
             raise ValueError(f"unknown mode(s) {unknown}; available: {', '.join(MODES)}")
         if self.steps < 1 or self.warmup < 0:
             raise ValueError("steps must be >= 1 and warmup >= 0")
+        if self.autocast not in AUTOCAST:
+            raise ValueError(f"unknown autocast {self.autocast!r}; one of: {', '.join(k for k in AUTOCAST if k)}")
         if self.model not in models.PRESETS:
             raise ValueError(f"unknown model {self.model!r}; built-in models: {', '.join(sorted(models.PRESETS))}")
         try:
@@ -97,6 +101,17 @@ WORKLOADS: Dict[str, Workload] = {
                                 dict(model="llama-small", batch=1, seq=4096, packed=(32, 512))),
     "gpt2-dense": Workload("dense GPT-2 LM step: 8 x 128, no padding, every label",
                            dict(model="gpt2", batch=8, seq=128, padding=0.0)),
+    # GPU-sized (issue 17): what a GPU user trains. Each runs in float32 and with --autocast bf16.
+    "gpu-bert-base-mlm": Workload("BERT-base MLM: 32 x 512, 50% padding, 15% labels",
+                                  dict(model="bert-base", batch=32, seq=512, padding=0.5, label_density=0.15)),
+    "gpu-gpt2-small-sft": Workload("GPT-2 small SFT: 16 x 1024, right padding 30%, loss on the answer (the last "
+                                   "half of each sequence)",
+                                   dict(model="gpt2-small", batch=16, seq=1024, padding=0.3, labels_at_end=0.5)),
+    "gpu-llama-packed": Workload("Llama-style LM (hidden 1024, 8 layers, 16 heads, vocab 32000) on packed "
+                                 "documents of 32..512 tokens: 8 x 4096",
+                                 dict(model="llama-1024", batch=8, seq=4096, packed=(32, 512))),
+    "gpu-gpt2-small-dense": Workload("dense GPT-2 small: 16 x 1024, no padding, every label",
+                                     dict(model="gpt2-small", batch=16, seq=1024, padding=0.0)),
 }
 
 
@@ -172,7 +187,7 @@ class BenchResult:
         packed = f"packed documents of {c.packed[0]}..{c.packed[1]} tokens, " if c.packed else ""
         title = (f"{c.model}: batch {c.batch} x seq {c.seq}, {packed}padding {self.densities['padding']:.0%}, "
                  f"labelled {self.densities['labelled']:.1%}; {c.steps} timed steps after {c.warmup} warm-up, "
-                 f"modes interleaved, on {c.device}")
+                 f"modes interleaved, on {c.device}" + (f", under {c.autocast} autocast" if c.autocast else ""))
         lines = [title, format_table(headers, rows)]
         if self.flop_ideal is not None:
             lines.append(f"FLOP-ideal fxtrain vs eager (eager's step FLOPs / fxtrain's, first batch): {self.flop_ideal:.2f}x")
@@ -206,7 +221,7 @@ def _count(n: Optional[int]) -> str:
 
 
 def count_step(fn: Callable[..., Any], opt: torch.optim.Optimizer, batch: Dict[str, torch.Tensor],
-               device: torch.device) -> Tuple[int, Optional[int]]:
+               device: torch.device, autocast: Optional[str] = None) -> Tuple[int, Optional[int]]:
     """(aten ops dispatched, device kernels launched) by one training step, from ``torch.profiler``.
 
     An op counts once where Python or a graph dispatched it: an aten op called inside another aten op
@@ -218,7 +233,7 @@ def count_step(fn: Callable[..., Any], opt: torch.optim.Optimizer, batch: Dict[s
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as prof:
-        _step(fn, opt, batch)
+        _step(fn, opt, batch, autocast)
     events = prof.events()
     ops = sum(1 for e in events if e.name.startswith("aten::")
               and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")))
@@ -240,10 +255,12 @@ def _wrap(mode: str, model: torch.nn.Module) -> Callable[..., Any]:
     return TrainModule(model, Options(executor=mode.split(":", 1)[1]) if ":" in mode else Options())
 
 
-def tier_ran(fn: Any) -> str:
+def tier_ran(fn: Any, wait: bool = True) -> str:
     """executor="auto": the tier of the capture most steps ran (others are other shapes), with the
-    step it switched at (steps counted from 0, the capturing one); '-' for a mode without tiers."""
-    info = fn.capture_info() if hasattr(fn, "capture_info") else None
+    step it switched at (steps counted from 0, the capturing one); '-' for a mode without tiers.
+    ``wait=False`` between steps: waiting for a partition there would hold the loop up (~50 s
+    on a loaded machine), which a training loop never does, and change what the next steps run."""
+    info = fn.capture_info(wait=wait) if hasattr(fn, "capture_info") else None
     tiered = [r.tier for r in info.records if r.tier is not None] if info is not None else []
     if not tiered:
         return "-"
@@ -264,8 +281,14 @@ def _optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
         return torch.optim.AdamW(model.parameters(), lr=lr)
 
 
-def _step(fn: Callable[..., Any], opt: torch.optim.Optimizer, batch: Dict[str, torch.Tensor]) -> float:
-    out = fn(**batch)
+AUTOCAST = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _step(fn: Callable[..., Any], opt: torch.optim.Optimizer, batch: Dict[str, torch.Tensor],
+          autocast: Optional[str] = None) -> float:
+    device_type = next(v for v in batch.values() if isinstance(v, torch.Tensor)).device.type
+    with torch.autocast(device_type, dtype=AUTOCAST[autocast], enabled=autocast is not None):
+        out = fn(**batch)
     loss = out["loss"] if isinstance(out, dict) else out.loss
     loss.backward()
     opt.step()
@@ -317,7 +340,7 @@ def run_benchmark(config: BenchConfig, progress: bool = True) -> BenchResult:
             for mode in order:
                 fn, opt = runs[mode]
                 t0 = time.perf_counter()
-                loss = _step(fn, opt, batch)
+                loss = _step(fn, opt, batch, config.autocast)
                 dt = time.perf_counter() - t0
                 r = results[mode]
                 r.losses.append(loss)
@@ -325,15 +348,16 @@ def run_benchmark(config: BenchConfig, progress: bool = True) -> BenchResult:
                     r.first_step_s = dt
                 elif i > config.warmup:
                     r.step_s.append(dt)
-                r.tier = tier_ran(fn)
+                r.tier = tier_ran(fn, wait=False)
                 tiers = "".join(f"; {m}: {t.tier}" for m, t in results.items() if t.tier != "-")
                 bar.set_postfix_str(f"{mode} {dt * 1000:.0f} ms{tiers}")
                 bar.update()
     for mode, (fn, opt) in runs.items():   # one more step each, counted, after the timed ones
-        results[mode].ops_per_step, results[mode].kernels_per_step = count_step(fn, opt, batches[-1], device)
+        results[mode].ops_per_step, results[mode].kernels_per_step = count_step(fn, opt, batches[-1], device, config.autocast)
     optimizations = {mode: dict(fn.capture_info().optimizations) for mode, (fn, _) in runs.items()
                      if hasattr(fn, "capture_info")}
     for mode, (fn, _) in runs.items():
+        results[mode].tier = tier_ran(fn)
         results[mode].tiers = list(fn.capture_info().tiers) if hasattr(fn, "capture_info") else []
     return BenchResult(config, results, densities, optimizations)
 

@@ -36,6 +36,8 @@ def _bench_args(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--device", default="cpu",
                    help="torch device every mode trains on (cuda, cuda:1, ...); default cpu. The test suite "
                         "takes its device from FXTRAIN_TEST_DEVICE instead")
+    p.add_argument("--autocast", choices=("bf16", "fp16"), default=None,
+                   help="run every mode's forward under torch.autocast with this dtype (default: float32)")
     p.add_argument("--flop-ideal", action="store_true",
                    help="also cost eager's and fxtrain's step FLOPs with the profiler and print their ratio")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
@@ -50,7 +52,8 @@ def _config(args: argparse.Namespace, modes: List[str]):
     settings = dict(WORKLOADS[args.workload].settings) if args.workload else {}
     settings.update({k: getattr(args, k) for k in _SETTINGS if getattr(args, k) is not None})
     return BenchConfig(**settings, steps=args.steps, warmup=args.warmup, modes=tuple(modes), seed=args.seed,
-                       device=args.device, await_compiles=getattr(args, "await_compiles", False))
+                       device=args.device, await_compiles=getattr(args, "await_compiles", False),
+                       autocast=args.autocast)
 
 
 def _run_and_print(args: argparse.Namespace, modes: List[str]) -> int:

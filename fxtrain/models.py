@@ -83,13 +83,13 @@ def t5(d_model: int = 64, layers: int = 2, heads: int = 2, vocab: int = 1000) ->
 
 
 def llama_lm(hidden: int = 256, layers: int = 4, heads: int = 4, vocab: int = 32000,
-             kv_heads: Optional[int] = None) -> nn.Module:
+             kv_heads: Optional[int] = None, positions: int = 2048) -> nn.Module:
     """``kv_heads`` below ``heads``: grouped-query attention (each key/value head serves several)."""
     require("transformers", "fxtrain's built-in models")
     from transformers import LlamaConfig, LlamaForCausalLM
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(2.75 * hidden),
                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads or heads,
-                      max_position_embeddings=2048, pad_token_id=0)
+                      max_position_embeddings=positions, pad_token_id=0)
     return LlamaForCausalLM(_no_dropout(cfg))
 
 
@@ -167,6 +167,8 @@ PRESETS: Dict[str, Preset] = {
     "gpt2-tiny": Preset(lambda: gpt2_lm(hidden=64, layers=2, heads=2, vocab=1000, positions=256), "clm", 1000, 0,
                         "tiny GPT-2 for tests"),
     "llama-small": Preset(llama_lm, "clm", 32000, 0, "Llama-style LM: hidden 256, 4 layers, vocab 32000"),
+    "llama-1024": Preset(lambda: llama_lm(hidden=1024, layers=8, heads=16, vocab=32000, positions=4096), "clm", 32000, 0,
+                         "Llama-style LM of GPU size: hidden 1024, 8 layers, 16 heads, vocab 32000, 4096 positions"),
     "llama-tiny": Preset(lambda: llama_lm(hidden=64, layers=2, heads=2, vocab=1000), "clm", 1000, 0,
                          "tiny Llama-style LM for tests"),
 }

@@ -136,10 +136,13 @@ class TrainModule(nn.Module):
     def options(self) -> Options:
         return self._options
 
-    def capture_info(self) -> CaptureInfo:
+    def capture_info(self, wait: bool = True) -> CaptureInfo:
         """What capture did. Waits for captures still partitioning in the background
-        (runtime/pending.py: a second or a few), so that what it reports is the whole step."""
-        self._info.wait_for_partitions()
+        (runtime/pending.py: a second or a few), so that what it reports is the whole step;
+        ``wait=False`` reports what is known now (a capture still partitioning has no tier yet), for
+        a progress line that must not hold the training loop up."""
+        if wait:
+            self._info.wait_for_partitions()
         return self._info
 
     def attach_optimizer(self, optimizer: Any) -> "TrainModule":

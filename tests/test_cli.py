@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from fxtrain import bench, cli
+from fxtrain import bench, cli, models
 from fxtrain.options import Options
 from fxtrain.runtime.tiered import TRIAL_STEPS
 from utils import current_device
@@ -43,6 +43,33 @@ def test_bench_json_has_every_mode_with_parity(tmp_path, capsys):
     assert cli.main(["bench", "--list-workloads"]) == 0
     listed = capsys.readouterr().out
     assert all(name in listed for name in bench.WORKLOADS)
+
+
+def test_bench_under_bf16_autocast(tmp_path, capsys):
+    """--autocast runs every mode's forward under torch.autocast: fxtrain's losses stay eager's
+    (both in bf16, so within bf16's rounding), the table and the JSON say so."""
+    out = tmp_path / "bench.json"
+    assert cli.main(["bench", *TINY, "--modes", "eager,fxtrain", "--autocast", "bf16",
+                     "--device", str(current_device()), "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["config"]["autocast"] == "bf16"
+    assert data["modes"]["fxtrain"]["max_loss_diff_vs_eager"] < 2e-2, data["modes"]["fxtrain"]
+    assert "under bf16 autocast" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="unknown autocast 'fp8'"):
+        bench.BenchConfig(autocast="fp8")
+
+
+@pytest.mark.cpu_only(reason="the settings of the GPU-sized workloads, not a run")
+def test_gpu_sized_workloads_are_issue_17s():
+    """The workloads a GPU user trains, by name, at the sizes the README gives."""
+    w = {name: bench.WORKLOADS[name].config() for name in
+         ("gpu-bert-base-mlm", "gpu-gpt2-small-sft", "gpu-llama-packed", "gpu-gpt2-small-dense")}
+    assert (w["gpu-bert-base-mlm"].model, w["gpu-bert-base-mlm"].batch, w["gpu-bert-base-mlm"].seq) == ("bert-base", 32, 512)
+    assert (w["gpu-bert-base-mlm"].padding, w["gpu-bert-base-mlm"].label_density) == (0.5, 0.15)
+    assert (w["gpu-gpt2-small-sft"].batch, w["gpu-gpt2-small-sft"].seq, w["gpu-gpt2-small-sft"].padding) == (16, 1024, 0.3)
+    assert w["gpu-gpt2-small-sft"].labels_at_end == 0.5 and w["gpu-gpt2-small-dense"].padding == 0.0
+    assert (w["gpu-llama-packed"].batch, w["gpu-llama-packed"].seq, w["gpu-llama-packed"].packed) == (8, 4096, (32, 512))
+    assert "hidden 1024, 8 layers, 16 heads, vocab 32000" in models.PRESETS["llama-1024"].about
 
 
 def test_demo_prints_side_by_side_table(capsys):
