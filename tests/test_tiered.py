@@ -74,12 +74,13 @@ def _switch(tm, ref, opts):
     return tier
 
 
-@pytest.mark.extended   # make test runs the same switch in the next test, before its recapture
+@pytest.mark.extended   # make test switches in the tests of symbolic sizes and of the warm start
 def test_switch_is_exact():
     tm, ref = wrap_pair(Head(), executor="auto", dynamic=False)
     _switch(tm, ref, [torch.optim.SGD(m.parameters(), lr=0.1) for m in (tm, ref)])
 
 
+@pytest.mark.extended   # 90 s; make test switches in the tests below (sparse symbolic, guards, warm start)
 def test_each_capture_has_its_own_tier():
     """The switch, exact, dropout included (eager's masks on both sides of it); then another batch
     size: a new (static) capture, with a tier of its own, compiling while the first stays compiled,
@@ -144,7 +145,7 @@ def test_compile_starts_compile_after_seconds_after_the_first_call(after):
     _step(tm, ref, opts, _batch(8, 3), EXACT)
 
 
-@pytest.mark.extended   # make test switches with dropout in test_each_capture_has_its_own_tier
+@pytest.mark.extended   # as test_each_capture_has_its_own_tier (extended too) switches with dropout
 def test_dropout_switches_with_eagers_masks():
     """A chain of dropouts runs eager's own kernel in the compiled graphs (inductor's fallback_random):
     the same masks as eager's, before and after the switch."""
