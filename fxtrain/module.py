@@ -103,7 +103,8 @@ class TrainModule(nn.Module):
         me = weakref.ref(self)
         self._backend = Backend(self._info, self._options, lambda: _alive(me).training,
                                f"{type(module).__name__}-{next(_instances)}",
-                               on_graph=lambda: _alive(me)._rollback.on_graph(), plugins=plugins)
+                               on_graph=lambda: _alive(me)._rollback.on_graph(), plugins=plugins,
+                               alive=lambda: me() is not None)
         # One entry (so one dynamo cache) per mode: train and eval are captured separately even
         # for models whose code never reads `self.training`.
         self._compiled = {mode: make_entry(self._backend, self._options.dynamic, self._options.fullgraph,
@@ -112,7 +113,7 @@ class TrainModule(nn.Module):
         self._sizes = SizesPolicy(self._options.dynamic is None)
         self._capturing_calls = 0                  # calls that captured (Options.recompile_limit)
         self._cache = ModuleCache(self._options, self._info, self._backend.owner, self._backend.executor,
-                                  self._backend.context)
+                                  self._backend.context, self._backend.alive)
         self._seen: Set[Hashable] = set()
         self._device: Optional[torch.device] = None
         self._device_known = False

@@ -1,6 +1,7 @@
 """executor="auto" (runtime/tiered.py): each capture starts on the eager executor and moves to the
 graphs a worker process compiled with inductor. Eager PyTorch is the oracle before, at and after the
 switch; ``CaptureInfo.wait_for_compiles`` makes the switch happen at a known step."""
+import contextlib
 import logging
 import time
 
@@ -143,6 +144,36 @@ def test_compile_starts_compile_after_seconds_after_the_first_call(after):
     assert tm.capture_info().wait_for_compiles(60)
     assert "compile_timeout exceeded" in tier().reason, str(tier())
     _step(tm, ref, opts, _batch(8, 3), EXACT)
+
+
+@pytest.mark.parametrize("when", ["queued", "running"])
+def test_a_dropped_module_compiles_nothing(when):
+    """A TrainModule the user dropped runs no compile: dynamo's code cache keeps its Tier alive, and
+    a compile for it would hold the one worker from captures still in use (a long run's later
+    models waited minutes behind dead ones). Queued behind the worker lock, it is skipped; running,
+    its worker is stopped within a second."""
+    import gc
+
+    from fxtrain.runtime import tiered
+    tm, ref = wrap_pair(Head(), executor="auto", dynamic=False, compile_after=0.0)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (tm, ref)]
+    with tiered._one_worker if when == "queued" else contextlib.nullcontext():
+        _step(tm, ref, opts, _batch(8, 0), EXACT)
+        tier = tm.capture_info().records[0].tier      # waits for the partition, which brings the tier
+        _step(tm, ref, opts, _batch(8, 1), EXACT)    # starts the compile thread
+        assert tier.state == "compiling", str(tier)
+        if when == "running":
+            deadline = time.monotonic() + 60
+            while not tiered._workers and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert tiered._workers, "the worker never started"
+            worker = next(iter(tiered._workers))
+        del tm, opts
+        gc.collect()
+    assert tier.wait(60), str(tier)
+    assert tier.state == "eager" and "TrainModule is gone" in tier.reason, str(tier)
+    if when == "running":
+        assert worker.returncode is not None and worker.returncode < 0, worker.returncode   # killed
 
 
 @pytest.mark.extended   # as test_each_capture_has_its_own_tier (extended too) switches with dropout

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from typing import Any, Dict, Hashable, Optional, Tuple
+from typing import Any, Callable, Dict, Hashable, Optional, Tuple
 
 from torch import nn
 
@@ -38,8 +38,8 @@ TIER = "-tier"
 
 class ModuleCache:
     def __init__(self, options: Options, info: CaptureInfo, owner: str, executor: Executor,
-                 context: RunContext) -> None:
-        self.options, self.info, self.owner = options, info, owner
+                 context: RunContext, alive: Callable[[], bool] = lambda: True) -> None:
+        self.options, self.info, self.owner, self.alive = options, info, owner, alive
         self.store: Optional[Store] = Store.open(options.cache_dir) if options.cache_dir else None
         if options.cache_dir and self.store is None:
             info.note_cache(f"cache off: {options.cache_dir} is missing or not writable")
@@ -116,7 +116,7 @@ class ModuleCache:
         index, tiers = len(self.info.records), []
 
         def tier(step: Any) -> TierMaker:
-            tiers.append(TierMaker(step, self.options, f"{self.owner} graph {index}"))
+            tiers.append(TierMaker(step, self.options, f"{self.owner} graph {index}", self.alive))
             return tiers[-1]
         try:
             guard = entry.recipe.guard

@@ -71,8 +71,9 @@ class Backend:
 
     def __init__(self, info: CaptureInfo, options: Options, training: Callable[[], bool],
                  owner: str = "model", on_graph: Optional[Callable[[], None]] = None,
-                 plugins: Optional[Plugins] = None) -> None:
+                 plugins: Optional[Plugins] = None, alive: Callable[[], bool] = lambda: True) -> None:
         self.info = info
+        self.alive = alive   # whether the TrainModule still exists (a background compile for one gone is skipped)
         self.owner = owner
         self.options = options
         self.plugins = plugins if plugins is not None else Plugins()
@@ -130,7 +131,7 @@ class Backend:
             step, reports = compile_step(gm, example_inputs, context)
         # The tier keeps the step's graphs, not AOTAutograd's runtime (dropped below).
         tier = TierMaker(dataclasses.replace(step, aot_callable=None), self.options,
-                         f"{self.owner} graph {index}") if self.executor.compiles_later else None
+                         f"{self.owner} graph {index}", self.alive) if self.executor.compiles_later else None
         runtime = runner.build(step, self.executor, self.context, self.options.backward, tier)
         if runtime.mode != "aot":
             step = dataclasses.replace(step, aot_callable=None)   # AOTAutograd's runtime: not needed
@@ -179,7 +180,7 @@ class Backend:
         def partitioned() -> Ready:
             step, reports, pending.cpu_seconds = from_worker(rewritten, partition_worker.partition(request),
                                                              self.executor)
-            tier = TierMaker(step, self.options, owner) if self.executor.compiles_later else None
+            tier = TierMaker(step, self.options, owner, self.alive) if self.executor.compiles_later else None
             core, run_mode, why = runner.core_for(step, self.executor, self.options.backward, tier)
             run = dataclasses.replace(box["runtime"], mode=run_mode, reason=why)
 

@@ -89,6 +89,10 @@ _workers: Set[subprocess.Popen] = set()   # killed at exit: a compile nobody wil
 _one_worker = threading.Lock()
 
 
+class _OwnerGone(Exception):
+    """The worker was stopped: the TrainModule it compiled for no longer exists."""
+
+
 def _stop_workers() -> None:
     # A killed worker wakes its thread at once, which then returns before threads.py joins it.
     for proc in list(_workers):
@@ -223,12 +227,13 @@ class TierMaker:
     """What ``runner.build`` gets as ``tiered`` for one capture, live or a cache hit: it wraps the
     core in a Tier and keeps it (``made``) for the capture's record."""
 
-    def __init__(self, step: Any, options: Any, owner: str) -> None:
-        self.step, self.options, self.owner = step, options, owner
+    def __init__(self, step: Any, options: Any, owner: str, alive: Callable[[], bool] = lambda: True) -> None:
+        self.step, self.options, self.owner, self.alive = step, options, owner, alive
         self.made: Optional[Tier] = None
 
     def __call__(self, core: Callable[..., Any]) -> "Tier":
-        self.made = Tier(self.step, core, self.options.compile_timeout, self.owner, self.options.compile_after)
+        self.made = Tier(self.step, core, self.options.compile_timeout, self.owner, self.options.compile_after,
+                         self.alive)
         return self.made
 
 
@@ -310,13 +315,18 @@ class Tier:
     Runtime state, kept apart from the CapturedStep (which stays what capture made): the live
     callable, the one waiting to replace it, and what ``capture_info()`` reports."""
 
-    def __init__(self, step: Any, eager: Callable[..., Any], timeout: float, owner: str, after: float = 0.0) -> None:
+    def __init__(self, step: Any, eager: Callable[..., Any], timeout: float, owner: str, after: float = 0.0,
+                 alive: Callable[[], bool] = lambda: True) -> None:
         self.state = "eager"            # "eager" | "compiling" | "compiled"
         self.reason = ""                # why it stays on the eager executor
         self.since_step: Optional[int] = None
         self.compile_seconds: Optional[float] = None
         self.calls = 0
         self.owner = owner
+        # Whether the TrainModule is still there: dynamo's code cache keeps this Tier (and its
+        # graphs) alive after the user drops the module, and a compile for it would only hold the
+        # one worker from the captures still in use.
+        self._alive = alive
         self.step_seconds: Optional[Tuple[float, float]] = None   # (eager, compiled) medians, once measured
         self._live: Callable[..., Any] = eager
         self._eager: Optional[Callable[..., Any]] = eager
@@ -479,7 +489,15 @@ class Tier:
 
     def _compile(self, step: Any, timeout: float) -> None:
         with _one_worker:
+            if not self._alive():
+                self._gone()
+                return
             self._compile_alone(step, timeout)
+
+    def _gone(self) -> None:
+        self.state, self.reason, self._timing = "eager", "its TrainModule is gone: compile not run", False
+        logger.info("%s: %s", self.owner, self.reason)
+        self._done.set()
 
     def _compile_alone(self, step: Any, timeout: float) -> None:
         start = time.perf_counter()
@@ -489,12 +507,15 @@ class Tier:
                 bw = step.backward_graph if not step.inference else None
                 given.write_bytes(tp.pickle_graphs((_lean(step.forward_graph), _lean(bw) if bw is not None else None,
                                                     _saved_outputs(step.spec, step.forward_graph))))
-                self._run_worker(given, made, step.inference, timeout - (time.perf_counter() - start))
+                self._run_worker(given, made, step.inference, timeout - (time.perf_counter() - start), self._alive)
                 payload = made.read_bytes()
             core = self._guarded(*compiled_from(payload, step))
             self.payload = payload
         except Exception as e:   # never the training loop's problem: it goes on eagerly
             if threads.exiting.is_set():
+                return
+            if isinstance(e, _OwnerGone):
+                self._gone()
                 return
             self.state, self.reason = "eager", f"the background compile failed: {(str(e).strip() or type(e).__name__).splitlines()[0]}"
             self._timing = False
@@ -506,7 +527,8 @@ class Tier:
             self._done.set()
 
     @staticmethod
-    def _run_worker(given: Path, made: Path, inference: bool, timeout: float) -> None:
+    def _run_worker(given: Path, made: Path, inference: bool, timeout: float,
+                    alive: Callable[[], bool] = lambda: True) -> None:
         package_root = str(Path(__file__).resolve().parents[2])
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")]))
         # Inductor's cache key holds the intra-op thread count its C++ code is generated for.
@@ -514,12 +536,20 @@ class Tier:
                                      str(torch.get_num_threads()))
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
         _workers.add(proc)
+        deadline = time.perf_counter() + max(timeout, 0.0)
         try:
-            _, err = proc.communicate(timeout=max(timeout, 0.0))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-            raise TimeoutError(f"compile_timeout exceeded ({timeout:.3g} s left)") from None
+            while True:   # polled each second: a worker whose TrainModule is gone is stopped
+                try:
+                    _, err = proc.communicate(timeout=max(min(1.0, deadline - time.perf_counter()), 0.0))
+                    break
+                except subprocess.TimeoutExpired:
+                    gone = not alive()
+                    if gone or time.perf_counter() >= deadline:
+                        proc.kill()
+                        proc.communicate()
+                        if gone:
+                            raise _OwnerGone() from None
+                        raise TimeoutError(f"compile_timeout exceeded ({timeout:.3g} s)") from None
         finally:
             _workers.discard(proc)
         if proc.returncode != 0:
