@@ -11,7 +11,8 @@ as they are: warm after the first round), from wrapping the model to the end of 
 executors alternate in each round, medians over rounds. Steady state: one process; once auto's
 compile has finished (``wait_for_compiles``) it steps alone while it times its two tiers, then the
 five copies (PyTorch eager, torch.compile and fxtrain's three executors) step in alternating order,
-medians of ``--steady`` steps, ratios against PyTorch's. ``--modes`` picks the wall-time runs (the
+medians of ``--steady`` steps, ratios against PyTorch's; ``--rounds`` such processes, and the
+median of each ratio over them. ``--modes`` picks the wall-time runs (the
 same five names). One intra-op thread.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ import argparse
 import copy
 import functools
 import itertools
+import json
 import os
 import statistics
 import subprocess
@@ -133,6 +135,31 @@ def steady(workload: str, steps: int, warmup: int = 10) -> None:
     print(f"{workload}: steady-state step, median of {steps} interleaved steps; "
           f"auto: {fs['auto'].capture_info().tiers[-1]}")
     print("  " + "  ".join(f"{k} {med[k] * 1e3:.3f} ms ({med[k] / med['torch']:.2f}x PyTorch's)" for k in med))
+    print("STEADY " + json.dumps(med), flush=True)
+
+
+def steady_rounds(workload: str, steps: int, rounds: int, threads: int) -> None:
+    """``rounds`` fresh processes of ``steady``; the median over rounds of each mode's step time over
+    PyTorch's, and the issue-19 ratios: fxtrain auto's step over torch.compile's (the MLP's bound is
+    <= 1.03) and torch.compile's over auto's (speed, ViT's bound >= 0.97)."""
+    ratios: Dict[str, List[float]] = {}
+    for r in range(rounds):
+        out = subprocess.run([sys.executable, __file__, "--one-steady", workload, str(steps), "--threads",
+                              str(threads)], capture_output=True, text=True)
+        print(out.stdout.replace("STEADY", "  (round %d)" % r).rstrip(), flush=True)
+        line = next((ln for ln in out.stdout.splitlines() if ln.startswith("STEADY ")), None)
+        if line is None:
+            print(out.stderr[-2000:])
+            raise SystemExit(f"{workload} steady round {r} failed")
+        med = json.loads(line[len("STEADY "):])
+        for k, v in med.items():
+            ratios.setdefault(k, []).append(v / med["torch"])
+        ratios.setdefault("auto / compile", []).append(med["auto"] / med["compile"])
+    print(f"{workload}: medians over {rounds} rounds, step time over PyTorch eager's (lower is faster): " +
+          "  ".join(f"{k} {statistics.median(v):.3f}" for k, v in ratios.items() if k != "auto / compile"))
+    each = ", ".join(f"{x:.3f}" for x in ratios["auto / compile"])
+    print(f"  fxtrain auto's step / torch.compile's: median {statistics.median(ratios['auto / compile']):.3f} "
+          f"({each}); torch.compile's speed over auto's: {1 / statistics.median(ratios['auto / compile']):.3f}")
 
 
 def main() -> None:
@@ -142,6 +169,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steady", type=int, default=200)
     ap.add_argument("--one", nargs=3, metavar=("WORKLOAD", "EXECUTOR", "MARKS"))
+    ap.add_argument("--one-steady", nargs=2, metavar=("WORKLOAD", "STEPS"), help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads (of every run)")
     ap.add_argument("--skip", default="", help="'wall' or 'steady'")
     ap.add_argument("--cold", action="store_true", help="wall times only, eager and auto, inductor's cache empty")
@@ -152,12 +180,15 @@ def main() -> None:
     if a.one:
         one(a.one[0], a.one[1], [int(x) for x in a.one[2].split(",")])
         return
+    if a.one_steady:
+        steady(a.one_steady[0], int(a.one_steady[1]))
+        return
     print(f"torch {torch.__version__}, {a.threads} thread(s), load {os.getloadavg()[0]:.2f}")
     for w in a.workloads.split(","):
         if a.skip != "wall":
             wall(w, [int(x) for x in a.steps.split(",")], a.rounds, a.cold, a.threads, tuple(a.modes.split(",")))
         if a.skip != "steady" and not a.cold:
-            steady(w, a.steady)
+            steady_rounds(w, a.steady, a.rounds, a.threads)
     print(f"load {os.getloadavg()[0]:.2f}")
 
 

@@ -164,6 +164,7 @@ def test_changed_forward_body_is_a_miss(tmp_path, same):
     x = to_device(torch.randn(4, 8))
     first = fxtrain.TrainModule(to_device(_net_from(source, "* 2.0", "netmod")), fxtrain.Options(cache_dir=str(cache)))
     first(x).backward()
+    first.capture_info()   # waits for the partition: the entry is stored with the whole step
     # The same file edited: the class has the same name, module and file, only its forward differs.
     model = to_device(_net_from(source, "* 2.0" if same else "* 3.0 + 1.0", "netmod"))
     ref = to_device(_net_from(source, "* 2.0" if same else "* 3.0 + 1.0", "netmod"))
@@ -197,7 +198,9 @@ def test_edited_source_file_of_traced_code_is_a_miss(tmp_path):
 
         x = to_device(torch.randn(4, 8))
         torch.manual_seed(0)
-        fxtrain.TrainModule(to_device(Net()), fxtrain.Options(cache_dir=str(cache)))(x).backward()
+        first = fxtrain.TrainModule(to_device(Net()), fxtrain.Options(cache_dir=str(cache)))
+        first(x).backward()
+        first.capture_info()   # waits for the partition: the entry is stored with the whole step
         helper.write_text("def scale(x):\n    return x * 5.0\n")
         importlib.reload(helper_mod)
         torch.manual_seed(0)
@@ -209,6 +212,91 @@ def test_edited_source_file_of_traced_code_is_a_miss(tmp_path):
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop("helper_mod", None)
+
+
+def test_a_cache_dir_does_not_partition_at_capture(tmp_path):
+    """An empty cache_dir's first process captures as without one (issue 19: partitioning at capture
+    to store the entry cost its first step 3.3 s): the partition worker partitions the capture
+    while it runs in the autograd mode, and the whole step is stored when the answer is back; the
+    next module hits it and trains as eager."""
+    tm, _ = wrap_pair(_mlm(), cache_dir=str(tmp_path), executor="auto", dynamic=None)   # the defaults
+    batches = _batches(3)
+    _one_step(tm, batches[0])
+    early = tm.capture_info(wait=False)
+    assert early.records[0].pending is not None and early.records[0].runtime.startswith("autograd"), early
+    assert _entries(tmp_path) == [], _entries(tmp_path)   # the request has not even gone (runtime/pending.py)
+    info = tm.capture_info()                               # waits for the partition: then it is stored
+    assert len(_entries(tmp_path)) == 1 and info.cache_log[-1].startswith("stored "), info.cache_log
+    hit, ref = wrap_pair(_mlm(), cache_dir=str(tmp_path), executor="auto", dynamic=None)
+    train_parity(hit, ref, batches, _loss, state_atol=STATE_ATOL)
+    assert hit.capture_info().cache_hits == 1, hit.capture_info().cache_log
+
+
+KILLED = textwrap.dedent("""
+    import sys, time, torch, fxtrain
+    sys.path.insert(0, sys.argv[3])
+    from test_cache import _mlm, _batches
+    from fxtrain.runtime import tiered
+    when = sys.argv[2]
+    tm = fxtrain.TrainModule(_mlm(), fxtrain.Options(cache_dir=sys.argv[1], executor="auto", compile_after=0.0))
+    batches = _batches(2)
+    for step in range(2):   # the second call sends the partition request
+        tm(**batches[step % 2]).loss.backward()
+    if when == "compile":
+        tm.capture_info()   # the entry is stored; the next call starts the tier's compile
+        tm(**batches[0]).loss.backward()
+        while not tiered._workers:
+            time.sleep(0.05)
+        print("worker", next(iter(tiered._workers)).pid, flush=True)
+    print("kill me", flush=True)
+    time.sleep(600)
+""")
+
+
+@pytest.mark.cpu_only("fresh processes build and train their own models on the CPU")
+@pytest.mark.parametrize("when", ["partition", pytest.param("compile", marks=pytest.mark.extended)])  # 34 s
+def test_a_process_killed_mid_partition_or_compile_leaves_a_usable_cache(tmp_path, when):
+    """SIGKILL while the partition worker or the tier's compile runs: no atexit, no cleanup. The next
+    process hits what was stored (the entry, stored once the partition was back) or misses cleanly
+    (nothing was), and trains as eager; the killed process's compile worker does not outlive it."""
+    import signal
+    import time
+    env = dict(os.environ, PYTHONPATH=str(ROOT), FXTRAIN_TEST_DEVICE="cpu")
+    proc = subprocess.Popen([sys.executable, "-c", KILLED, str(tmp_path), when, str(ROOT / "tests")], env=env,
+                            stdout=subprocess.PIPE, text=True)
+    lines = []
+    while not lines or lines[-1] != "kill me":
+        line = proc.stdout.readline().strip()
+        assert line or proc.poll() is None, f"the child ended first: {lines}"
+        lines.append(line)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(60)
+    if when == "compile":
+        worker = int(lines[0].split()[1])
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _running(worker):
+            time.sleep(0.2)
+        assert not _running(worker), "the compile worker outlived its killed parent"
+    assert len(_entries(tmp_path)) == (1 if when == "compile" else 0), _entries(tmp_path)
+    tm, ref = wrap_pair(_mlm(), cache_dir=str(tmp_path), executor="auto", dynamic=None)   # the child's
+    train_parity(tm, ref, _batches(3), _loss, state_atol=STATE_ATOL)
+    info = tm.capture_info()
+    assert (info.cache_hits, info.cache_misses) == ((1, 0) if when == "compile" else (0, 1)), info.cache_log
+    assert "corrupt" not in " ".join(info.cache_log), info.cache_log
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie, exited but not yet reaped, is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
 
 
 # ------------------------------------------------------------------------ writes and damage

@@ -216,6 +216,8 @@ def _run_parity(name: str, tmp_path: Path) -> Tuple[List[Dict[str, Any]], Dict[s
     return results, shared
 
 
+@pytest.mark.extended   # 47 s; make test runs the same toy model (custom Functions, tied embedding) through
+                       # every schedule in test_every_schedule_matches_single_process[toy]
 def test_custom_function_tied_weights_kwargs(tmp_path):
     """Custom Functions (user backward runs), a tied embedding/head across stages, two steps."""
     results, shared = _run_parity("toy", tmp_path)

@@ -105,22 +105,29 @@ def rebuild_leaf(recipe: Tuple[str, Any], outs: Any) -> Any:
     return obj
 
 
-def build(record: Any, recipe: Recipe, out: Any, about: Dict[str, Any]) -> Entry:
-    """The entry for a finished capture (backward graph filled in later), or NotReplayable."""
+def outputs_of(recipe: Recipe, out: Any) -> Tuple[Any, List[Tuple[str, Any]]]:
+    """How the capturing call's returned object is built from the graph's outputs (the entry's
+    ``treespec`` and ``leaves``), read at that call: or NotReplayable."""
     if recipe.bypass:
         raise NotReplayable(recipe.bypass)
-    step = record.step
+    return output_recipe(out, recipe.last_outputs)
+
+
+def build(step: Any, mode: str, recipe: Recipe, outputs: Tuple[Any, List[Tuple[str, Any]]],
+          about: Dict[str, Any]) -> Entry:
+    """The entry for a whole step (partitioned) that runs in runtime ``mode``, or NotReplayable.
+    ``outputs``: ``outputs_of`` the capturing call."""
     if step is None or step.forward_graph is None or step.spec is None:
         raise NotReplayable(getattr(step, "not_replayable", "") or "the capture has no aten graphs")
     for gm in (step.forward_graph,):
         if any(n.op == "call_function" and str(n.target).startswith("fxtrain.python_op") for n in gm.graph.nodes):
             raise NotReplayable("the graph holds custom autograd Functions (PythonOps), which are not cached yet")
     spec = step.spec
-    check_graph_arity(step.forward_graph, None, spec, recipe.sources)
-    treespec, leaves = output_recipe(out, recipe.last_outputs)
+    check_graph_arity(step.forward_graph, step.backward_graph, spec, recipe.sources)
+    treespec, leaves = outputs
     header = dict(about, format=FORMAT, created=time.time(), **versions())
     return Entry(recipe=recipe, spec=spec, forward_graph=step.forward_graph, backward_graph=step.backward_graph,
-                 graph=step.graph if record.run.mode == "autograd" else None, mode=record.run.mode,
+                 graph=step.graph if mode == "autograd" else None, mode=mode,
                  treespec=treespec, leaves=leaves, header=header, memory_plan=step.memory_plan)
 
 
@@ -171,6 +178,3 @@ def loads(payload: bytes) -> Entry:
             gm.recompile()
     return entry
 
-
-def check_backward(entry: Entry) -> None:
-    check_graph_arity(entry.forward_graph, entry.backward_graph, entry.spec, entry.recipe.sources)

@@ -28,8 +28,10 @@ from ..torch_private import TORCH_VERSION_TEXT
 from ..version import __version__
 from ..errors import Error
 
-# Options that do not change a captured graph: where files go, logging, what happens on failure.
-_NOT_IN_KEY = {"cache_dir", "save_graphs_dir", "log_density", "fallback", "recompile_limit", "sparsity_guard"}
+# Options that do not change a captured graph: where files go, logging, what happens on failure,
+# when and how long the compiled tier's background compile runs (it compiles the stored graphs).
+_NOT_IN_KEY = {"cache_dir", "save_graphs_dir", "log_density", "fallback", "recompile_limit", "sparsity_guard",
+               "compile_after", "compile_timeout", "capture_warning_seconds"}
 _PLAIN = (bool, int, float, complex, str, bytes, type(None))
 
 

@@ -171,7 +171,12 @@ class ModuleCache:
     # ------------------------------------------------------------------------------------- store
     def stored_after_capture(self, key: Hashable, record: GraphRecord, out: Any, mode: str, model: str,
                              module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
-        """Build the entry for a capture that made exactly one graph; written once it is complete."""
+        """Store the entry of a capture that made exactly one graph: now if the capture partitioned
+        it, else when the partition worker's answer is back (runtime/pending.py: ``then``), so that
+        a cache costs the first step nothing. What only the capturing call shows (how its returned
+        object is built from the graph's outputs) is read now. A process that ends (or is killed)
+        before the answer stores nothing: the next one misses and captures; the write itself is
+        atomic (cache/store.py)."""
         recipe = record.cache_recipe
         disk_key = self.disk_keys.get(key)
         if self.store is None or recipe is None or disk_key is None:
@@ -182,36 +187,41 @@ class ModuleCache:
                 disk_key = cache_key(module, args, kwargs, mode, self.options)
             except Unkeyable:
                 return
+        about = {"model": model, "mode": mode, "owner": self.owner, "executor": self.options.executor}
         try:
-            entry = entries.build(record, recipe, out, {"model": model, "mode": mode, "owner": self.owner,
-                                                        "executor": self.options.executor})
+            outputs = entries.outputs_of(recipe, out)
         except NotReplayable as e:
             self._note("not stored (%s): %s", mode, e)
             return
         finally:
             recipe.last_outputs = None
-        self._write(disk_key, entry, record)
+        if record.pending is not None:
+            record.pending.then(lambda whole: self._store(disk_key, recipe, outputs, about, whole.step,
+                                                          whole.mode, whole.optimizations, whole.tier))
+        else:
+            self._store(disk_key, recipe, outputs, about, record.step, record.run.mode, record.optimizations,
+                        record.tier)
 
-    def _write(self, disk_key: str, entry: entries.Entry, record: GraphRecord) -> None:
+    def _store(self, disk_key: str, recipe: Any, outputs: Tuple[Any, Any], about: Dict[str, Any], step: Any,
+               run_mode: str, optimizations: Dict[str, str], tier: Optional[Tier]) -> None:
         assert self.store is not None
-        entry.backward_graph = record.backward_graph
-        entry.optimizations = dict(record.optimizations)
         try:
-            entries.check_backward(entry)
+            entry = entries.build(step, run_mode, recipe, outputs, about)
+            entry.optimizations = dict(optimizations)
             started = time.perf_counter()
             payload = entries.dumps(entry)
             entry.header["nodes"] = len(entry.forward_graph.graph.nodes) + (
                 len(entry.backward_graph.graph.nodes) if entry.backward_graph is not None else 0)
             self.store.write(disk_key, entry.header, payload)
-            if record.tier is not None:
+            if tier is not None:
                 digest = hashlib.sha256(payload).hexdigest()
-                record.tier.on_kept = lambda kept: self._write_tier(disk_key, digest, entry.header, kept)
+                tier.on_kept = lambda kept: self._write_tier(disk_key, digest, entry.header, kept)
         except NotReplayable as e:
-            self._note("not stored (%s): %s", entry.header.get("mode"), e)
+            self._note("not stored (%s): %s", about["mode"], e)
             return
         except Exception as e:
             warn_once(f"write:{self.store.root}", "fxtrain: could not write the cache entry in %s (%s: %s)",
                       self.store.root, type(e).__name__, e)
             return
-        self._note("stored %s (%s): %.1f MB in %.2f s", disk_key[:12], entry.header.get("mode"),
+        self._note("stored %s (%s): %.1f MB in %.2f s", disk_key[:12], about["mode"],
                    len(payload) / 1e6, time.perf_counter() - started)

@@ -125,7 +125,7 @@ class Backend:
             rewritten = rewrite(gm, context)
             request = partition_worker.request(rewritten.graph, example_inputs, self.executor.name)
             if request is not None:
-                return self._partition_later(rewritten, request, mode, reason, site, index)
+                return self._partition_later(rewritten, request, mode, reason, site, index, recipe)
             step, reports = finish(rewritten, example_inputs, context)
         else:
             step, reports = compile_step(gm, example_inputs, context)
@@ -152,15 +152,17 @@ class Backend:
         """Whether this capture runs in the autograd mode until the partition worker has partitioned
         it (runtime/pending.py: why). Not where the partition must come first: a graph of symbolic
         sizes (its partition may add shape guards, which must join dynamo's before the capture is
-        installed), a memory budget (its plan is the partition), the cache and graph dumps (they
-        store the aten graphs at capture), the graph mode asked for, the profiler's captures, an
+        installed), a memory budget (its plan is the partition), graph dumps (they write the aten
+        graphs at capture), the graph mode asked for, the profiler's captures, an
         executor without the autograd mode, custom autograd Functions (PythonOps: their classes may
         not import in the worker); nor for a graph that does not pickle (``partition_worker.request``).
-        Autocast is no reason: the worker traces under the capture's (``partition_worker.autocast_now``)."""
+        Autocast is no reason: the worker traces under the capture's (``partition_worker.autocast_now``).
+        Nor is the cache: it stores the whole step when the partition is back (cache/session.py), so a
+        cache_dir costs the first step nothing (issue 19: +3.3 s when it partitioned at capture)."""
         options, plugins = self.options, self.plugins
         if not (self.executor.autograd_mode and plugins.executor is None and plugins.real_batches
                 and plugins.on_budget_state is None and options.backward != "graph"
-                and options.memory_budget is None and not options.cache_dir and not options.save_graphs_dir
+                and options.memory_budget is None and not options.save_graphs_dir
                 and torch.is_grad_enabled()):
             return False
         tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
@@ -172,7 +174,7 @@ class Backend:
                        for n in gm.graph.nodes)
 
     def _partition_later(self, rewritten: Rewritten, request: bytes, mode: str, reason: str, site: Any,
-                         index: int) -> Callable[..., object]:
+                         index: int, recipe: Optional[cache_recipe.Recipe]) -> Callable[..., object]:
         owner = f"{self.owner} graph {index}"
         before = unpartitioned(rewritten)
         box: Dict[str, Any] = {}
@@ -189,13 +191,18 @@ class Backend:
                 if made is not None:   # the capture's calls so far count as the tier's (its steps)
                     made.calls = pending.calls
                 self.info.note_partition(box["record"], step, run, reports, made)
-            return core, record
+            return Ready(core, record, step, run_mode, reports, tier.made if tier else None)
 
         pending = PendingPartition(owner, partitioned)
         box["runtime"] = runtime = runner.build(before, self.executor, self.context, later=pending)
+        compiled = runtime.call
+        if recipe is not None:   # the cache stores the whole step once the partition is back
+            cache_recipe.finish(recipe, rewritten.graph, before.plans)
+            compiled = cache_recipe.watch(recipe, compiled)
         box["record"] = record = self.info.add(GraphRecord(
             index=index, mode=mode, dynamo_graph=rewritten.graph, reason=reason, break_site=site,
-            optimizations=dict(rewritten.reports), step=before, run=runtime, pending=pending))
+            optimizations=dict(rewritten.reports), step=before, run=runtime, pending=pending,
+            cache_recipe=recipe))
         logger.info("captured graph %d (%s): %d nodes, executor %s, runtime %s (partitioned later)",
                     index, mode, len(rewritten.graph.graph.nodes), self.executor.name, record.runtime)
-        return runtime.call
+        return compiled

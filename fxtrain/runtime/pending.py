@@ -19,15 +19,23 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 from . import threads
 
 logger = logging.getLogger("fxtrain")
 
-# What the partition returns: the core to run from the next call, and what to record of the whole
-# step (called on the caller's thread, at the switch).
-Ready = Tuple[Callable[..., Any], Callable[[], None]]
+
+class Ready(NamedTuple):
+    """What the partition returns: the core to run from the next call, what to record of the whole
+    step (called on the caller's thread, at the switch), and the whole step itself for those that
+    wait for it (``PendingPartition.then``: the cache stores it)."""
+    core: Callable[..., Any]
+    record: Callable[[], None]
+    step: Any
+    mode: str                         # the runtime mode the whole step runs in
+    optimizations: Dict[str, str]     # the backward passes' reports
+    tier: Optional[Any]               # runtime/tiered.py's Tier of the whole step, if it has one
 
 
 class PendingPartition:
@@ -45,6 +53,8 @@ class PendingPartition:
         self._ready: Optional[Ready] = None
         self._done = threading.Event()
         self._start_lock = threading.Lock()
+        self._then: List[Callable[[Ready], None]] = []
+        self._answer: Optional[Ready] = None   # kept for a ``then`` registered after the answer
 
     def __call__(self, core: Callable[..., Any]) -> Callable[..., Any]:
         self._live = core
@@ -76,16 +86,39 @@ class PendingPartition:
                                self.owner, self.error)
         else:
             self.seconds = time.perf_counter() - started
+            # Before the switch can happen: what ``then`` runs (the cache pickling the graphs) reads
+            # graphs no other thread runs yet.
+            with self._start_lock:
+                hooks, self._then, self._answer = self._then, [], ready
+            for hook in hooks:
+                self._run_hook(hook, ready)
             self._ready = ready
             logger.info("%s: partitioned by the worker in %.2f s", self.owner, self.seconds)
         finally:
             self._done.set()
 
+    def then(self, hook: Callable[[Ready], None]) -> None:
+        """Run ``hook`` with the whole step once the partition is back, on the partition's thread,
+        before the step runs it (at once if it is back already); never if the partition fails."""
+        with self._start_lock:
+            answer = self._answer
+            if answer is None:
+                self._then.append(hook)
+        if answer is not None:
+            self._run_hook(hook, answer)
+
+    def _run_hook(self, hook: Callable[[Ready], None], ready: Ready) -> None:
+        try:
+            hook(ready)
+        except Exception as e:   # the step runs on whatever a listener failed at
+            if not threads.exiting.is_set():
+                logger.warning("fxtrain: %s: after its partition: %s: %s", self.owner, type(e).__name__, e)
+
     def _switch(self) -> None:
         ready, self._ready = self._ready, None
         if ready is not None:
-            self._live = ready[0]
-            ready[1]()
+            self._live = ready.core
+            ready.record()
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Send the request if it has not gone yet and block until the partition has finished or

@@ -34,8 +34,13 @@ def worker_command(module: str, *args: str) -> List[str]:
     The training loop's cores first: at the default priority the partition worker took a core from
     the loop's intra-op threads, and 20 bert-mlm steps on 2 cores took 12.4 s instead of 6.4 s
     (docs/architecture.md, "Decisions and why": the partition in a worker process).
-    ``sys.argv[1:]`` are ``args``, as with ``-m``."""
-    start = (f"import os, runpy\nif hasattr(os, 'nice'):\n    os.nice(19)\n"
+    A worker whose parent is gone (killed: no atexit ran to stop it) exits within a second, as
+    nobody will read what it makes: a thread watches its parent's pid, since a compile reads no
+    pipe that would tell it. ``sys.argv[1:]`` are ``args``, as with ``-m``."""
+    start = (f"import os, runpy, threading, time\nif hasattr(os, 'nice'):\n    os.nice(19)\n"
+             f"def _watch(parent=os.getppid()):\n"
+             f"    while os.getppid() == parent:\n        time.sleep(1.0)\n    os._exit(1)\n"
+             f"threading.Thread(target=_watch, daemon=True).start()\n"
              f"runpy.run_module({module!r}, run_name='__main__')")
     return [sys.executable, "-c", start, *args]
 
