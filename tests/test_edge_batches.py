@@ -297,6 +297,7 @@ def test_a_cache_hit_takes_the_dense_route_too(tmp_path):
                      for _ in range(2)]
     writer = fxtrain.TrainModule(to_device(build()), fxtrain.Options(cache_dir=str(tmp_path)))
     writer(**first).loss.backward()
+    writer.capture_info()   # waits for the partition: the entry is stored with the whole step
     row, col = (second["attention_mask"] == 0).nonzero()[0].tolist()
     second["labels"][row, col] = 5
     tm, ref = _pair(build(), cache_dir=str(tmp_path))

@@ -257,8 +257,9 @@ def test_global_module_hooks_never_see_fxtrain_graphs(tmp_path):
                for _ in range(2)]
     # an entry in the on-disk cache, written before the hook exists (dynamo traces a global hook
     # into the graph, and one appending to a list is a side effect no entry can replay)
-    out = fxtrain.TrainModule(copy.deepcopy(tm.module), fxtrain.Options(cache_dir=str(tmp_path)))(**batches[0])
-    out.loss.backward()
+    writer = fxtrain.TrainModule(copy.deepcopy(tm.module), fxtrain.Options(cache_dir=str(tmp_path)))
+    writer(**batches[0]).loss.backward()
+    writer.capture_info()   # waits for the partition: the entry is stored with the whole step
     with torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: seen.append(type(m))):
         for b in batches:
             out = tm(**b)

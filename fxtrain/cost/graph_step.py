@@ -160,6 +160,7 @@ class GraphStepCoster:
                     for p in params:
                         p.grad = None
                 tracker.phase = "end"
+            tracker.counting = False   # later frees (a collection, the caller's outputs) are not this step's
             if first:
                 self._optimizer_peak = max((b for phase, b in tracker.timeline if phase == "optimizer"), default=0)
             peak, phase = tracker.peak, tracker.peak_phase

@@ -12,6 +12,7 @@ both loops are costed with the same graphs.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -267,9 +268,21 @@ class Session:
         if self.optimizer is not None:
             tracker.register([list(s.values()) for s in self.optimizer.state.values()], "optimizer state")
         tracker.register([fake_args, fake_kwargs], "inputs")
-        tracker.start_measuring()
-        with self._active(tracker):
-            self._step(tracker, fake_args, fake_kwargs, keep_outputs)
+        # Frees are counted as they happen (weakref finalizers on storages): with the cyclic
+        # collector off during the step, a storage is freed when its last reference goes, not when a
+        # collection happens to run; and nothing counts once the step is over (a collection during a
+        # later costing once added 3 'end' events to this step's timeline).
+        gc.collect()
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            tracker.start_measuring()
+            with self._active(tracker):
+                self._step(tracker, fake_args, fake_kwargs, keep_outputs)
+        finally:
+            tracker.counting = False   # a later free (the caller dropping outputs) is not this step's
+            if enabled:
+                gc.enable()
         seconds = time.perf_counter() - started
         return StepCost(tracker=tracker, seconds=seconds, args=args, kwargs=kwargs,
                         fractions=list(tracker.fractions), keep_outputs=keep_outputs)

@@ -71,6 +71,7 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from .. import torch_private as tp
+from ..errors import Error
 from . import threads
 from .absent_grads import AbsentGradBackward, values_read
 from .executors import InductorExecutor, inductor_compile_graph
@@ -89,7 +90,7 @@ _workers: Set[subprocess.Popen] = set()   # killed at exit: a compile nobody wil
 _one_worker = threading.Lock()
 
 
-class _OwnerGone(Exception):
+class _OwnerGone(Error):
     """The worker was stopped: the TrainModule it compiled for no longer exists."""
 
 
