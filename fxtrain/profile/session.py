@@ -272,7 +272,6 @@ class Session:
         # collector off during the step, a storage is freed when its last reference goes, not when a
         # collection happens to run; and nothing counts once the step is over (a collection during a
         # later costing once added 3 'end' events to this step's timeline).
-        gc.collect()
         enabled = gc.isenabled()
         gc.disable()
         try:
