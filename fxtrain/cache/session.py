@@ -38,7 +38,7 @@ TIER = "-tier"
 
 class ModuleCache:
     def __init__(self, options: Options, info: CaptureInfo, owner: str, executor: Executor,
-                 context: RunContext, alive: Callable[[], bool] = lambda: True) -> None:
+                 context: RunContext, alive: Callable[[], bool]) -> None:
         self.options, self.info, self.owner, self.alive = options, info, owner, alive
         self.store: Optional[Store] = Store.open(options.cache_dir) if options.cache_dir else None
         if options.cache_dir and self.store is None:

@@ -71,7 +71,7 @@ class Backend:
 
     def __init__(self, info: CaptureInfo, options: Options, training: Callable[[], bool],
                  owner: str = "model", on_graph: Optional[Callable[[], None]] = None,
-                 plugins: Optional[Plugins] = None, alive: Callable[[], bool] = lambda: True) -> None:
+                 plugins: Optional[Plugins] = None, *, alive: Callable[[], bool]) -> None:
         self.info = info
         self.alive = alive   # whether the TrainModule still exists (a background compile for one gone is skipped)
         self.owner = owner

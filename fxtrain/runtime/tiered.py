@@ -228,7 +228,7 @@ class TierMaker:
     """What ``runner.build`` gets as ``tiered`` for one capture, live or a cache hit: it wraps the
     core in a Tier and keeps it (``made``) for the capture's record."""
 
-    def __init__(self, step: Any, options: Any, owner: str, alive: Callable[[], bool] = lambda: True) -> None:
+    def __init__(self, step: Any, options: Any, owner: str, alive: Callable[[], bool]) -> None:
         self.step, self.options, self.owner, self.alive = step, options, owner, alive
         self.made: Optional[Tier] = None
 
@@ -316,8 +316,8 @@ class Tier:
     Runtime state, kept apart from the CapturedStep (which stays what capture made): the live
     callable, the one waiting to replace it, and what ``capture_info()`` reports."""
 
-    def __init__(self, step: Any, eager: Callable[..., Any], timeout: float, owner: str, after: float = 0.0,
-                 alive: Callable[[], bool] = lambda: True) -> None:
+    def __init__(self, step: Any, eager: Callable[..., Any], timeout: float, owner: str, after: float,
+                 alive: Callable[[], bool]) -> None:
         self.state = "eager"            # "eager" | "compiling" | "compiled"
         self.reason = ""                # why it stays on the eager executor
         self.since_step: Optional[int] = None
@@ -528,8 +528,7 @@ class Tier:
             self._done.set()
 
     @staticmethod
-    def _run_worker(given: Path, made: Path, inference: bool, timeout: float,
-                    alive: Callable[[], bool] = lambda: True) -> None:
+    def _run_worker(given: Path, made: Path, inference: bool, timeout: float, alive: Callable[[], bool]) -> None:
         package_root = str(Path(__file__).resolve().parents[2])
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")]))
         # Inductor's cache key holds the intra-op thread count its C++ code is generated for.
