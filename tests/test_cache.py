@@ -233,7 +233,7 @@ def test_a_cache_dir_does_not_partition_at_capture(tmp_path):
 
 
 KILLED = textwrap.dedent("""
-    import sys, time, torch, fxtrain
+    import os, sys, time, torch, fxtrain
     sys.path.insert(0, sys.argv[3])
     from test_cache import _mlm, _batches
     from fxtrain.runtime import tiered
@@ -247,7 +247,8 @@ KILLED = textwrap.dedent("""
         tm(**batches[0]).loss.backward()
         while not tiered._workers:
             time.sleep(0.05)
-        print("worker", next(iter(tiered._workers)).pid, flush=True)
+        worker = next(iter(tiered._workers))
+        print("worker", worker.pid, os.path.dirname(worker.args[3]), flush=True)
     print("kill me", flush=True)
     time.sleep(600)
 """)
@@ -258,7 +259,8 @@ KILLED = textwrap.dedent("""
 def test_a_process_killed_mid_partition_or_compile_leaves_a_usable_cache(tmp_path, when):
     """SIGKILL while the partition worker or the tier's compile runs: no atexit, no cleanup. The next
     process hits what was stored (the entry, stored once the partition was back) or misses cleanly
-    (nothing was), and trains as eager; the killed process's compile worker does not outlive it."""
+    (nothing was), and trains as eager; the killed process's compile worker does not outlive it, and
+    removes the directory of graphs its parent wrote for it."""
     import signal
     import time
     env = dict(os.environ, PYTHONPATH=str(ROOT), FXTRAIN_TEST_DEVICE="cpu")
@@ -277,6 +279,7 @@ def test_a_process_killed_mid_partition_or_compile_leaves_a_usable_cache(tmp_pat
         while time.monotonic() < deadline and _running(worker):
             time.sleep(0.2)
         assert not _running(worker), "the compile worker outlived its killed parent"
+        assert not Path(lines[0].split()[2]).exists(), "the killed process's graphs for its worker are left behind"
     assert len(_entries(tmp_path)) == (1 if when == "compile" else 0), _entries(tmp_path)
     tm, ref = wrap_pair(_mlm(), cache_dir=str(tmp_path), executor="auto", dynamic=None)   # the child's
     train_parity(tm, ref, _batches(3), _loss, state_atol=STATE_ATOL)

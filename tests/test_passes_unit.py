@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import fxtrain
+from fxtrain.capture.pipeline import CaptureContext, rewrite
+from fxtrain.cost.launches import launch_bound, rates_for
 from fxtrain.graph_walk import ancestors
 from fxtrain.passes import ExampleSource, Plans, run_passes
 from fxtrain.passes.batch_guard import GuardBuilder, counted_index
@@ -237,8 +239,8 @@ def test_run_passes_measures_the_batch_its_source_gives():
     for labelled, on in ((0.2, True), (1.0, False)):
         inputs = _head_inputs(labelled)
         plans = Plans()
-        reports = run_passes(_traced(lm_head, inputs), ExampleSource({"labels": inputs["labels"]}),
-                             fxtrain.Options(), plans)
+        reports = {name: str(r) for name, r in run_passes(_traced(lm_head, inputs), ExampleSource(
+            {"labels": inputs["labels"]}), fxtrain.Options(), plans).items()}
         assert reports["label_sparsity"].startswith("on: label density" if on else "off: label density"), reports
         assert reports["padding_elimination"] == "off: no [batch, seq] embedding lookup"
         assert plans.guard_builder is None and (plans.guard is not None) == on
@@ -252,3 +254,65 @@ def test_a_pass_turned_off_rewrites_nothing(name):
     before = gm.code
     report, plans = _run(pass_fn, gm, ExampleSource(inputs), **{name: "off"})
     assert (report.applied, report.reason) == (False, "off by option") and gm.code == before and plans == Plans()
+
+
+# ------------------------------------------------------------------------- launch cost (issue 17)
+def wide_head(hidden, labels, decoder):
+    """An LM head alone: the logits of every row, of which the loss reads the labelled ones."""
+    return (F.cross_entropy(F.linear(hidden, decoder).view(-1, decoder.size(0)), labels.view(-1), ignore_index=-100),)
+
+
+def _wide_head_inputs(dtype):
+    g = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 8192, (8, 128), generator=g)
+    labels[torch.rand(8, 128, generator=g) >= 0.15] = -100
+    return to_device({"hidden": torch.randn(8, 128, 256, generator=g).to(dtype), "labels": labels,
+                      "decoder": (torch.randn(8192, 256, generator=g) / 16).to(dtype)})
+
+
+def _rewritten(fn, inputs, rates, **options):
+    gm = _traced(fn, inputs)
+    context = CaptureContext(fxtrain.Options(**options), None, ExampleSource(inputs), launch_rates=rates)
+    return gm, rewrite(gm, context)
+
+
+def test_a_pass_whose_launches_cost_more_than_it_skips_is_off_on_an_accelerator():
+    """On a device fed by host launches, the tiny encoder's passes add more launch time than the
+    FLOPs they skip take: the capture keeps dynamo's graph and says why. The CPU keeps them."""
+    inputs = _encoder_inputs()
+    plain = _traced(encoder, inputs)
+    gm, rewritten = _rewritten(encoder, inputs, rates_for("cuda"))
+    for name in ("label_sparsity", "padding_elimination"):
+        assert rewritten.reports[name].startswith("off: on cuda its "), rewritten.reports
+        assert "extra kernel launches per step" in rewritten.reports[name]
+    assert [n.target for n in gm.graph.nodes] == [n.target for n in plain.graph.nodes]
+    assert rewritten.plans == Plans() and rewritten.dense_graph is None
+    torch.testing.assert_close(gm(*inputs.values())[0], plain(*inputs.values())[0])
+    # The graph's own device (the CPU here): no launch model, both passes on.
+    _, on_cpu = _rewritten(encoder, inputs, None)
+    assert all(on_cpu.reports[n].startswith("on: ") for n in ("label_sparsity", "padding_elimination"))
+    # Asked for by option: kept whatever it costs.
+    _, forced = _rewritten(encoder, inputs, rates_for("cuda"), padding_elimination="on")
+    assert forced.reports["padding_elimination"].startswith("on: forced on"), forced.reports
+    assert forced.reports["label_sparsity"].startswith("off: on cuda"), forced.reports
+
+
+def test_the_launch_cost_is_weighed_at_the_precision_the_flops_run_in():
+    """Label sparsity on a 8192-class head skips ~3.6 GFLOP per step: worth 10 launches in float32
+    (~270 µs at 40 TFLOP/s) but not in bfloat16 (~27 µs at 400)."""
+    _, fp32 = _rewritten(wide_head, _wide_head_inputs(torch.float32), rates_for("cuda"))
+    assert fp32.reports["label_sparsity"].startswith("on: label density"), fp32.reports
+    _, bf16 = _rewritten(wide_head, _wide_head_inputs(torch.bfloat16), rates_for("cuda"))
+    assert bf16.reports["label_sparsity"].startswith("off: on cuda its "), bf16.reports
+    assert "bfloat16" in bf16.reports["label_sparsity"]
+
+
+def test_launch_bound_decides_only_where_it_knows():
+    cuda = rates_for("cuda")
+    assert rates_for("cpu") is None and launch_bound(1, 100, None, torch.float32) is None
+    assert launch_bound(None, 100, cuda, torch.float32) is None        # a density computed in the graph
+    assert launch_bound(1, 0, cuda, torch.float32) is None             # no kernel added
+    assert launch_bound(10 ** 12, 5, cuda, torch.float32) is None      # 3 TFLOP skipped: pays
+    why = launch_bound(10 ** 6, 5, cuda, torch.float16)
+    assert why.startswith("on cuda its 10 extra kernel launches per step (~80 µs"), why
+    assert rates_for("xpu").name == "xpu"   # any accelerator: the same host-launch model

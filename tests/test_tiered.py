@@ -395,3 +395,26 @@ def test_the_worker_and_the_loader_use_the_graphs_device(monkeypatch):
     assert tiered.graphs_device([on_cpu, on_gpu]) == torch.device("cuda", 1)
     tiered.use_graphs_device([None, on_gpu])
     assert chosen == [1]
+
+
+@pytest.mark.cpu_only("temporary directories and processes: no tensors")
+def test_the_graphs_a_killed_process_left_for_its_worker_are_removed(tmp_path, monkeypatch):
+    """A process SIGKILLed mid-compile cannot remove the directory of graphs it wrote for its worker
+    (tests/test_cache.py kills one: the worker removes it as it exits). The next process to compile
+    removes those whose process is gone, and leaves a live process's alone."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    from fxtrain.runtime import tiered
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    gone = tmp_path / f"fxtrain-tier-{dead.pid}-abc"
+    alive = tmp_path / f"fxtrain-tier-{os.getpid()}-def"
+    other = tmp_path / "fxtrain-tier-notapid"
+    for d in (gone, alive, other):
+        d.mkdir()
+        (d / "graphs.in").write_bytes(b"x")
+    tiered._sweep_orphans.__wrapped__()
+    assert not gone.exists() and alive.exists() and other.exists()

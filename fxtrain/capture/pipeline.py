@@ -16,7 +16,8 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from .. import torch_private as tp
 from ..options import Options
-from ..passes import ExampleSource, Plans, run_passes
+from ..cost.launches import DeviceRates, launch_bound, rates_for
+from ..passes import ExampleSource, Plans, contraction_dtype, run_passes
 from ..pythonop.route import drop_unused_subclasses
 from ..runtime.absent_grads import AbsentGradBackward
 from ..runtime.executors import Executor
@@ -37,6 +38,8 @@ class CaptureContext:
     optimizer: Any = None                      # whose state a budget counts
     # Observer: gets each replayable training capture's BudgetState (the profiler's max_batch_recomputed).
     on_budget_state: Optional[Callable[[BudgetState], None]] = None
+    # Launch and FLOP rates the passes are weighed with (cost/launches.py); None: the graph's device's.
+    launch_rates: Optional[DeviceRates] = None
 
 
 @dataclass(frozen=True)
@@ -121,11 +124,26 @@ def unpartitioned(rewritten: Rewritten) -> CapturedStep:
 
 # ------------------------------------------------------------------------------------- passes
 def rewrite(gm: torch.fx.GraphModule, context: CaptureContext) -> Rewritten:
+    """The forward passes, less those whose added kernels cost more than their saved FLOPs on the
+    graph's device (cost/launches.py): those are turned off and the passes run again on the graph
+    as dynamo traced it, so that the others see the graph they would without them."""
     drop_unused_subclasses(gm)
     dense = torch.fx.GraphModule(gm, _copy_graph(gm.graph))
+    device_type, dtype = contraction_dtype(dense)
+    rates = context.launch_rates if context.launch_rates is not None else rates_for(device_type)
     plans = Plans()
     reports = run_passes(gm, context.examples, context.options, plans)
-    return Rewritten(gm, dense if plans.guard is not None else None, plans, reports)
+    off = {name: why for name, r in reports.items() if r.applied and getattr(context.options, name, "on") == "auto"
+           for why in [launch_bound(r.saved_flops, r.added_kernels, rates, dtype)] if why}
+    if off:
+        gm.graph = _copy_graph(dense.graph)
+        plans = Plans()
+        reports = run_passes(gm, context.examples, dataclasses.replace(context.options, **dict.fromkeys(off, "off")),
+                             plans)
+        reports.update((name, PassReport(name, False, why)) for name, why in off.items())
+        gm.recompile()
+    return Rewritten(gm, dense if plans.guard is not None else None, plans,
+                     {name: str(r) for name, r in reports.items()})
 
 
 def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:

@@ -27,6 +27,7 @@ from .documents import packed_attention
 from .embedding_grad import tied_embedding_grad
 from .label_sparsity import label_sparsity
 from .padding_elimination import padding_elimination
+from .rows import contraction_dtype, kernel_ops
 from .scatter_in_place import scatter_in_place
 from .upstream_slicing import upstream_slicing
 
@@ -81,12 +82,19 @@ def backward_pass_ops(executor: Executor) -> List[object]:
 
 
 def run_passes(gm: torch.fx.GraphModule, examples: ExampleSource, options: Options,
-               plans: Plans) -> Dict[str, str]:
-    reports: Dict[str, str] = {}
+               plans: Plans) -> Dict[str, PassReport]:
+    """The forward passes on ``gm``, in order; each report carries the kernels its rewrite added to
+    the forward (``rows.kernel_ops`` before and after), which the capture weighs against the FLOPs
+    it saves on the graph's device (capture/pipeline.py)."""
+    reports: Dict[str, PassReport] = {}
     changed = False
+    kernels = kernel_ops(gm)
     for p in PASSES:
         report = p(gm, examples, options, plans)
-        reports[report.name] = str(report)
+        if report.applied:
+            now = kernel_ops(gm)
+            report.added_kernels, kernels = now - kernels, now
+        reports[report.name] = report
         changed |= report.applied
     plans.guard_builder = None  # plans.guard is final: the builder (and the graph it copies from) can go
     if changed:
@@ -95,5 +103,5 @@ def run_passes(gm: torch.fx.GraphModule, examples: ExampleSource, options: Optio
     return reports
 
 
-__all__ = ["BACKWARD_PASSES", "BACKWARD_PASS_OPS", "backward_pass_ops", "run_backward_passes", "DynamoExamples", "ExampleSource",
+__all__ = ["BACKWARD_PASSES", "BACKWARD_PASS_OPS", "backward_pass_ops", "contraction_dtype", "run_backward_passes", "DynamoExamples", "ExampleSource",
            "FORWARD_GRAPH_PASSES", "PASSES", "Pass", "PassReport", "Plans", "RUNS_AFTER", "ordered", "run_passes"]

@@ -49,7 +49,7 @@ from ..runtime.step import PassReport, Plans
 from ..runtime.host_counts import HOST_DOCUMENT_LENGTHS
 from .batch_guard import GuardBuilder, host_numbers
 from .density import ExampleSource, density_reason
-from .rows import ancestors, value
+from .rows import ancestors, attention_flops_at_capture, value
 from .varlen import erase_replaced, sdpa_arguments
 
 logger = logging.getLogger("fxtrain")
@@ -248,7 +248,7 @@ def packed_attention(gm: torch.fx.GraphModule, examples: ExampleSource, options:
     builder = GuardBuilder.of(gm, plans)
     guarded: Dict[Tuple[Node, Node, bool], bool] = {}
     lengths_of: Dict[Node, Node] = {}
-    done = 0
+    done = saved = 0
     first = next(n for n in graph.nodes if n.op != "placeholder")
     for sdpa, ((b, h, s, d, kh), pos, causal) in found.items():
         args = sdpa_arguments(sdpa)
@@ -282,6 +282,7 @@ def packed_attention(gm: torch.fx.GraphModule, examples: ExampleSource, options:
                                                           bool(causal)))
             out = graph.call_function(operator.getitem, (both, 0))
             out = graph.call_method("transpose", (graph.call_method("view_as", (out, rows[0][0])), 1, 2))
+        saved += round(attention_flops_at_capture(sdpa) * (1 - work / whole))
         sdpa.replace_all_uses_with(out)
         erase_replaced(graph, [sdpa])
         done += 1
@@ -291,7 +292,8 @@ def packed_attention(gm: torch.fx.GraphModule, examples: ExampleSource, options:
     if not done:
         return PassReport(NAME, False, why[0])
     note = f" (over whole rows: {'; '.join(why)})" if why else ""
-    return PassReport(NAME, True, f"{reason}: {done} of {len(sdpas)} attention(s) run document by document{note}")
+    return PassReport(NAME, True, f"{reason}: {done} of {len(sdpas)} attention(s) run document by document{note}",
+                      saved_flops=saved)
 
 
 def _lengths(positions: torch.Tensor) -> List[int]:

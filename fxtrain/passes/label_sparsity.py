@@ -27,7 +27,7 @@ from ..runtime.step import PassReport, Plans
 from .batch_guard import counted_index
 from .density import ExampleSource, add_probe, density_reason
 from .defer import can_defer, defer_outputs
-from .rows import erase_dead, find_region, index_rows, replay_on_rows, value
+from .rows import erase_dead, find_region, flops_at_capture, index_rows, replay_on_rows, value
 
 NAME = "label_sparsity"
 _CE_SIGNATURE = inspect.signature(F.cross_entropy)
@@ -83,18 +83,21 @@ def label_sparsity(gm: torch.fx.GraphModule, examples: ExampleSource, options: O
         return PassReport(NAME, False, "no cross_entropy in the graph")
     reasons: List[str] = []
     applied = False
+    saved: Optional[int] = 0
     for node, bound in losses:
-        ok, why = _rewrite(gm, node, bound, options, plans, examples)
+        ok, why, flops = _rewrite(gm, node, bound, options, plans, examples)
         applied |= ok
         reasons.append(why)
-    return PassReport(NAME, applied, "; ".join(reasons))
+        saved = None if saved is None or flops is None else saved + flops
+    return PassReport(NAME, applied, "; ".join(reasons), saved_flops=saved)
 
 
 def _rewrite(gm: torch.fx.GraphModule, ce: torch.fx.Node, bound: inspect.BoundArguments,
-             options: Options, plans: Plans, examples: ExampleSource) -> Tuple[bool, str]:
+             options: Options, plans: Plans, examples: ExampleSource) -> Tuple[bool, str, Optional[int]]:
+    """(rewritten, why, forward FLOPs skipped on the capturing batch: None if unknown)."""
     blocked = unsupported_cross_entropy(bound)
     if blocked:
-        return False, blocked
+        return False, blocked, 0
     x, target, ignore = bound.arguments["input"], bound.arguments["target"], bound.arguments["ignore_index"]
     source = _label_placeholder(target)
     labels = examples.value(source)
@@ -102,13 +105,14 @@ def _rewrite(gm: torch.fx.GraphModule, ce: torch.fx.Node, bound: inspect.BoundAr
     density = None if labels is None else float((labels != ignore).float().mean()) if labels.numel() else 0.0
     decision = density_reason("label density", density, options.label_sparsity, options.sparsity_threshold)
     if not decision[0]:
-        return decision
+        return decision[0], decision[1], 0
     region = find_region(gm, x, 1, {ce})
     if not region.heavy_ops():
-        return False, "no linear layer computes the logits row by row"
+        return False, "no linear layer computes the logits row by row", 0
     blocked = can_defer(gm, plans, region)
     if blocked:
-        return False, blocked
+        return False, blocked, 0
+    saved = None if density is None else round(sum(flops_at_capture(n) for n in region.lead) * (1 - density))
     graph = gm.graph
     with graph.inserting_before(ce):
         valid = graph.call_function(torch.ne, (target, ignore))
@@ -126,4 +130,4 @@ def _rewrite(gm: torch.fx.GraphModule, ce: torch.fx.Node, bound: inspect.BoundAr
         deferred = "; the logits it also returns are computed on first use"
     erase_dead(gm, [ce] + list(region.lead))
     ops = region.heavy_ops()
-    return True, f"{decision[1]}: {ops} matmul(s) run on labelled rows only{deferred}"
+    return True, f"{decision[1]}: {ops} matmul(s) run on labelled rows only{deferred}", saved

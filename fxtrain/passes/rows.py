@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..graph_walk import ancestors, descendants, run_node  # noqa: F401  (the passes import them from here)
-from ..torch_private import NN_GELU, NN_LINEAR, NN_SILU
+from ..torch_private import NN_GELU, NN_LINEAR, NN_SILU, size_hint
+from ..runtime.host_counts import HOST_COUNT, HOST_DOCUMENT_LENGTHS, HOST_ROW_LENGTHS
 from .row_ops import take_rows
 
 Node = torch.fx.Node
@@ -201,6 +202,78 @@ def heavy(node: Node) -> bool:
     """An op whose cost scales with the rows times a weight: where skipping rows pays."""
     return node.op == "call_function" and (node.target in _LINEAR_FUNCTIONS or node.target is torch.addmm
                                            or node.target in _MATMUL_FUNCTIONS)
+
+
+def _numel(t: Any) -> int:
+    return math.prod(size_hint(d) for d in t.shape)
+
+
+def flops_at_capture(node: Node) -> int:
+    """Forward FLOPs of a contraction of dynamo's graph at the capturing batch's sizes (2 per
+    multiply-add, as in cost/flops.py; 0 for any other op, and for a node a pass inserted, which
+    carries no recorded value): what a pass that runs the node on fewer rows saves in proportion."""
+    out = _tensor(node)
+    if out is None or node.op != "call_function":
+        return 0
+    if node.target in _LINEAR_FUNCTIONS or node.target in _MATMUL_FUNCTIONS:
+        a = _tensor(node.args[0])
+        return 2 * _numel(out) * size_hint(a.shape[-1]) if a is not None and a.dim() else 0
+    if node.target is torch.addmm:
+        a = _tensor(node.args[1])
+        return 2 * _numel(out) * size_hint(a.shape[-1]) if a is not None else 0
+    return 0
+
+
+def contraction_dtype(gm: torch.fx.GraphModule) -> Tuple[str, torch.dtype]:
+    """(device type, dtype) of the graph's costliest contraction at capture: where and in what
+    precision the FLOPs a pass skips would have run (float32 on the CPU where there is none)."""
+    best = max((n for n in gm.graph.nodes if heavy(n)), key=flops_at_capture, default=None)
+    out = _tensor(best) if best is not None else None
+    if out is None:
+        return "cpu", torch.float32
+    return out.device.type, out.dtype
+
+
+def attention_flops_at_capture(sdpa: Node) -> int:
+    """Forward FLOPs of an SDPA node over whole rows: scores and their product with the values."""
+    args = dict(zip(("query", "key"), sdpa.args), **sdpa.kwargs)
+    q, k = _tensor(args.get("query")), _tensor(args.get("key"))
+    out = _tensor(sdpa)
+    if q is None or k is None or out is None:
+        return 0
+    keys = size_hint(k.shape[-2])
+    return 2 * _numel(q) * keys + 2 * _numel(out) * keys
+
+
+# Ops that launch no device kernel: views, metadata, and the host numbers the batch guard reads ahead.
+_NO_KERNEL_METHODS = {"view", "view_as", "reshape", "flatten", "unflatten", "narrow", "transpose", "permute", "expand",
+                      "unsqueeze", "squeeze", "t", "split", "chunk", "size", "dim", "to", "type_as", "detach"}
+
+
+def kernel_ops(gm: torch.fx.GraphModule) -> int:
+    """How many ops of ``gm`` launch a device kernel, counted by op kind (views, ``getitem``,
+    arithmetic on sizes and host reads count 0): what a pass adds to every step's launches."""
+    count = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_method":
+            count += node.target not in _NO_KERNEL_METHODS
+        elif node.op == "call_module":
+            count += 1
+        elif node.op == "call_function":
+            if node.target is operator.getitem or _host_only(node):
+                continue
+            count += 1
+    return count
+
+
+def _host_only(node: Node) -> bool:
+    """A host read of the batch guard's numbers, or arithmetic on sizes (no tensor argument)."""
+    if node.target in (HOST_COUNT, HOST_ROW_LENGTHS, HOST_DOCUMENT_LENGTHS):
+        return True
+    if getattr(node.target, "__module__", None) in ("_operator", "operator"):
+        return not any(isinstance(_tensor(a), torch.Tensor) or (isinstance(a, Node) and "example_value" not in a.meta)
+                       for a in node.all_input_nodes)
+    return False
 
 
 def find_region(gm: torch.fx.GraphModule, seed: Node, lead: int, allowed_users: Set[Node],

@@ -17,7 +17,7 @@ from ..options import Options
 from ..runtime.step import PassReport, Plans
 from .defer import can_defer, defer_outputs
 from .density import ExampleSource, density_reason
-from .rows import erase_dead, find_region, replay_on_rows, value
+from .rows import erase_dead, find_region, flops_at_capture, replay_on_rows, value
 
 NAME = "upstream_slicing"
 
@@ -49,14 +49,15 @@ def upstream_slicing(gm: torch.fx.GraphModule, examples: ExampleSource, options:
         return PassReport(NAME, False, "off by option")
     reasons: List[str] = []
     applied = False
+    saved: Optional[int] = 0
     for node in list(gm.graph.nodes):
         found = _row_select(node)
         if found is None:
             continue
         d, index = found
         x = node.args[0]
-        ok, why = density_reason("kept row fraction", _kept_fraction(value(x), d), options.upstream_slicing,
-                                 options.sparsity_threshold)
+        kept = _kept_fraction(value(x), d)
+        ok, why = density_reason("kept row fraction", kept, options.upstream_slicing, options.sparsity_threshold)
         if ok:
             region = find_region(gm, x, d + 1, {node}, regroup=False)
             if not region.heavy_ops():
@@ -67,6 +68,8 @@ def upstream_slicing(gm: torch.fx.GraphModule, examples: ExampleSource, options:
             else:
                 def select(graph: torch.fx.Graph, f: torch.fx.Node, lead: int, index: tuple = index) -> torch.fx.Node:
                     return graph.call_function(operator.getitem, (f, index))
+                flops = sum(flops_at_capture(n) for n in region.lead)
+                saved = None if saved is None or kept is None else saved + round(flops * (1 - kept))
                 rows = replay_on_rows(gm, region, select, insert_before=node)
                 node.replace_all_uses_with(rows[x])
                 if region.outputs:
@@ -77,4 +80,4 @@ def upstream_slicing(gm: torch.fx.GraphModule, examples: ExampleSource, options:
         reasons.append(why)
     if not reasons:
         return PassReport(NAME, False, "no row selection with row-wise work above it")
-    return PassReport(NAME, applied, "; ".join(reasons))
+    return PassReport(NAME, applied, "; ".join(reasons), saved_flops=saved)

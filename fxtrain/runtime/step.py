@@ -48,6 +48,11 @@ class PassReport:
     # Backward passes: memory traffic the rewrite removes per step (bytes, at the capture's sizes),
     # which the runtime weighs against the cost of replaying the backward graph (runtime/runner.py).
     saved_bytes: int = 0
+    # Forward passes: forward FLOPs the rewrite skips on the capturing batch, and the kernels it adds
+    # to the forward (``run_passes`` counts them), which the capture weighs on the graph's device
+    # (cost/launches.py). None: not known at capture (a density computed in the graph).
+    saved_flops: Optional[int] = None
+    added_kernels: int = 0
 
     def __str__(self) -> str:
         return f"{'on' if self.applied else 'off'}: {self.reason}"

@@ -10,7 +10,7 @@ import atexit
 import sys
 import threading
 import time
-from typing import Any, Callable, List, Set
+from typing import Any, Callable, List, Optional, Set
 
 exiting = threading.Event()   # set at exit: what a thread fails at from then on is nobody's problem
 _threads: Set[threading.Thread] = set()
@@ -29,19 +29,26 @@ def start(target: Callable[..., None], *args: Any, name: str) -> threading.Threa
     return thread
 
 
-def worker_command(module: str, *args: str) -> List[str]:
+def worker_command(module: str, *args: str, owned: Optional[str] = None) -> List[str]:
     """``python -m module args`` at nice 19, set before the module imports torch (~3 s of a core).
     The training loop's cores first: at the default priority the partition worker took a core from
     the loop's intra-op threads, and 20 bert-mlm steps on 2 cores took 12.4 s instead of 6.4 s
     (docs/architecture.md, "Decisions and why": the partition in a worker process).
     A worker whose parent is gone (killed: no atexit ran to stop it) exits within a second, as
     nobody will read what it makes: a thread watches its parent's pid, since a compile reads no
-    pipe that would tell it. ``sys.argv[1:]`` are ``args``, as with ``-m``."""
-    start = (f"import os, runpy, threading, time\nif hasattr(os, 'nice'):\n    os.nice(19)\n"
-             f"def _watch(parent=os.getppid()):\n"
-             f"    while os.getppid() == parent:\n        time.sleep(1.0)\n    os._exit(1)\n"
+    pipe that would tell it. An orphaned worker removes the directory ``owned`` (its parent's files
+    for it, which the parent's own cleanup would have removed) as it exits, from the watch or after
+    finishing its work. ``sys.argv[1:]`` are ``args``, as with ``-m``."""
+    start = (f"import os, runpy, shutil, threading, time\nif hasattr(os, 'nice'):\n    os.nice(19)\n"
+             f"parent = os.getppid()\n"
+             f"def _orphaned():\n"
+             f"    if os.getppid() == parent:\n        return False\n"
+             f"    if {owned!r}:\n        shutil.rmtree({owned!r}, ignore_errors=True)\n"
+             f"    return True\n"
+             f"def _watch():\n"
+             f"    while not _orphaned():\n        time.sleep(1.0)\n    os._exit(1)\n"
              f"threading.Thread(target=_watch, daemon=True).start()\n"
-             f"runpy.run_module({module!r}, run_name='__main__')")
+             f"try:\n    runpy.run_module({module!r}, run_name='__main__')\nfinally:\n    _orphaned()")
     return [sys.executable, "-c", start, *args]
 
 

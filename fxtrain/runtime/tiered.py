@@ -56,7 +56,9 @@ rows' shape, which packing keeps fixed (tests/test_tiered.py).
 from __future__ import annotations
 
 import logging
+import functools
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -88,6 +90,34 @@ _workers: Set[subprocess.Popen] = set()   # killed at exit: a compile nobody wil
 # One worker at a time per process: captures compiled side by side would share the cores the
 # training loop leaves idle, each finishing later than in turn (and each worker holds its own torch).
 _one_worker = threading.Lock()
+
+
+# The graphs a tier hands its worker: a directory per compile, named for the training process. A
+# process killed mid-compile cannot remove its own; its worker does as it exits (threads.worker_command),
+# and the next process to compile removes any whose process is gone (a race the worker can lose).
+_TMP_PREFIX = "fxtrain-tier-"
+
+
+@functools.lru_cache(maxsize=None)
+def _sweep_orphans() -> None:
+    """Remove the tier directories of processes that no longer exist (once per process). Not on
+    Windows, where ``os.kill(pid, 0)`` is no liveness probe."""
+    if os.name == "nt":
+        return
+    for path in Path(tempfile.gettempdir()).glob(f"{_TMP_PREFIX}*-*"):
+        pid = path.name[len(_TMP_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not _alive_pid(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive_pid(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:   # another user's process: alive
+        return True
+    return True
 
 
 class _OwnerGone(Error):
@@ -503,7 +533,8 @@ class Tier:
     def _compile_alone(self, step: Any, timeout: float) -> None:
         start = time.perf_counter()
         try:
-            with tempfile.TemporaryDirectory(prefix="fxtrain-tier-") as tmp:
+            _sweep_orphans()
+            with tempfile.TemporaryDirectory(prefix=f"{_TMP_PREFIX}{os.getpid()}-") as tmp:
                 given, made = Path(tmp) / "graphs.in", Path(tmp) / "graphs.out"
                 bw = step.backward_graph if not step.inference else None
                 given.write_bytes(tp.pickle_graphs((_lean(step.forward_graph), _lean(bw) if bw is not None else None,
@@ -533,7 +564,7 @@ class Tier:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")]))
         # Inductor's cache key holds the intra-op thread count its C++ code is generated for.
         cmd = threads.worker_command("fxtrain.runtime.tiered", str(given), str(made), "1" if inference else "0",
-                                     str(torch.get_num_threads()))
+                                     str(torch.get_num_threads()), owned=str(given.parent))
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
         _workers.add(proc)
         deadline = time.perf_counter() + max(timeout, 0.0)
