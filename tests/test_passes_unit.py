@@ -21,7 +21,7 @@ from fxtrain.passes.batch_guard import GuardBuilder, counted_index
 from fxtrain.passes.label_sparsity import label_sparsity
 from fxtrain.passes.padding_elimination import padding_elimination
 from fxtrain.passes.row_ops import row_selection
-from utils import to_device
+from utils import current_device, to_device
 
 B, S, H, HEADS, V = 3, 8, 16, 2, 50
 
@@ -288,9 +288,10 @@ def test_a_pass_whose_launches_cost_more_than_it_skips_is_off_on_an_accelerator(
     assert [n.target for n in gm.graph.nodes] == [n.target for n in plain.graph.nodes]
     assert rewritten.plans == Plans() and rewritten.dense_graph is None
     torch.testing.assert_close(gm(*inputs.values())[0], plain(*inputs.values())[0])
-    # The graph's own device (the CPU here): no launch model, both passes on.
-    _, on_cpu = _rewritten(encoder, inputs, None)
-    assert all(on_cpu.reports[n].startswith("on: ") for n in ("label_sparsity", "padding_elimination"))
+    # The graph's own device decides: the CPU has no launch model (both passes on), an accelerator has.
+    _, own = _rewritten(encoder, inputs, None)
+    on = current_device().type == "cpu"
+    assert all(own.reports[n].startswith("on: " if on else "off: on ") for n in ("label_sparsity", "padding_elimination"))
     # Asked for by option: kept whatever it costs.
     _, forced = _rewritten(encoder, inputs, rates_for("cuda"), padding_elimination="on")
     assert forced.reports["padding_elimination"].startswith("on: forced on"), forced.reports
@@ -307,6 +308,7 @@ def test_the_launch_cost_is_weighed_at_the_precision_the_flops_run_in():
     assert "bfloat16" in bf16.reports["label_sparsity"]
 
 
+@pytest.mark.cpu_only(reason="the launch model's arithmetic: no tensors")
 def test_launch_bound_decides_only_where_it_knows():
     cuda = rates_for("cuda")
     assert rates_for("cpu") is None and launch_bound(1, 100, None, torch.float32) is None
