@@ -335,6 +335,10 @@ def test_two_processes_writing_one_key_always_leave_a_valid_entry(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["samekey.fxc"]  # no temporary file left behind
 
 
+# make test-long (49 s): the race of two writers of one key is make test's
+# test_two_processes_writing_one_key_always_leave_a_valid_entry (the store, 150 writes each), and a
+# hit on another process's entry is test_hit_in_a_fresh_process_gives_eagers_losses.
+@pytest.mark.extended
 @pytest.mark.cpu_only("fresh processes build and train their own models on the CPU")
 def test_two_processes_capturing_the_same_model_at_once(tmp_path):
     script = textwrap.dedent(f"""
