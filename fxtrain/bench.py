@@ -121,12 +121,14 @@ def workload_table() -> str:
 
 def flop_ideal_ratio(config: BenchConfig) -> float:
     """Eager's FLOPs over fxtrain's for one step on the benchmark's first batch (costed by the
-    profiler, on the batch's real values): the speedup a step would reach if time followed FLOPs."""
+    profiler, on the batch's real values): the speedup a step would reach if time followed FLOPs.
+    Every pass the batch calls for counts, also one an accelerator's launch cost turns off
+    (cost/launches.py): if time followed FLOPs, launches would cost nothing."""
     from .profile import profile
     model = models.build(config.model, seed=config.seed)
     batch = _batches(config, 1)[0]
     dense = profile(model, optimizations=False, reuse=False, **batch)
-    sparse = profile(model, optimizations=True, reuse=False, **batch)
+    sparse = profile(model, optimizations="all", reuse=False, **batch)
     uncosted = sorted({u.op for u in sparse.unknown_ops} - {u.op for u in dense.unknown_ops})
     if uncosted:   # an op without a FLOP count makes fxtrain's step look cheaper than it is
         logger.warning("FLOP-ideal ratio is an upper bound: fxtrain's step has ops the profiler cannot cost: %s",

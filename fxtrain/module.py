@@ -256,12 +256,11 @@ class TrainModule(nn.Module):
         on, the symbolic one (``dynamic=None``; capture/sizes.py says which sizes it makes symbolic)."""
         resized, breaks = key in self._cache.resized, bool(self._info.graph_breaks)
         if self._sizes.use_symbolic(key, sizes, args, kwargs, resized, breaks):
-            if not self._sizes.first_whole:
+            if self._sizes.later_partitions is None:
                 # A symbolic capture's sympy budget is a share of the first capture's whole cost:
-                # the partitions the worker made of it count (the first size change waits for them).
-                self._info.wait_for_partitions()
-                self._sizes.add_partition(sum(r.pending.cpu_seconds for r in self._info.records
-                                              if r.pending is not None))
+                # the partitions the worker makes of it count. The requests go out now, and the
+                # capture goes on beside them (capture/sizes.py: sympy_budget).
+                self._sizes.later_partitions = self._info.start_partitions()
             if self.training not in self._symbolic:
                 self._symbolic[self.training] = make_entry(self._backend, True, self._options.fullgraph,
                                                            self._compiling)

@@ -1072,6 +1072,18 @@ def tracing_context(fake_mode: Any) -> ContextManager[Any]:
     return tracing(TracingContext(fake_mode))
 
 
+def carry_dynamo_sources(graph: torch.fx.Graph, copy: torch.fx.Graph) -> None:
+    """Give ``copy``'s placeholders the ``_dynamo_source`` attribute of ``graph``'s (in order).
+
+    Dynamo sets it on each placeholder node (not in ``meta``), so ``Graph.graph_copy`` drops it, and
+    AOTAutograd asserts on it for every placeholder when the GraphModule still carries dynamo's
+    ``_param_name_to_source`` (``aot_module_simplified``: "node ... must have _dynamo_source
+    attribute")."""
+    for a, b in zip(graph.find_nodes(op="placeholder"), copy.find_nodes(op="placeholder")):
+        if hasattr(a, "_dynamo_source"):
+            b._dynamo_source = a._dynamo_source
+
+
 def forget_dynamo_sources(gm: torch.fx.GraphModule) -> None:
     """A dynamo graph loaded elsewhere has lost its placeholders' ``_dynamo_source`` metadata, which
     AOTAutograd then asserts on while it reads ``_param_name_to_source`` (for static inputs: CUDA

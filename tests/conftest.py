@@ -49,6 +49,18 @@ if EXECUTOR == "inductor":
     torch.testing.assert_close = _scaled_assert_close(torch.testing.assert_close)
 
 
+# FXTRAIN_TEST_LAUNCH_RATES=accelerator gives every capture the launch model's accelerator rates
+# (cost/launches.py), whatever the test device: the CPU then makes the sparsity decisions a GPU makes
+# (the tiny test models' passes are off there, host launches costing more than the FLOPs they skip),
+# so that a session without a GPU can run the suite as a GPU would decide.
+if os.environ.get("FXTRAIN_TEST_LAUNCH_RATES") == "accelerator":
+    from fxtrain.capture import pipeline
+    from fxtrain.cost.launches import ACCELERATOR
+    pipeline.rates_for = lambda device_type: ACCELERATOR
+elif os.environ.get("FXTRAIN_TEST_LAUNCH_RATES"):
+    raise pytest.UsageError("FXTRAIN_TEST_LAUNCH_RATES takes 'accelerator' or nothing")
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _older_objects_frozen():
     """What earlier test files left alive (torch's process-wide compile caches keep millions of
@@ -66,6 +78,19 @@ def _no_fxtrain_environment(monkeypatch):
     for name in list(os.environ):
         if name.startswith("FXTRAIN_") and name not in _KEEP:
             monkeypatch.delenv(name)
+
+
+@pytest.fixture
+def passes_whatever_they_cost(monkeypatch):
+    """For tests of what the sparsity passes compute: the passes stay on whatever their kernel
+    launches would cost on the test device. On an accelerator the launch model (cost/launches.py)
+    turns off an ``"auto"`` pass whose added launches cost more than the FLOPs it skips, which it
+    does for models as small as the suite's; these tests check the rewrites' exactness on that
+    device, which needs them on. The launch model's own decisions are tested without this
+    (tests/test_passes_unit.py, test_padding_elimination.py), and ``"on"`` would change the reports
+    these tests read."""
+    from fxtrain.capture import pipeline
+    monkeypatch.setattr(pipeline, "rates_for", lambda device_type: None)
 
 
 @pytest.fixture

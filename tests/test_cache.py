@@ -53,6 +53,7 @@ def _stored(tmp_path, **options):
     return tm
 
 
+@pytest.mark.usefixtures("passes_whatever_they_cost")
 def test_hit_trains_like_eager_without_capturing(tmp_path, caplog):
     _stored(tmp_path)
     tm, ref = wrap_pair(_mlm(), cache_dir=str(tmp_path))

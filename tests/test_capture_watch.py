@@ -1,6 +1,7 @@
 """The capture watchdog (fxtrain/capture/watch.py): a slow capture warns once, a compile sunk in
 sympy is stopped (and only then), and a stop the compile outran leaves nothing behind."""
 import logging
+import threading
 import time
 
 import pytest
@@ -32,15 +33,29 @@ def _plain_work(seconds: float) -> None:
 def test_watch_stops_a_compile_sunk_in_sympy():
     started = time.perf_counter()
     with pytest.raises(ExpensiveSymbolicSizes):
-        with watched(lambda s: "", warn_after=1e9, sympy_budget=0.3) as watch:
+        with watched(lambda s: "", warn_after=1e9, sympy_budget=lambda: 0.3) as watch:
             _sympy_work(30.0)
     assert watch.stopped and time.perf_counter() - started < 15
     _plain_work(0.3)   # nothing pending is delivered later
 
 
 @pytest.mark.cpu_only(reason="the capture watchdog on plain Python work: no tensors")
+def test_watch_stops_nothing_until_its_budget_is_known():
+    """The budget counts the first capture's partition, which the worker may still be making: while
+    its reader says None the compile goes on, past what the budget will be, and stops once known."""
+    known = threading.Event()
+    with pytest.raises(ExpensiveSymbolicSizes):
+        with watched(lambda s: "", warn_after=1e9, sympy_budget=lambda: 0.3 if known.is_set() else None) as watch:
+            _sympy_work(1.5)
+            assert not watch.stopped and watch.sympy_seconds > 1.2   # a known 0.3 stops it by 1.2 s (_SHARE of WINDOW)
+            known.set()
+            _sympy_work(30.0)
+    assert watch.stopped
+
+
+@pytest.mark.cpu_only(reason="the capture watchdog on plain Python work: no tensors")
 def test_watch_leaves_other_work_alone():
-    with watched(lambda s: "", warn_after=1e9, sympy_budget=0.1) as watch:
+    with watched(lambda s: "", warn_after=1e9, sympy_budget=lambda: 0.1) as watch:
         _plain_work(1.5)          # long, but no sympy
         _sympy_work(0.3)          # sympy past the budget, but not most of the recent time
         _plain_work(0.5)

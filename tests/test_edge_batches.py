@@ -15,6 +15,10 @@ from fxtrain import models
 from fxtrain.runtime.deferred import DeferredTensor, StaleDeferredOutput
 from fxtrain.runtime.dense_route import SparseBatchError
 
+# What these tests check is what the passes compute: on an accelerator they stay on whatever their
+# launches cost there (tests/conftest.py: passes_whatever_they_cost).
+pytestmark = pytest.mark.usefixtures("passes_whatever_they_cost")
+
 PASSES = ("label_sparsity", "padding_elimination", "upstream_slicing")
 
 

@@ -35,6 +35,7 @@ class WithFunction(nn.Module):
         return self.b(Scale.apply(torch.tanh(self.a(x)), 1.5)).sum()
 
 
+@pytest.mark.usefixtures("passes_whatever_they_cost")
 @pytest.mark.parametrize("run", long_params(sorted(RUNS), keep=[r for r in RUNS if r != "inductor"]))
 def test_sparse_lm_step_with_every_feature(run, tmp_path):
     """Label sparsity and padding elimination fire, logits are deferred and read, densities are

@@ -9,6 +9,10 @@ from fxtrain import models
 from fxtrain.runtime.deferred import DeferredTensor
 from utils import current_device, assert_grads_equal, long_params, to_device, train_parity, wrap_pair
 
+# What these tests check is what the passes compute: on an accelerator they stay on whatever their
+# launches cost there (tests/conftest.py: passes_whatever_they_cost).
+pytestmark = pytest.mark.usefixtures("passes_whatever_they_cost")
+
 SHAPES = [(4, 16), (3, 11), (5, 20)]
 # AdamW turns gradients that are pure rounding noise (the key bias of attention has a true gradient
 # of 0) into full-size steps, so parameters are compared looser than the gradients themselves.

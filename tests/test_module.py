@@ -243,6 +243,7 @@ def test_parameter_hooks_fire_like_eager():
     assert_grads_equal(tm.module, ref)
 
 
+@pytest.mark.usefixtures("passes_whatever_they_cost")
 def test_global_module_hooks_never_see_fxtrain_graphs(tmp_path):
     """A global module hook (MemTracker, FSDP-style tooling) sees the user's modules only: fxtrain's
     own graphs (the batch guard's check, a deferred output's computation) are not modules of the

@@ -12,6 +12,7 @@ def _mlm_loss(outputs, labels):
     return F.cross_entropy(outputs.logits.view(-1, outputs.logits.shape[-1]), labels.view(-1))
 
 
+@pytest.mark.usefixtures("passes_whatever_they_cost")
 def test_loop_loss_in_graph_fires_label_sparsity_and_matches_eager():
     torch.manual_seed(0)
     model = to_device(models.bert_mlm(hidden=32, layers=2, heads=2, vocab=1000))
@@ -40,6 +41,7 @@ def test_plain_outputs_give_loss_and_outputs_and_missing_target_is_clear():
         fxtrain.ModuleWithLoss(lin, "not a function")
 
 
+@pytest.mark.usefixtures("passes_whatever_they_cost")
 def test_hf_trainer_trains_a_module_with_loss_like_eager(tmp_path):
     # HF Trainer places model and batches on its own device: not moved to the test device here.
     """The documented recipe (docs/integrations.md): Trainer(model=TrainModule(ModuleWithLoss(...)),

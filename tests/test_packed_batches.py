@@ -17,6 +17,10 @@ from fxtrain import models
 from test_varlen_attention import _Recorder
 from utils import assert_grads_equal, assert_state_equal, count_syncs, to_device, train_parity, wrap_pair
 
+# What these tests check is what the passes compute: on an accelerator they stay on whatever their
+# launches cost there (tests/conftest.py: passes_whatever_they_cost).
+pytestmark = pytest.mark.usefixtures("passes_whatever_they_cost")
+
 VOCAB = 1000
 
 

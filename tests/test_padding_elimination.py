@@ -7,8 +7,14 @@ from torch import nn
 
 import fxtrain
 from fxtrain import models
+from fxtrain.capture import pipeline
+from fxtrain.cost.launches import ACCELERATOR
 from fxtrain.runtime.deferred import DeferredTensor
 from utils import current_device, assert_grads_equal, long_params, to_device, train_parity, wrap_pair
+
+# What these tests check is what the passes compute: on an accelerator they stay on whatever their
+# launches cost there (tests/conftest.py: passes_whatever_they_cost).
+pytestmark = pytest.mark.usefixtures("passes_whatever_they_cost")
 
 SHAPES = [(4, 16), (3, 11), (5, 20)]
 STATE_ATOL = 3e-4  # AdamW magnifies rounding noise in zero-true gradients (see test_label_sparsity)
@@ -43,6 +49,23 @@ def _why(tm, name="padding_elimination"):
 
 def _fired(tm, name="padding_elimination"):
     assert _why(tm, name).startswith("on:"), _why(tm, name)
+
+
+def test_passes_the_launch_model_turns_off_leave_eagers_training(monkeypatch):
+    """On an accelerator the tiny models' passes add more launches than the FLOPs they skip are
+    worth (cost/launches.py), so they are off, and the graph as dynamo traced it trains as eager's:
+    the first capture partitioned by the worker, the symbolic one at capture (which AOTAutograd
+    refused before the copy kept dynamo's input sources). The accelerator's rates are given to the
+    test device's graphs; default options."""
+    monkeypatch.setattr(pipeline, "rates_for", lambda device_type: ACCELERATOR)
+    build, kind, pad = MODELS["bert"]
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(build(), dynamic=None)
+    train_parity(tm, ref, _batches(kind, pad, 1), lambda out, _: out.loss)
+    info = tm.capture_info()
+    assert info.fallback_reason is None and info.graphs == 2, info.capture_reasons
+    for name in ("label_sparsity", "padding_elimination"):
+        assert _why(tm, name).startswith("off: on accelerator its "), _why(tm, name)
 
 
 @pytest.mark.parametrize("name,side", long_params(

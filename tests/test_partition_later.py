@@ -6,6 +6,7 @@ import copy
 import logging
 import os
 import re
+import threading
 
 import pytest
 import torch
@@ -54,6 +55,7 @@ def _train(tm, ref, steps, wait_after=None, tol=(1e-5, 1e-4), forward_context=co
     return modes
 
 
+@pytest.mark.usefixtures("passes_whatever_they_cost")
 def test_first_calls_run_the_autograd_mode_then_the_workers_partition(monkeypatch):
     # Every backward pass pays here, so the whole step runs the aten graphs: the switch changes mode.
     monkeypatch.setattr(runner, "BYTES_PER_BACKWARD_OP", 0)
@@ -133,3 +135,44 @@ def test_captures_that_need_their_partition_first_make_it_at_capture(options):
     tm(**_batch(0)).loss.backward()
     record = tm._info.records[0]
     assert record.pending is None and record.step.forward_graph is not None
+
+
+def test_the_first_size_change_captures_without_waiting_for_the_workers_partition(monkeypatch):
+    """Step 2 with new sizes sends the first capture's request and captures symbolically beside it:
+    the symbolic capture's sympy budget, which counts that partition, is read once it is back
+    (capture/sizes.py: sympy_budget). It used to wait for the worker first (bert-mlm step 2 14.65 s)."""
+    release = threading.Event()
+    real = partition_worker.partition
+
+    def held(request, timeout=partition_worker.TIMEOUT):
+        assert release.wait(300), "never released"
+        return real(request, timeout)
+    monkeypatch.setattr(partition_worker, "partition", held)
+    model = _bert()
+    ref = copy.deepcopy(model)
+    tm = fxtrain.TrainModule(model)
+    g = torch.Generator().manual_seed(3)
+    batches = [to_device(models.synthetic_batch("mlm", b, s, 1000, padding=0.4, label_density=0.2, generator=g))
+               for b, s in [(4, 32), (3, 24), (5, 40)]]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (tm, ref)]
+    for step, batch in enumerate(batches):
+        state = torch.get_rng_state()
+        loss = tm(**batch).loss
+        torch.set_rng_state(state)
+        ref_loss = ref(**batch).loss
+        torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-4)
+        loss.backward(); ref_loss.backward()
+        assert_grads_equal(tm.module, ref, atol=1e-5, rtol=1e-4)
+        for opt in opts:
+            opt.step(); opt.zero_grad()
+        if step == 1:
+            first = tm._info.records[0].pending
+            # The symbolic capture is made and ran while the first capture's partition is still out.
+            assert len(tm._info.records) == 2 and not first.done, tm._info.capture_reasons
+            assert tm._sizes.later_partitions() is None
+            release.set()
+    assert tm.capture_info().wait_for_partitions(300)
+    assert len(tm._info.records) == 2, tm._info.capture_reasons   # step 3's sizes: the symbolic graph
+    assert tm._sizes.later_partitions() == pytest.approx(tm._info.records[0].pending.cpu_seconds)
+    assert tm._info.records[0].pending.cpu_seconds > 0 and not tm._info.records[0].pending.error
+    assert_state_equal(tm.module, ref, atol=1e-5)

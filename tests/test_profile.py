@@ -20,6 +20,8 @@ from torch import nn
 
 import fxtrain
 from fxtrain import models
+from fxtrain.capture import pipeline
+from fxtrain.cost.launches import ACCELERATOR
 from fxtrain.cost.flops import attention_backward_flops, attention_flops
 from fxtrain.profile.measure import measure_step
 from fxtrain.profile import ProfileError
@@ -226,6 +228,7 @@ def test_peak_memory_matches_a_real_step(case):
                 assert report.optimizer_state_bytes == 2 * report.parameter_bytes + 4 * len(list(model.parameters()))
 
 
+@pytest.mark.usefixtures("passes_whatever_they_cost")
 def test_passes_change_the_cost_as_fxtrain_runs_them():
     model = models.build("bert-tiny")
     batch = models.preset_batch("bert-tiny", 8, 64, padding=0.5, label_density=0.1)
@@ -238,6 +241,25 @@ def test_passes_change_the_cost_as_fxtrain_runs_them():
     assert ours.by_module["cls.predictions.decoder"].flops_forward < eager.by_module["cls.predictions.decoder"].flops_forward
 
 
+def test_the_profile_costs_the_launch_models_decision_and_all_costs_every_pass(monkeypatch):
+    """On an accelerator (its rates given to the test device's graphs here) the tiny model's passes
+    cost more launches than they save: TrainModule turns them off, so ``optimizations=True`` costs
+    the dense step; ``"all"`` keeps them (the FLOP-ideal: time following FLOPs, launches free)."""
+    monkeypatch.setattr(pipeline, "rates_for", lambda device_type: ACCELERATOR)
+    model = models.build("bert-tiny")
+    batch = models.preset_batch("bert-tiny", 8, 64, padding=0.5, label_density=0.1)
+    eager = fxtrain.profile(model, optimizations=False, **batch)
+    runs = fxtrain.profile(model, optimizations=True, **batch)
+    every = fxtrain.profile(model, optimizations="all", **batch)
+    assert runs.passes["label_sparsity"].startswith("off: on accelerator its "), runs.passes
+    assert every.passes["label_sparsity"].startswith("on") and every.passes["padding_elimination"].startswith("on")
+    assert runs.flops_forward == pytest.approx(eager.flops_forward, rel=0.02)
+    assert every.flops_forward < 0.6 * eager.flops_forward
+    with pytest.raises(ValueError, match="optimizations takes True, False or 'all'"):
+        fxtrain.profile(model, optimizations="some", **batch)
+
+
+@pytest.mark.usefixtures("passes_whatever_they_cost")
 def test_a_capture_from_the_cache_costs_the_same_without_capturing(tmp_path):
     """Options.cache_dir serves the profiler as it serves TrainModule: the second costing loads the
     graphs (marked for attribution) instead of capturing, and every number is the same."""
@@ -273,6 +295,7 @@ def test_memory_fit_finds_the_largest_batch_for_a_budget():
     assert double.flops_forward == pytest.approx(2 * report.flops_forward, rel=0.05)
 
 
+@pytest.mark.usefixtures("passes_whatever_they_cost")
 def test_equal_options_reuse_the_capture_and_other_options_do_not(caplog):
     """A second costing with equal (not identical) Options costs another batch without capturing;
     options that change the graph (a pass turned off) get their own capture and their own numbers."""

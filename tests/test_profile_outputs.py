@@ -104,6 +104,7 @@ def _batch(name: str, kind: str):
 
 @pytest.mark.parametrize("name,optimizations,kind",
                          long_params(CASES, keep=[("gpt2-tiny", True, "padded"), ("bert-tiny", False, "padded")]))
+@pytest.mark.usefixtures("passes_whatever_they_cost")
 def test_each_loop_peak_matches_memtracker(name, optimizations, kind):
     torch.manual_seed(0)
     model = models.build(name)

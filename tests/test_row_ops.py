@@ -11,6 +11,10 @@ from fxtrain import models
 from fxtrain.passes.scatter_in_place import scatter_in_place
 from utils import to_device, train_parity, wrap_pair
 
+# What these tests check is what the passes compute: on an accelerator they stay on whatever their
+# launches cost there (tests/conftest.py: passes_whatever_they_cost).
+pytestmark = pytest.mark.usefixtures("passes_whatever_they_cost")
+
 aten = torch.ops.aten
 STATE_ATOL = 3e-4  # AdamW magnifies rounding noise in zero-true gradients (see test_label_sparsity)
 # Element-wise scatters (index_add's CPU kernel is scatter_add through an index expanded over the

@@ -19,6 +19,10 @@ from torch import nn
 from fxtrain import models
 from utils import current_device, count_syncs, to_device, wrap_pair
 
+# What these tests check is what the passes compute: on an accelerator they stay on whatever their
+# launches cost there (tests/conftest.py: passes_whatever_they_cost).
+pytestmark = pytest.mark.usefixtures("passes_whatever_they_cost")
+
 WARMUP = 3
 RUNTIME_MODES = ("autograd", "graph")
 

@@ -306,6 +306,7 @@ def _sparse_switch(tm, ref, batches):
     return tier
 
 
+@pytest.mark.usefixtures("passes_whatever_they_cost")
 def test_sparse_symbolic_capture_reaches_inductor(monkeypatch):
     """A BERT-MLM capture with symbolic sizes (batch and sequence) and the sparsity passes'
     data-dependent row counts (real tokens, labelled positions) moves to inductor's graphs under

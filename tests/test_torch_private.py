@@ -183,6 +183,11 @@ def test_dynamo_accessors_inside_a_capture() -> None:
         seen["files"] = tp.dynamo_traced_code()
         seen["reason"] = tp.dynamo_recompile_reason()
         seen["variable"] = tp.build_variable(seen["tx"], 1)
+        copy = torch.fx.Graph()
+        copy.output(copy.graph_copy(gm.graph, {}))
+        tp.carry_dynamo_sources(gm.graph, copy)
+        seen["sources"] = [(a._dynamo_source, b._dynamo_source) for a, b in
+                           zip(gm.graph.find_nodes(op="placeholder"), copy.find_nodes(op="placeholder"))]
         return gm.forward
 
     def marked(x):
@@ -193,6 +198,7 @@ def test_dynamo_accessors_inside_a_capture() -> None:
     fn(torch.ones(2))
     assert seen["tx"] is not None and seen["tx"].f_code is not None
     assert isinstance(seen["files"], list) and seen["variable"].as_python_constant() == 1
+    assert seen["sources"] and all(a is b and a is not None for a, b in seen["sources"]), seen["sources"]
 
 
 def test_graph_and_op_accessors(tmp_path: pathlib.Path) -> None:

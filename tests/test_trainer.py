@@ -153,6 +153,7 @@ def _same_trainer_results(tmp_path, build, rows, evals, collator, resume):
     return tm
 
 
+@pytest.mark.usefixtures("passes_whatever_they_cost")
 def test_trainer_default_arguments_bert_mlm_like_plain_trainer(tmp_path, text):
     """Column pruning on (the ``text`` column is dropped, the model's columns kept), dynamic padding
     and masking by the collator; the eval run reports ``eval_loss`` because Trainer finds labels."""

@@ -19,6 +19,10 @@ from fxtrain.runtime import varlen_attention as va
 from utils import (REQUESTED_DEVICE, current_device, long_params, to_device, train_left_padded_gpt2, train_parity,
                    wrap_pair)
 
+# What these tests check is what the passes compute: on an accelerator they stay on whatever their
+# launches cost there (tests/conftest.py: passes_whatever_they_cost).
+pytestmark = pytest.mark.usefixtures("passes_whatever_they_cost")
+
 
 # The kernels the test device has: "generic" everywhere; "with_lse" where torch_private registers a
 # kernel that returns the log-sum-exp (the CPU's flash kernel), so nothing is skipped on any device.

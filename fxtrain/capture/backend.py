@@ -58,6 +58,10 @@ class Plugins:
     on_budget_state: Optional[Callable[[BudgetState], None]] = None   # observer (capture/pipeline.py)
     real_batches: bool = True                  # calls see real values: batch guards, density probes
     budget_fallback: Optional[str] = None      # policy below the smallest peak, if not Options.fallback's
+    # False: keep every "auto" pass the batch calls for, whatever its kernel launches cost on the
+    # device (cost/launches.py). The fuzzer's: it tests what the passes compute, and on an accelerator
+    # the launch model turns them off for models as small as its own.
+    weigh_launches: bool = True
 
 
 def current_mode(training: bool) -> str:
@@ -119,7 +123,8 @@ class Backend:
         mode, reason, site = current_mode(self.training()), dynamo_recompile_reason(), graph_break_site(gm)
         recipe = cache_recipe.start(gm) if self.options.cache_dir else None
         context = CaptureContext(self.options, self.executor, self.examples, self.budget_request(),
-                                 self.optimizer, self.plugins.on_budget_state)
+                                 self.optimizer, self.plugins.on_budget_state,
+                                 weigh_launches=self.plugins.weigh_launches)
         index = len(self.info.records)
         if self.partitions_later(gm, example_inputs):
             rewritten = rewrite(gm, context)

@@ -40,6 +40,8 @@ class CaptureContext:
     on_budget_state: Optional[Callable[[BudgetState], None]] = None
     # Launch and FLOP rates the passes are weighed with (cost/launches.py); None: the graph's device's.
     launch_rates: Optional[DeviceRates] = None
+    # False: no pass is turned off for its launches (Plugins.weigh_launches: the fuzzer tests the passes).
+    weigh_launches: bool = True
 
 
 @dataclass(frozen=True)
@@ -130,7 +132,8 @@ def rewrite(gm: torch.fx.GraphModule, context: CaptureContext) -> Rewritten:
     drop_unused_subclasses(gm)
     dense = torch.fx.GraphModule(gm, _copy_graph(gm.graph))
     device_type, dtype = contraction_dtype(dense)
-    rates = context.launch_rates if context.launch_rates is not None else rates_for(device_type)
+    rates = (None if not context.weigh_launches else
+             context.launch_rates if context.launch_rates is not None else rates_for(device_type))
     plans = Plans()
     reports = run_passes(gm, context.examples, context.options, plans)
     off = {name: why for name, r in reports.items() if r.applied and getattr(context.options, name, "on") == "auto"
@@ -147,11 +150,14 @@ def rewrite(gm: torch.fx.GraphModule, context: CaptureContext) -> Rewritten:
 
 
 def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
-    """The graph as dynamo traced it, before any pass: what a batch the passes cannot serve runs.
-    Nodes are copied (metadata shallowly), so the passes' rewrites of ``graph`` do not reach it."""
+    """The graph as dynamo traced it, before any pass: what a batch the passes cannot serve runs,
+    and what the passes run on again when some are turned off. Nodes are copied (metadata
+    shallowly), so the passes' rewrites of ``graph`` do not reach it; the placeholders keep their
+    dynamo sources, which AOTAutograd reads when it partitions the copy."""
     copy = torch.fx.Graph()
     copy._codegen = graph._codegen
     copy.output(copy.graph_copy(graph, {}))
+    tp.carry_dynamo_sources(graph, copy)
     return copy
 
 

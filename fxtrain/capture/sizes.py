@@ -19,7 +19,7 @@ their first capture (only the entry frame's inputs carry static marks).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, FrozenSet, Hashable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -55,7 +55,9 @@ class SizesPolicy:
         self.expensive: Dict[Hashable, Dims] = {}    # key -> dims whose symbolic reasoning proved expensive
         self.image_sizes: Dict[Hashable, Dict[Tuple[int, int], set]] = {}   # key -> image dim -> sizes captured
         self.first_compile_seconds: Optional[float] = None
-        self.first_whole = False   # its partition counted in (add_partition)
+        # The CPU seconds of the first capture's partition, made later by the worker
+        # (runtime/pending.py), once every such partition is back; None while one is out.
+        self.later_partitions: Optional[Callable[[], Optional[float]]] = None
         self.switch: Optional[str] = None
         self.call: Optional[Tuple[Hashable, Tuple[Any, ...], Tuple[Any, ...], Dict[str, Any]]] = None
 
@@ -142,7 +144,7 @@ class SizesPolicy:
                 waiting.add(dim)
         return frozenset(waiting)
 
-    def sympy_budget(self, code_name: Optional[str]) -> Optional[float]:
+    def sympy_budget(self, code_name: Optional[str]) -> Optional[Callable[[], Optional[float]]]:
         """Seconds of sympy work this compile may spend before its symbolic sizes can count as
         expensive (capture/watch.py adds: and sympy most of the time lately), or None: not stopped.
         Only a symbolic capture of the entry frame is stopped (nothing of the call has run, so the
@@ -151,18 +153,23 @@ class SizesPolicy:
         The whole first capture where only leading (batch) dimensions are symbolic: their retry is
         a capture per batch size, the costlier outcome, and a symbolic batch size that ends well
         can spend over half the first capture in sympy (HF Swin: 1.55 s of a 2.9 s first capture).
-        Seconds of process CPU time (capture/watch.py says why)."""
+        Seconds of process CPU time (capture/watch.py says why).
+
+        The first capture's cost includes its partition, which the worker may still be making when
+        the symbolic capture starts (the first size change often comes at the second call, which
+        is when the request goes out). The budget is then not known yet: the watchdog reads it
+        while it samples and stops nothing until it is (None), instead of the call waiting for the
+        worker before it captures (bench/capture_times.py, 2026-11-29: bert-mlm's step 2 took
+        13.1-13.8 s waiting, 6.2-6.3 s beside the worker; GPT-2 14.7-16.0 s against 6.3-6.8 s)."""
         if self.call is None or not self.symbolic.get(self.call[0]) or not is_entry_frame(code_name):
             return None
         share = 1.0 if all(d == 0 for _, d in self.symbolic[self.call[0]]) else 0.5
-        return max(1.0, share * (self.first_compile_seconds or 0.0))
+        first, later = self.first_compile_seconds or 0.0, self.later_partitions
 
-    def add_partition(self, seconds: float) -> None:
-        """The first capture's partition, made later by the worker (runtime/pending.py): part of what
-        a symbolic capture, which partitions in this process, is measured against."""
-        if self.first_compile_seconds is not None and not self.first_whole:
-            self.first_compile_seconds += seconds
-        self.first_whole = True
+        def budget() -> Optional[float]:
+            partitions = later() if later is not None else 0.0
+            return None if partitions is None else max(1.0, share * (first + partitions))
+        return budget
 
     def compiled(self, code_name: Optional[str], seconds: float) -> None:
         if self.call is None and self.first_compile_seconds is None and is_entry_frame(code_name):

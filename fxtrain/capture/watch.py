@@ -68,12 +68,13 @@ def _in_sympy(frame: Any) -> bool:
 
 class CompileWatch:
     """Watches one compile. ``warn_after``: seconds after which to log once at WARNING what is being
-    captured (``describe(elapsed)`` says it) and how to avoid it; ``sympy_budget``: seconds of sympy
-    work after which, if sympy also took most of the last ``WINDOW`` seconds, the compile is stopped
-    with ExpensiveSymbolicSizes (None: never stopped)."""
+    captured (``describe(elapsed)`` says it) and how to avoid it; ``sympy_budget``: reads the seconds
+    of sympy work after which, if sympy also took most of the last ``WINDOW`` seconds, the compile is
+    stopped with ExpensiveSymbolicSizes (None: never stopped; the reader's None: not known yet, read
+    again at the next sample; capture/sizes.py: sympy_budget)."""
 
     def __init__(self, describe: Callable[[float], str], warn_after: float,
-                 sympy_budget: Optional[float]) -> None:
+                 sympy_budget: Optional[Callable[[], Optional[float]]]) -> None:
         self.describe, self.warn_after, self.sympy_budget = describe, warn_after, sympy_budget
         self.sympy_seconds = 0.0
         self.peak_share = 0.0      # the largest share of sympy in any window of WINDOW seconds
@@ -106,8 +107,10 @@ class CompileWatch:
             self._recent_sympy -= self._recent.popleft()[1]
         if now - self._cpu_started >= WINDOW:
             self.peak_share = max(self.peak_share, self._recent_sympy / WINDOW)
-        if (self.sympy_budget is not None and self.sympy_seconds > self.sympy_budget
-                and self._recent_sympy > _SHARE * WINDOW):
+        if self.sympy_budget is None or self._recent_sympy <= _SHARE * WINDOW:
+            return
+        budget = self.sympy_budget()
+        if budget is not None and self.sympy_seconds > budget:
             self.stopped = True
             logger.debug("fxtrain: compile stopped after %.1f s of CPU time, %.1f s of it in sympy",
                          now - self._cpu_started, self.sympy_seconds)
@@ -130,7 +133,7 @@ def _sampling(watch: CompileWatch) -> Iterator[None]:
 
 @contextlib.contextmanager
 def watched(describe: Callable[[float], str], warn_after: float,
-            sympy_budget: Optional[float]) -> Iterator[CompileWatch]:
+            sympy_budget: Optional[Callable[[], Optional[float]]]) -> Iterator[CompileWatch]:
     watch = CompileWatch(describe, warn_after, sympy_budget)
     warner = threading.Thread(target=watch.warn_when_slow, name="fxtrain-compile-watch", daemon=True)
     warner.start()

@@ -10,7 +10,7 @@ order is untouched: the marked graphs release values exactly where the unmarked 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence, Union
 
 import torch
 import torch.fx
@@ -72,7 +72,7 @@ class ShadowExamples(DynamoExamples):
         return real if real is not None else super().value(node)
 
 
-def profiling_module(model: torch.nn.Module, optimizations: bool, options: Optional[Options] = None,
+def profiling_module(model: torch.nn.Module, optimizations: Union[bool, str], options: Optional[Options] = None,
                      examples: Optional[ExampleSource] = None,
                      on_budget_state: Optional[Callable[[BudgetState], None]] = None) -> TrainModule:
     """A TrainModule around ``model`` that captures as fxtrain does, for the profiler's fake runs:
@@ -80,7 +80,9 @@ def profiling_module(model: torch.nn.Module, optimizations: bool, options: Optio
     smallest peak does what the user's ``Options.fallback`` says (the profiler captures under "raise").
 
     ``optimizations=False`` turns the FLOP-reduction passes off: the graph is then the model's own
-    computation, what eager PyTorch runs. ``examples``: where the passes read the batch's values.
+    computation, what eager PyTorch runs; ``"all"`` keeps every pass the batch calls for, those the
+    device's launch cost would turn off included (cost/launches.py: the FLOP-ideal step, where time
+    follows FLOPs and launches are free). ``examples``: where the passes read the batch's values.
     ``on_budget_state``: gets each capture's budget state (report.max_batch_recomputed plans again).
     """
     base = options or Options()
@@ -92,5 +94,6 @@ def profiling_module(model: torch.nn.Module, optimizations: bool, options: Optio
     import dataclasses
     # A graph loaded from Options.cache_dir runs marked too: no capture, same attribution.
     plugins = Plugins(executor=MarkedExecutor(executor_named(base.executor)), examples=examples,
-                      on_budget_state=on_budget_state, real_batches=False, budget_fallback=base.fallback)
+                      on_budget_state=on_budget_state, real_batches=False, budget_fallback=base.fallback,
+                      weigh_launches=optimizations != "all")
     return TrainModule(model, dataclasses.replace(base, **updates), plugins=plugins)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import OrderedDict
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 
@@ -25,7 +25,7 @@ MAX_MODELS_KEPT = 4
 _sessions: "OrderedDict[int, Tuple[torch.nn.Module, Dict[Tuple[Any, ...], Session]]]" = OrderedDict()
 
 
-def _session_for(model: torch.nn.Module, optimizer: OptimizerSpec, optimizations: bool,
+def _session_for(model: torch.nn.Module, optimizer: OptimizerSpec, optimizations: Union[bool, str],
                  options: Optional[Options], reuse: bool) -> Session:
     if not reuse:
         return Session(model, optimizer, optimizations, options)
@@ -45,7 +45,7 @@ def _session_for(model: torch.nn.Module, optimizer: OptimizerSpec, optimizations
     return session
 
 
-def profile(model: torch.nn.Module, *args: Any, optimizer: OptimizerSpec = None, optimizations: bool = True,
+def profile(model: torch.nn.Module, *args: Any, optimizer: OptimizerSpec = None, optimizations: Union[bool, str] = True,
             options: Optional[Options] = None, reuse: bool = True, keep_outputs: bool = True,
             **kwargs: Any) -> ProfileReport:
     """Cost one training step of ``model(*args, **kwargs)`` without running it.
@@ -54,7 +54,10 @@ def profile(model: torch.nn.Module, *args: Any, optimizer: OptimizerSpec = None,
     tensors: shapes and dtypes only, so any batch size costs the same few seconds and no memory.
     ``model`` and the inputs may be real, fake or on the meta device (``fake_inputs`` builds inputs
     from shapes). ``optimizations=True`` costs what ``fxtrain.TrainModule`` runs (its capture and
-    passes, decided on the inputs' values where they are real); ``False`` costs eager PyTorch.
+    passes, decided on the inputs' values where they are real); ``False`` costs eager PyTorch;
+    ``"all"`` keeps every pass the batch calls for, also those whose kernel launches cost more
+    than they save on an accelerator (cost/launches.py), which TrainModule turns off there: the
+    step's FLOPs if time followed FLOPs (``fxtrain bench``'s FLOP-ideal ratio).
     ``optimizer``: a ``torch.optim.Optimizer`` class or instance (or "adamw", "sgd", ...); its
     state is costed as it exists in steady state. Later calls on the same model with equal
     ``options`` reuse its captured graphs; ``reuse=False`` forces a fresh capture.
@@ -65,6 +68,8 @@ def profile(model: torch.nn.Module, *args: Any, optimizer: OptimizerSpec = None,
     with the same graphs, so switching reuses the session.
     """
     from ..module import TrainModule
+    if optimizations not in (True, False, "all"):
+        raise ValueError(f"fxtrain.profile: optimizations takes True, False or 'all', got {optimizations!r}")
     if isinstance(model, TrainModule):   # cost the module it wraps, as fxtrain would capture it
         model = model.module
     session = _session_for(model, optimizer, optimizations, options, reuse)

@@ -16,7 +16,7 @@ import gc
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
@@ -45,7 +45,7 @@ class StepCost:
 
 
 class Session:
-    def __init__(self, model: torch.nn.Module, optimizer: OptimizerSpec = None, optimizations: bool = True,
+    def __init__(self, model: torch.nn.Module, optimizer: OptimizerSpec = None, optimizations: Union[bool, str] = True,
                  options: Any = None) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"fxtrain.profile costs a torch.nn.Module, got {type(model).__name__}")
@@ -71,7 +71,7 @@ class Session:
         self.optimizer_ready = False
         self.capture_seconds = 0.0
 
-    def _profiling_module(self, optimizations: bool) -> Any:
+    def _profiling_module(self, optimizations: Union[bool, str]) -> Any:
         # What re-planning the module's training captures for a memory budget needs (capture/budget.py).
         self.budget_states = []
         tm = profiling_module(self.model, optimizations, self.options, ShadowExamples(self.shadows),

@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from collections import Counter
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 import torch.fx
@@ -123,6 +123,14 @@ class CaptureInfo:
         deadline = None if timeout is None else time.monotonic() + timeout
         return all(r.pending.wait(None if deadline is None else max(deadline - time.monotonic(), 0.0))
                    for r in list(self.records) if r.pending is not None)
+
+    def start_partitions(self) -> Callable[[], Optional[float]]:
+        """Send the requests of the captures so far still to be partitioned, without waiting; the
+        answer reads the CPU seconds the worker spent on them once every one is back (None until)."""
+        pending = [r.pending for r in self.records if r.pending is not None]
+        for p in pending:
+            p.start()
+        return lambda: (sum(p.cpu_seconds for p in pending) if all(p.done for p in pending) else None)
 
     def note_call(self, made: int, why: str, new_schema: bool, breaks: List[str]) -> None:
         """A call that made the last ``made`` captures: why the first happened (dynamo's guard text,

@@ -11,7 +11,8 @@ backward passes pay, the tier that compiles it, ...), as a capture made in one g
 
 The request goes out at the capture's second call, not at capture: the first step then has the
 cores to itself (a worker's first start imports torch, ~3 s of a core). ``wait`` sends it at once
-(``capture_info()`` waits for whole steps). Where the partition fails, the capture keeps the
+(``capture_info()`` waits for whole steps); so does ``start``, without waiting (the first size
+change: its symbolic capture goes on beside the worker, capture/sizes.py: sympy_budget). Where the partition fails, the capture keeps the
 autograd mode (logged once): never a crash, never another answer.
 """
 from __future__ import annotations
@@ -65,11 +66,12 @@ class PendingPartition:
             self._switch()   # before this call counts: ``calls`` is then the calls made before the switch
         self.calls += 1
         if self.calls == 2:
-            self._start()
+            self.start()
         assert self._live is not None
         return self._live(*args)
 
-    def _start(self) -> None:
+    def start(self) -> None:
+        """Send the request if it has not gone yet (no wait)."""
         with self._start_lock:
             job, self._job = self._job, None
         if job is not None:
@@ -97,6 +99,11 @@ class PendingPartition:
         finally:
             self._done.set()
 
+    @property
+    def done(self) -> bool:
+        """The partition has finished or failed (its ``cpu_seconds`` are then final)."""
+        return self._done.is_set()
+
     def then(self, hook: Callable[[Ready], None]) -> None:
         """Run ``hook`` with the whole step once the partition is back, on the partition's thread,
         before the step runs it (at once if it is back already); never if the partition fails."""
@@ -123,7 +130,7 @@ class PendingPartition:
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Send the request if it has not gone yet and block until the partition has finished or
         failed (True if it has); the whole step is then recorded, and runs from the next call."""
-        self._start()
+        self.start()
         done = self._done.wait(timeout)
         if done:
             self._switch()
