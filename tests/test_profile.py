@@ -248,13 +248,12 @@ def test_the_profile_costs_the_launch_models_decision_and_all_costs_every_pass(m
     monkeypatch.setattr(pipeline, "rates_for", lambda device_type: ACCELERATOR)
     model = models.build("bert-tiny")
     batch = models.preset_batch("bert-tiny", 8, 64, padding=0.5, label_density=0.1)
-    eager = fxtrain.profile(model, optimizations=False, **batch)
     runs = fxtrain.profile(model, optimizations=True, **batch)
     every = fxtrain.profile(model, optimizations="all", **batch)
-    assert runs.passes["label_sparsity"].startswith("off: on accelerator its "), runs.passes
+    assert all(runs.passes[name].startswith("off: on accelerator its ") for name in ("label_sparsity",
+                                                                                      "padding_elimination")), runs.passes
     assert every.passes["label_sparsity"].startswith("on") and every.passes["padding_elimination"].startswith("on")
-    assert runs.flops_forward == pytest.approx(eager.flops_forward, rel=0.02)
-    assert every.flops_forward < 0.6 * eager.flops_forward
+    assert every.flops_forward < 0.6 * runs.flops_forward   # as test_passes_change_the_cost... finds against eager
     with pytest.raises(ValueError, match="optimizations takes True, False or 'all'"):
         fxtrain.profile(model, optimizations="some", **batch)
 
