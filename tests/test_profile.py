@@ -250,10 +250,10 @@ def test_the_profile_costs_the_launch_models_decision_and_all_costs_every_pass(m
     batch = models.preset_batch("bert-tiny", 8, 64, padding=0.5, label_density=0.1)
     runs = fxtrain.profile(model, optimizations=True, **batch)
     every = fxtrain.profile(model, optimizations="all", **batch)
-    assert all(runs.passes[name].startswith("off: on accelerator its ") for name in ("label_sparsity",
-                                                                                      "padding_elimination")), runs.passes
-    assert every.passes["label_sparsity"].startswith("on") and every.passes["padding_elimination"].startswith("on")
-    assert every.flops_forward < 0.6 * runs.flops_forward   # as test_passes_change_the_cost... finds against eager
+    for name in ("label_sparsity", "padding_elimination"):
+        assert runs.passes[name].startswith("off: on accelerator its "), runs.passes
+        assert every.passes[name].startswith("on"), every.passes
+    assert every.flops_forward < 0.6 * runs.flops_forward   # the dense step's, as eager's in the test above
     with pytest.raises(ValueError, match="optimizations takes True, False or 'all'"):
         fxtrain.profile(model, optimizations="some", **batch)
 

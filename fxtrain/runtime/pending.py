@@ -12,8 +12,9 @@ backward passes pay, the tier that compiles it, ...), as a capture made in one g
 The request goes out at the capture's second call, not at capture: the first step then has the
 cores to itself (a worker's first start imports torch, ~3 s of a core). ``wait`` sends it at once
 (``capture_info()`` waits for whole steps); so does ``start``, without waiting (the first size
-change: its symbolic capture goes on beside the worker, capture/sizes.py: sympy_budget). Where the partition fails, the capture keeps the
-autograd mode (logged once): never a crash, never another answer.
+change: its symbolic capture goes on beside the worker, capture/sizes.py: sympy_budget). Where the
+partition fails, the capture keeps the autograd mode (logged once): never a crash, never another
+answer.
 """
 from __future__ import annotations
 
