@@ -38,12 +38,18 @@ def worker_command(module: str, *args: str, owned: Optional[str] = None) -> List
     nobody will read what it makes: a thread watches its parent's pid, since a compile reads no
     pipe that would tell it. An orphaned worker removes the directory ``owned`` (its parent's files
     for it, which the parent's own cleanup would have removed) as it exits, from the watch or after
-    finishing its work. ``sys.argv[1:]`` are ``args``, as with ``-m``."""
+    finishing its work, and again while it is still there: the work may write its result into it
+    while the watch removes it (one make test-long run of 2026-11-29 found the directory of a killed
+    process's worker left behind; the cause was not confirmed).
+    ``sys.argv[1:]`` are ``args``, as with ``-m``."""
     start = (f"import os, runpy, shutil, threading, time\nif hasattr(os, 'nice'):\n    os.nice(19)\n"
              f"parent = os.getppid()\n"
              f"def _orphaned():\n"
              f"    if os.getppid() == parent:\n        return False\n"
-             f"    if {owned!r}:\n        shutil.rmtree({owned!r}, ignore_errors=True)\n"
+             f"    for _ in range(5 if {owned!r} else 0):\n"
+             f"        shutil.rmtree({owned!r}, ignore_errors=True)\n"
+             f"        if not os.path.exists({owned!r}):\n            break\n"
+             f"        time.sleep(0.1)\n"
              f"    return True\n"
              f"def _watch():\n"
              f"    while not _orphaned():\n        time.sleep(1.0)\n    os._exit(1)\n"
