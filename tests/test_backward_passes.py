@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxtrain import models
-from utils import to_device, train_parity, wrap_pair
+from utils import assert_grads_equal, current_device, to_device, train_parity, wrap_pair
 
 
 class _Classifier(nn.Module):
@@ -60,3 +60,22 @@ def test_dense_gpt2_step():
     assert info["cross_entropy_grad"].startswith("on:") and info["tied_embedding_grad"].startswith("on:")
     assert info["label_sparsity"].startswith("off:") and info["padding_elimination"].startswith("off:")
     assert all(r.runtime.startswith("graph") for r in tm.capture_info().records)
+
+
+def test_tied_embedding_gradient_under_bf16_autocast():
+    """Under autocast the decoder's matmul runs in bf16 and its weight gradient reaches the float32
+    sum through a cast (a copy): the embedding rows are still added into it in place, and the tied
+    weight's gradient stays eager's (under the same autocast)."""
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(models.gpt2_lm(hidden=32, layers=2, heads=2, vocab=1000, positions=64), backward="graph",
+                        executor="eager")
+    batch = to_device(models.synthetic_batch("clm", 4, 16, 1000, generator=torch.Generator().manual_seed(2)))
+    with torch.autocast(current_device().type, dtype=torch.bfloat16):
+        loss, ref_loss = tm(**batch).loss, ref(**batch).loss
+    torch.testing.assert_close(loss, ref_loss, atol=2e-2, rtol=2e-2)
+    loss.backward(); ref_loss.backward()
+    assert_grads_equal(tm.module, ref, atol=2e-2, rtol=2e-2)
+    tied = tm.module.get_input_embeddings().weight
+    assert tied is tm.module.get_output_embeddings().weight
+    torch.testing.assert_close(tied.grad, ref.get_input_embeddings().weight.grad, atol=1e-3, rtol=1e-3)
+    assert tm.capture_info().optimizations["tied_embedding_grad"].startswith("on:")

@@ -9,7 +9,8 @@ the decoder gradient (``index_put_(..., accumulate=True)``) touches only the row
 
 Runs on the aten backward graph (after partitioning), where the gradient sum is explicit. The
 decoder gradient must be a fresh intermediate that nothing else reads, so updating it in place
-changes no other value.
+changes no other value: a matmul's result, or (under autocast, whose decoder matmul runs in 16 bits
+while the weight and the embedding's gradient are float32) the cast of one, since a cast is a copy.
 """
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ NAME = "tied_embedding_grad"
 aten = torch.ops.aten
 OPS = (aten.embedding_dense_backward.default,)
 _VIEWS = {aten.t.default, aten.view.default, aten.permute.default, aten.transpose.int}
+# Ops whose result is new memory: a matmul, or a dtype cast (``_to_copy`` copies even to its own dtype).
+_FRESH = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten._to_copy.default,
+          torch.ops.prims.convert_element_type.default}
 
 
 def _private(node: torch.fx.Node) -> bool:
@@ -31,7 +35,7 @@ def _private(node: torch.fx.Node) -> bool:
         if len(node.users) != 1 or node.op != "call_function":
             return False
         if node.target not in _VIEWS:
-            return node.target in (aten.mm.default, aten.addmm.default, aten.bmm.default)
+            return node.target in _FRESH
         node = node.args[0]
 
 
@@ -52,7 +56,7 @@ def tied_embedding_grad(bw: torch.fx.GraphModule) -> PassReport:
             continue  # not a weight's gradient (an activation's, through a row gather of row_ops)
         ov, ev, gv = (n.meta.get("val") for n in (other, emb, grad))
         if ov is None or ev is None or gv is None or ov.dtype != ev.dtype or gv.dtype != ev.dtype \
-                or tuple(ov.shape) != tuple(ev.shape) or not isinstance(ev.shape[-1], int):
+                or ov.device != ev.device or tuple(ov.shape) != tuple(ev.shape) or not isinstance(ev.shape[-1], int):
             continue
         with graph.inserting_before(add):
             idx = graph.call_function(aten.reshape.default, (indices, [-1]))
