@@ -428,6 +428,24 @@ def release_saved_tensors(ctx: Any) -> None:
 
 
 # ---------------------------------------------------------------------------------- graphs
+def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """A deep copy of ``graph``: its nodes (as ``copy.deepcopy`` copies them) and its code generator.
+
+    Not ``copy.deepcopy(graph)``: torch 2.13 deprecates ``LeafSpec`` and warns whenever one is built,
+    and ``Graph.__deepcopy__`` deep-copies the code generator with a fresh memo, building a new leaf
+    spec for every leaf of a ``_PyTreeCodeGen``'s specs (AOTAutograd's joint graph has them): the user
+    would see torch's FutureWarning about torch's own objects. Leaf specs are immutable and torch keeps
+    one for itself (``tree_flatten`` of a leaf returns it): the copy shares it. No warning filter: the
+    filters are process-wide, and fxtrain copies graphs on more than one thread."""
+    import copy
+    leaf = pytree.tree_flatten(0)[1]
+    new = torch.fx.Graph(tracer_cls=graph._tracer_cls)
+    out, old_output = new.graph_copy(graph, {}, return_output_node=True)
+    new.output(out, type_expr=getattr(old_output, "type", None)).meta = copy.copy(old_output.meta)
+    new.set_codegen(copy.deepcopy(graph._codegen, {id(leaf): leaf}))
+    return new
+
+
 def boxed_copy(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A copy of ``graph`` whose ``forward`` takes one list and clears it (``_BoxedCodeGen``).
 

@@ -227,6 +227,22 @@ def test_graph_and_op_accessors(tmp_path: pathlib.Path) -> None:
     assert lin.weight.any()
 
 
+def test_copy_graph_copies_pytree_specs_without_torchs_warning() -> None:
+    """A graph with pytree calling conventions (AOTAutograd's joint graph has them) copies without
+    the FutureWarning torch 2.13 raises for every LeafSpec built, and the copy runs as the original."""
+    import warnings
+    from torch.fx.experimental.proxy_tensor import make_fx
+    gm = make_fx(lambda xs: [xs[0] * xs[1]])([torch.ones(2), torch.ones(2)])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        copied = tp.copy_graph(gm.graph)
+    assert not seen, [str(w.message) for w in seen]
+    assert copied is not gm.graph and len(copied.nodes) == len(gm.graph.nodes)
+    assert all(a is not b for a, b in zip(copied.nodes, gm.graph.nodes))
+    x, y = torch.randn(3), torch.randn(3)
+    torch.testing.assert_close(torch.fx.GraphModule(gm, copied)([x, y]), [x * y])
+
+
 @pytest.mark.parametrize("partition", ["default_partition", "min_cut_partition", "inductor_partition"])
 def test_aot_accessors(partition: str) -> None:
     """AOTAutograd as a backend, with each partitioner, the metadata read inside the forward compiler,

@@ -6,7 +6,6 @@ runtime is kept for graphs fxtrain's runtime cannot replay (``runtime/replay.py:
 """
 from __future__ import annotations
 
-import copy
 import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -57,7 +56,7 @@ def split(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], executor: Exe
         def keep(cut: torch.fx.GraphModule) -> None:
             # The graph the cut sees (inductor rewrites the joint graph first), copied before the
             # cut, which may rewrite it in place: the forward's saved nodes are nodes of this copy.
-            result.joint = torch.fx.GraphModule(cut, copy.deepcopy(cut.graph))
+            result.joint = torch.fx.GraphModule(cut, tp.copy_graph(cut.graph))
             result.partition_kwargs = dict(kwargs)
         fw, bw = executor.partition(joint, joint_inputs, before_cut=keep if keep_joint else None, **kwargs)
         result.backward_reports.extend(run_backward_passes(bw, executor))

@@ -37,7 +37,6 @@ the profiler), which must see the op pair.
 """
 from __future__ import annotations
 
-import copy
 import itertools
 import threading
 import warnings
@@ -667,7 +666,7 @@ def calling_directly(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
     go to ``call_directly``; ``graph`` itself, kept for the cache and dumps, keeps the op."""
     if not any(n.target in (_FORWARD_OP, _FORWARD_PACKET) for n in graph.graph.nodes):
         return graph
-    copied = torch.fx.GraphModule(graph, copy.deepcopy(graph.graph))
+    copied = torch.fx.GraphModule(graph, tp.copy_graph(graph.graph))
     for n in copied.graph.nodes:
         if n.target in (_FORWARD_OP, _FORWARD_PACKET):
             n.target = call_directly

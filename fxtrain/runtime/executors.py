@@ -17,7 +17,6 @@ The profiler's executor (profile/capture.py) is a third: the eager one running m
 """
 from __future__ import annotations
 
-import copy
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -118,7 +117,7 @@ def inductor_compile_graph(graph: torch.fx.GraphModule, kind: str, example_input
     # a copy: the graph fxtrain keeps, caches and costs stays as captured, and a process that
     # loads it from fxtrain's cache hits the kernels the capture compiled.
     # (A copy of the graph's nodes only: attributes stay shared, fake constants included.)
-    fresh = torch.fx.GraphModule(graph, copy.deepcopy(graph.graph))
+    fresh = torch.fx.GraphModule(graph, tp.copy_graph(graph.graph))
     examples = tp.placeholder_examples(graph) if example_inputs is None else example_inputs
     return tp.inductor_compile(fresh, examples, is_backward=kind == "backward",
                                is_inference=kind == "inference", cached_only=cached_only)
