@@ -3,6 +3,10 @@
 # the checks in priority order, each bounded by its own timeout, the report written as it goes so
 # that a run cut short still returns what it finished.
 #   bash bench/gpu_report.sh [OUT]      (OUT defaults to $OUT, then ./out)
+#   SECTIONS="bench worker varlen cuda cpu" (the default: all, in this order) picks sections;
+#   WORKLOADS="demo gpu-bert-base-mlm ..." the bench's workloads, AUTOCASTS="none bf16" its dtypes.
+# A GPU-sized workload's bench (five modes, two of them compiling) takes minutes: one device session
+# holds the demo and the suite, or two or three GPU-sized workloads (SECTIONS=bench), not both.
 # The machine's image has its own torch (2.11 on Python 3.12 when this was written) and no package
 # registry: fxtrain is used from this checkout (PYTHONPATH), with the image's packages.
 set -uo pipefail
@@ -20,6 +24,7 @@ if ! command -v fxtrain >/dev/null; then
     export PATH=/tmp/fxtrain-bin:$PATH
 fi
 
+wanted() { [[ " ${SECTIONS:-bench worker varlen cuda cpu} " == *" $1 "* ]]; }
 section() { printf '\n## %s (%s)\n\n' "$1" "$(date -u +%H:%M:%S)" >> "$REPORT"; echo "=== $1"; }
 tail_of() { printf '```\n%s\n```\n' "$(tail -n "${2:-15}" "$1")" >> "$REPORT"; }
 
@@ -34,51 +39,63 @@ tail_of() { printf '```\n%s\n```\n' "$(tail -n "${2:-15}" "$1")" >> "$REPORT"; }
 #    bf16 autocast: eager, torch.compile and fxtrain's executors, interleaved. The table and the JSON
 #    carry each mode's ops and kernels per step and fxtrain's pass decisions (the launch-cost model
 #    of cost/launches.py turns a pass off where its launches cost more than its FLOPs).
-for workload in ${WORKLOADS:-demo}; do
-    for autocast in ${AUTOCASTS:-none bf16}; do
-        section "fxtrain bench --workload $workload --device cuda, autocast $autocast"
-        ac=(); [ "$autocast" != none ] && ac=(--autocast "$autocast")
-        timeout "${BENCH_S:-100}" $PY -m fxtrain.cli bench --workload "$workload" --device cuda --no-progress \
-            ${ac[@]+"${ac[@]}"} --modes eager,compile,fxtrain:eager,fxtrain:inductor,fxtrain:auto \
-            --json "$OUT/bench_${workload}_$autocast.json" > "$OUT/bench_${workload}_$autocast.log" 2>&1
-        echo "exit $?" >> "$OUT/bench_${workload}_$autocast.log"
-        tail_of "$OUT/bench_${workload}_$autocast.log" 24
+if wanted bench; then
+    for workload in ${WORKLOADS:-demo}; do
+        for autocast in ${AUTOCASTS:-none bf16}; do
+            section "fxtrain bench --workload $workload --device cuda, autocast $autocast"
+            ac=(); [ "$autocast" != none ] && ac=(--autocast "$autocast")
+            limit=${BENCH_S:-$([ "$workload" = demo ] && echo 100 || echo 300)}
+            timeout "$limit" $PY -m fxtrain.cli bench --workload "$workload" --device cuda --no-progress \
+                ${ac[@]+"${ac[@]}"} --modes eager,compile,fxtrain:eager,fxtrain:inductor,fxtrain:auto \
+                --json "$OUT/bench_${workload}_$autocast.json" > "$OUT/bench_${workload}_$autocast.log" 2>&1
+            echo "exit $?" >> "$OUT/bench_${workload}_$autocast.log"
+            tail_of "$OUT/bench_${workload}_$autocast.log" 24
+        done
     done
-done
+fi
 
 # 1b. The tier's background compile on the GPU: the worker's device and GPU memory (issue 17).
-section "the compiled tier's worker on the GPU (bench/worker_gpu_memory.py)"
-timeout "${WORKER_S:-90}" $PY bench/worker_gpu_memory.py --json "$OUT/worker_gpu_memory.json" \
-    > "$OUT/worker_gpu_memory.log" 2>&1
-echo "exit $?" >> "$OUT/worker_gpu_memory.log"
-tail_of "$OUT/worker_gpu_memory.log" 14
+if wanted worker; then
+    section "the compiled tier's worker on the GPU (bench/worker_gpu_memory.py)"
+    timeout "${WORKER_S:-90}" $PY bench/worker_gpu_memory.py --json "$OUT/worker_gpu_memory.json" \
+        > "$OUT/worker_gpu_memory.log" 2>&1
+    echo "exit $?" >> "$OUT/worker_gpu_memory.log"
+    tail_of "$OUT/worker_gpu_memory.log" 14
+fi
 
 # 2. The CUDA attention routes first (one variable-length kernel call per direction: flash for
 #    fp16/bf16 on sm80+, memory-efficient for fp32), then the passes that use them.
-section "varlen attention and the passes over it, FXTRAIN_TEST_DEVICE=cuda"
-FXTRAIN_TEST_DEVICE=cuda timeout "${VARLEN_S:-100}" $PY -m pytest -q -n 4 -p no:cacheprovider -m "not extended" \
-    tests/test_varlen_route.py tests/test_varlen_attention.py tests/test_padding_elimination.py \
-    tests/test_packed_batches.py > "$OUT/varlen_cuda.log" 2>&1
-echo "exit $?" >> "$OUT/varlen_cuda.log"
-grep -E "^(FAILED|ERROR)" "$OUT/varlen_cuda.log" | cut -c1-200 >> "$REPORT"
-tail_of "$OUT/varlen_cuda.log" 4
+if wanted varlen; then
+    section "varlen attention and the passes over it, FXTRAIN_TEST_DEVICE=cuda"
+    FXTRAIN_TEST_DEVICE=cuda timeout "${VARLEN_S:-100}" $PY -m pytest -q -n 4 -p no:cacheprovider -m "not extended" \
+        tests/test_varlen_route.py tests/test_varlen_attention.py tests/test_padding_elimination.py \
+        tests/test_packed_batches.py > "$OUT/varlen_cuda.log" 2>&1
+    echo "exit $?" >> "$OUT/varlen_cuda.log"
+    grep -E "^(FAILED|ERROR)" "$OUT/varlen_cuda.log" | cut -c1-200 >> "$REPORT"
+    tail_of "$OUT/varlen_cuda.log" 4
+fi
 
 # 3. The suite with FXTRAIN_TEST_DEVICE=cuda (issue 17 makes every test honour it).
-section "make test's selection, FXTRAIN_TEST_DEVICE=cuda"
-FXTRAIN_TEST_DEVICE=cuda timeout "${CUDA_SUITE_S:-200}" $PY -m pytest -q -n "${CUDA_WORKERS:-6}" -m "not extended" \
-    -p no:cacheprovider > "$OUT/suite_cuda.log" 2>&1
-echo "exit $?" >> "$OUT/suite_cuda.log"
-grep -E "^(FAILED|ERROR)" "$OUT/suite_cuda.log" | cut -c1-200 > "$OUT/suite_cuda_failures.txt"
-tail_of "$OUT/suite_cuda.log" 4
-echo "failures: $(wc -l < "$OUT/suite_cuda_failures.txt") (suite_cuda_failures.txt)" >> "$REPORT"
+if wanted cuda; then
+    section "make test's selection, FXTRAIN_TEST_DEVICE=cuda"
+    FXTRAIN_TEST_DEVICE=cuda timeout "${CUDA_SUITE_S:-200}" $PY -m pytest -q -n "${CUDA_WORKERS:-6}" -m "not extended" \
+        -p no:cacheprovider > "$OUT/suite_cuda.log" 2>&1
+    echo "exit $?" >> "$OUT/suite_cuda.log"
+    grep -E "^(FAILED|ERROR)" "$OUT/suite_cuda.log" | cut -c1-200 > "$OUT/suite_cuda_failures.txt"
+    tail_of "$OUT/suite_cuda.log" 4
+    echo "failures: $(wc -l < "$OUT/suite_cuda_failures.txt") (suite_cuda_failures.txt)" >> "$REPORT"
+fi
 
 # 4. The suite on this image's torch, CPU device (issue 16: the oldest release, Python 3.12); last, as
 #    CI runs the oldest release on the CPU too.
-section "make test's selection, CPU device"
-timeout "${CPU_SUITE_S:-150}" $PY -m pytest -q -n "${CPU_WORKERS:-12}" -m "not extended" -p no:cacheprovider \
-    > "$OUT/suite_cpu.log" 2>&1
-echo "exit $?" >> "$OUT/suite_cpu.log"
-grep -E "^(FAILED|ERROR)" "$OUT/suite_cpu.log" | cut -c1-200 > "$OUT/suite_cpu_failures.txt"
-tail_of "$OUT/suite_cpu.log" 4
-echo "failures: $(wc -l < "$OUT/suite_cpu_failures.txt") (suite_cpu_failures.txt)" >> "$REPORT"
+if wanted cpu; then
+    section "make test's selection, CPU device"
+    timeout "${CPU_SUITE_S:-150}" $PY -m pytest -q -n "${CPU_WORKERS:-12}" -m "not extended" -p no:cacheprovider \
+        > "$OUT/suite_cpu.log" 2>&1
+    echo "exit $?" >> "$OUT/suite_cpu.log"
+    grep -E "^(FAILED|ERROR)" "$OUT/suite_cpu.log" | cut -c1-200 > "$OUT/suite_cpu_failures.txt"
+    tail_of "$OUT/suite_cpu.log" 4
+    echo "failures: $(wc -l < "$OUT/suite_cpu_failures.txt") (suite_cpu_failures.txt)" >> "$REPORT"
+fi
+
 echo "=== done"
