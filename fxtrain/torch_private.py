@@ -13,6 +13,7 @@ imported inside the function that needs it, so importing this module costs nothi
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import re
 import threading
@@ -437,11 +438,10 @@ def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
     would see torch's FutureWarning about torch's own objects. Leaf specs are immutable and torch keeps
     one for itself (``tree_flatten`` of a leaf returns it): the copy shares it. No warning filter: the
     filters are process-wide, and fxtrain copies graphs on more than one thread."""
-    import copy
     leaf = pytree.tree_flatten(0)[1]
     new = torch.fx.Graph(tracer_cls=graph._tracer_cls)
     out, old_output = new.graph_copy(graph, {}, return_output_node=True)
-    new.output(out, type_expr=getattr(old_output, "type", None)).meta = copy.copy(old_output.meta)
+    new.output(out, type_expr=getattr(old_output, "type", None)).meta = dict(old_output.meta)
     new.set_codegen(copy.deepcopy(graph._codegen, {id(leaf): leaf}))
     return new
 
@@ -454,11 +454,11 @@ def boxed_copy(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
     as it has been read. The original graph (dumped, cached) keeps the ordinary calling convention.
     """
     from torch.fx.graph import _BoxedCodeGen
-    copy = torch.fx.Graph()
-    out = copy.graph_copy(graph.graph, {})
-    copy.output(out)
-    copy.set_codegen(_BoxedCodeGen())
-    return torch.fx.GraphModule(graph, copy)
+    boxed = torch.fx.Graph()
+    out = boxed.graph_copy(graph.graph, {})
+    boxed.output(out)
+    boxed.set_codegen(_BoxedCodeGen())
+    return torch.fx.GraphModule(graph, boxed)
 
 
 # ---------------------------------------------------------------------------------- inductor
