@@ -3,6 +3,7 @@ sympy is stopped (and only then), and a stop the compile outran leaves nothing b
 import logging
 import threading
 import time
+import weakref
 
 import pytest
 import sympy
@@ -37,6 +38,25 @@ def test_watch_stops_a_compile_sunk_in_sympy():
             _sympy_work(30.0)
     assert watch.stopped and time.perf_counter() - started < 15
     _plain_work(0.3)   # nothing pending is delivered later
+
+
+@pytest.mark.cpu_only(reason="the capture watchdog on plain Python work: no tensors")
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_stop_swallowed_in_a_weakref_callback_is_raised_again():
+    """The garbage collector may run a weakref callback in the middle of sympy; a stop raised while it
+    runs is printed and dropped by Python. The compile, still in sympy, is stopped again."""
+    class Key:
+        pass
+
+    key = Key()
+    ref = weakref.ref(key, lambda _: _sympy_work(30.0))   # noqa: F841 (kept alive: its callback runs)
+    started = time.perf_counter()
+    with pytest.raises(ExpensiveSymbolicSizes):
+        with watched(lambda s: "", warn_after=1e9, sympy_budget=lambda: 0.3) as watch:
+            del key                    # the callback sinks into sympy and is stopped there, silently
+            assert watch.stops == 1
+            _sympy_work(30.0)
+    assert watch.stops == 2 and time.perf_counter() - started < 15
 
 
 @pytest.mark.cpu_only(reason="the capture watchdog on plain Python work: no tensors")

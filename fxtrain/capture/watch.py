@@ -27,6 +27,13 @@ which is sympy's pure-Python code; dynamo unwinds as for any error in a compile,
 retries the call with those sizes static. It is only armed while the entry frame compiles (nothing
 of the call has run, so the retry runs it exactly once); a later frame that is slow only warns.
 
+Why a stop may be raised again: the handler runs between any two bytecodes, also those of a weakref
+callback or a ``__del__`` that the garbage collector started inside sympy (dynamo keeps weak-keyed
+tables), and Python prints an exception raised there and drops it (``make test-long`` saw one). The
+compile then goes on in sympy: if it is still there ``_RESTOP`` seconds of CPU after the stop, the
+stop is raised again. Not sooner, so that a stop on its way out is not raised again into the
+handlers that unwind it.
+
 The warning comes from a plain timer thread that reads no frames.
 """
 from __future__ import annotations
@@ -49,6 +56,7 @@ _INTERVAL = 0.05   # seconds of process CPU time between samples
 # sizes, T5); Swin with symbolic image sizes spends ~80%, for minutes.
 WINDOW = 2.0       # seconds
 _SHARE = 0.6
+_RESTOP = 0.5      # seconds of CPU after a stop the compile did not end with: raised again
 
 
 class ExpensiveSymbolicSizes(BaseException):
@@ -79,6 +87,8 @@ class CompileWatch:
         self.sympy_seconds = 0.0
         self.peak_share = 0.0      # the largest share of sympy in any window of WINDOW seconds
         self.stopped = False
+        self.stops = 0             # ExpensiveSymbolicSizes raised (more than one: one was swallowed)
+        self._stopped_at = 0.0
         self._started = time.perf_counter()
         self._cpu_started = self._last = time.process_time()
         self._recent: Deque[Tuple[float, float]] = collections.deque()   # (when, seconds in sympy)
@@ -95,10 +105,15 @@ class CompileWatch:
 
     def sample(self, signum: int, frame: Any) -> None:
         """SIGPROF handler: runs on the compiling thread, ``frame`` is where it was interrupted."""
-        if self._done.is_set() or self.stopped:
+        if self._done.is_set():
             return
         now = time.process_time()
-        spent = now - self._last if _in_sympy(frame) else 0.0
+        in_sympy = _in_sympy(frame)
+        if self.stopped:
+            if in_sympy and now - self._stopped_at >= _RESTOP:
+                self._stop(now)
+            return
+        spent = now - self._last if in_sympy else 0.0
         self._last = now
         self.sympy_seconds += spent
         self._recent.append((now, spent))
@@ -111,10 +126,14 @@ class CompileWatch:
             return
         budget = self.sympy_budget()
         if budget is not None and self.sympy_seconds > budget:
-            self.stopped = True
             logger.debug("fxtrain: compile stopped after %.1f s of CPU time, %.1f s of it in sympy",
                          now - self._cpu_started, self.sympy_seconds)
-            raise ExpensiveSymbolicSizes()
+            self._stop(now)
+
+    def _stop(self, now: float) -> None:
+        self.stopped, self._stopped_at = True, now
+        self.stops += 1
+        raise ExpensiveSymbolicSizes()
 
 
 @contextlib.contextmanager
