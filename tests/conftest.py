@@ -67,9 +67,16 @@ def _older_objects_frozen():
     objects) is moved out of the collector's sight for this file, and back after it: a full
     ``gc.collect()`` (tests that check what is freed call it) then costs this file's objects, not
     the whole process's (measured: 5.7M objects, 1-15 s per collection late in the suite). Nothing
-    is lost: frozen objects are unfrozen, and collectable again, when the file ends."""
+    is lost: frozen objects are unfrozen, and collectable again, when the file ends.
+
+    The file's own garbage is collected before that (cheap: the older objects are still frozen), so
+    that the next file does not freeze it for its whole run: a reference cycle through a test's
+    exception (a traceback holding a PythonOp's pending call) otherwise kept that call's POOL entry
+    alive through test_pythonop.py, whose tests check the pool empties, whenever pytest-xdist ran
+    that file after test_pythonop_eager_semantics.py's raising Function on the same worker."""
     gc.freeze()
     yield
+    gc.collect()
     gc.unfreeze()
 
 
