@@ -128,6 +128,14 @@ def _new_handle(handle_id: int) -> torch.Tensor:
     return torch.scalar_tensor(handle_id, dtype=torch.int64, device=_CPU)  # a third of torch.tensor's cost
 
 
+# The handle of a call under eager autograd (``_apply_eagerly``): no pool entry, so nothing ever reads
+# it; one tensor serves every such call, as making one costs 3 us on the 2-core CPU, a tenth or more
+# of that mode's extra cost per call of a tiny Function (bench/pythonop_overhead.py, "autograd").
+# The op's own kernels, whose outputs tracers and compilers see, keep a fresh one per call (an op may
+# not return one tensor twice).
+_NO_HANDLE = torch.scalar_tensor(0, dtype=torch.int64, device=_CPU)
+
+
 def _outputs(spec: Any, result: Any, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     """The Function's tensor outputs (a plain spec: tensors and constants), refused where a PythonOp
     cannot reproduce them."""
@@ -605,7 +613,7 @@ def _apply_eagerly(keyset: Any, key: int, tensors: List[torch.Tensor]) -> List[t
     if log is not None:
         log.append((key, tensors, run))
     outs = _outputs(spec, result, tensors) if spec.plain else collect_outputs(spec, run)
-    outs.append(_new_handle(0))
+    outs.append(_NO_HANDLE)
     return outs
 
 
