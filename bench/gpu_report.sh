@@ -27,6 +27,13 @@ fi
 wanted() { [[ " ${SECTIONS:-bench worker varlen cuda cpu} " == *" $1 "* ]]; }
 section() { printf '\n## %s (%s)\n\n' "$1" "$(date -u +%H:%M:%S)" >> "$REPORT"; echo "=== $1"; }
 tail_of() { printf '```\n%s\n```\n' "$(tail -n "${2:-15}" "$1")" >> "$REPORT"; }
+# Suites run with -v: each test's outcome is a line of the log as it ends, so a run the timeout cuts
+# short still names every failure so far (-q prints them only in the summary it never reaches).
+failures() { grep -oE "(FAILED|ERROR) tests/[^ ]+" "$1" | sort -u; }
+outcomes() {
+    echo "so far: $(grep -cE '\] PASSED ' "$1") passed, $(failures "$1" | wc -l) failed or errors," \
+         "$(grep -cE '\] SKIPPED ' "$1") skipped"
+}
 
 {
     echo "# fxtrain on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
@@ -67,35 +74,36 @@ fi
 #    fp16/bf16 on sm80+, memory-efficient for fp32), then the passes that use them.
 if wanted varlen; then
     section "varlen attention and the passes over it, FXTRAIN_TEST_DEVICE=cuda"
-    FXTRAIN_TEST_DEVICE=cuda timeout "${VARLEN_S:-100}" $PY -m pytest -q -n 4 -p no:cacheprovider -m "not extended" \
+    FXTRAIN_TEST_DEVICE=cuda timeout "${VARLEN_S:-100}" $PY -m pytest -v -n 4 -p no:cacheprovider -m "not extended" \
         tests/test_varlen_route.py tests/test_varlen_attention.py tests/test_padding_elimination.py \
         tests/test_packed_batches.py > "$OUT/varlen_cuda.log" 2>&1
     echo "exit $?" >> "$OUT/varlen_cuda.log"
-    grep -E "^(FAILED|ERROR)" "$OUT/varlen_cuda.log" | cut -c1-200 >> "$REPORT"
+    failures "$OUT/varlen_cuda.log" | cut -c1-200 >> "$REPORT"
+    outcomes "$OUT/varlen_cuda.log" >> "$REPORT"
     tail_of "$OUT/varlen_cuda.log" 4
 fi
 
 # 3. The suite with FXTRAIN_TEST_DEVICE=cuda (issue 17 makes every test honour it).
 if wanted cuda; then
     section "make test's selection, FXTRAIN_TEST_DEVICE=cuda"
-    FXTRAIN_TEST_DEVICE=cuda timeout "${CUDA_SUITE_S:-200}" $PY -m pytest -q -n "${CUDA_WORKERS:-6}" -m "not extended" \
-        -p no:cacheprovider > "$OUT/suite_cuda.log" 2>&1
+    FXTRAIN_TEST_DEVICE=cuda timeout "${CUDA_SUITE_S:-200}" $PY -m pytest -v -n "${CUDA_WORKERS:-6}" -m "not extended" \
+        -p no:cacheprovider --durations=20 > "$OUT/suite_cuda.log" 2>&1
     echo "exit $?" >> "$OUT/suite_cuda.log"
-    grep -E "^(FAILED|ERROR)" "$OUT/suite_cuda.log" | cut -c1-200 > "$OUT/suite_cuda_failures.txt"
+    failures "$OUT/suite_cuda.log" | cut -c1-200 > "$OUT/suite_cuda_failures.txt"
     tail_of "$OUT/suite_cuda.log" 4
-    echo "failures: $(wc -l < "$OUT/suite_cuda_failures.txt") (suite_cuda_failures.txt)" >> "$REPORT"
+    echo "$(outcomes "$OUT/suite_cuda.log"); the failures in suite_cuda_failures.txt" >> "$REPORT"
 fi
 
 # 4. The suite on this image's torch, CPU device (issue 16: the oldest release, Python 3.12); last, as
 #    CI runs the oldest release on the CPU too.
 if wanted cpu; then
     section "make test's selection, CPU device"
-    timeout "${CPU_SUITE_S:-150}" $PY -m pytest -q -n "${CPU_WORKERS:-12}" -m "not extended" -p no:cacheprovider \
+    timeout "${CPU_SUITE_S:-150}" $PY -m pytest -v -n "${CPU_WORKERS:-12}" -m "not extended" -p no:cacheprovider \
         > "$OUT/suite_cpu.log" 2>&1
     echo "exit $?" >> "$OUT/suite_cpu.log"
-    grep -E "^(FAILED|ERROR)" "$OUT/suite_cpu.log" | cut -c1-200 > "$OUT/suite_cpu_failures.txt"
+    failures "$OUT/suite_cpu.log" | cut -c1-200 > "$OUT/suite_cpu_failures.txt"
     tail_of "$OUT/suite_cpu.log" 4
-    echo "failures: $(wc -l < "$OUT/suite_cpu_failures.txt") (suite_cpu_failures.txt)" >> "$REPORT"
+    echo "$(outcomes "$OUT/suite_cpu.log"); the failures in suite_cpu_failures.txt" >> "$REPORT"
 fi
 
 echo "=== done"
