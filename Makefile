@@ -34,9 +34,14 @@ test: $(STAMP)
 	$(PY) -m pytest -q -n 2 -m "not extended"
 
 # The rest of the suite (tests marked `extended`: more models, sides and fuzzer seeds of paths
-# `make test` covers once). Run before landing a change to what they cover.
+# `make test` covers once). Run before landing a change to what they cover. Then the device audit of
+# every test (tests/conftest.py, --device-audit; 47 s on 2 cores): each one puts its model and batches
+# on FXTRAIN_TEST_DEVICE or says why it is cpu_only. It needs a torch without CUDA, as here and in CI.
 test-long: $(STAMP)
 	$(PY) -m pytest -q -n 2 -m extended
+	@if $(PY) -c "import sys, torch; sys.exit(torch.cuda.is_available())"; then \
+		FXTRAIN_TEST_DEVICE=cuda $(PY) -m pytest -q -n 2 -p no:cacheprovider --device-audit; \
+	else echo "make test-long: this torch reaches CUDA, so no device audit: run FXTRAIN_TEST_DEVICE=cuda make test"; fi
 
 bench: $(STAMP)
 	$(VENV)/bin/fxtrain bench

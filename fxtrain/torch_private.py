@@ -421,6 +421,13 @@ def current_graph_task_keeps_graph() -> bool:
     return bool(torch._C._autograd._get_current_graph_task_keep_graph())
 
 
+def foreach_kernel_devices() -> List[str]:
+    """The device types whose optimizers default to the multi-tensor (foreach) step: what
+    ``torch.optim``'s default (``_default_to_fused_or_foreach``) asks of real parameters' devices."""
+    from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
+    return list(_get_foreach_kernels_supported_devices())
+
+
 def release_saved_tensors(ctx: Any) -> None:
     """Drop an autograd.Function node's saved tensors now, not when its backward returns, so the
     backward graph can free each one after its last use (as eager's engine frees per node)."""

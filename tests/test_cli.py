@@ -102,6 +102,10 @@ def test_bench_runs_on_the_device_it_is_given(tmp_path, capsys):
 def test_bad_mode_is_a_one_line_error(capsys):
     assert cli.main(["bench", *TINY, "--modes", "eager,turbo"]) == 2
     assert "unknown mode" in capsys.readouterr().err
+    for device, says in (("no-such-device", "Invalid device string"), ("meta", "name the device it runs on")):
+        assert cli.main(["profile", "gpt2-tiny", "--device", device]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"fxtrain profile: error: --device {device}: ") and says in err, err
 
 
 @pytest.mark.cpu_only(reason="CLI argument parsing and listings: no tensors")

@@ -1,9 +1,9 @@
 """Options(memory_budget=...): the step is planned to fit, the plan is exact and costed right.
 
 Oracles: eager PyTorch for the numbers (loss and gradients, dropout masks included), and the
-profiler's real-mode counter (``profile/measure.py: measure_step``: live tensor bytes of a real CPU
-step, what torch's MemTracker reads) for the peak the plan promises. Models are tiny so that the
-planning (a handful of fake steps) and the real steps take seconds.
+profiler's real-mode counter (``profile/measure.py: measure_step``: live tensor bytes of a real
+step on the test device, what torch's MemTracker reads) for the peak the plan promises. Models are
+tiny so that the planning (a handful of fake steps) and the real steps take seconds.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from fxtrain.capture.budget import MemoryBudgetWarning
 from fxtrain.module import CaptureError
 from fxtrain.options import Options, resolve
 from fxtrain.profile.measure import measure_step
+from utils import current_device, to_device
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
@@ -30,11 +31,12 @@ def _gpt2(dropout: float = 0.0) -> torch.nn.Module:
     cfg = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=2, n_positions=64, bos_token_id=0,
                      eos_token_id=0, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, use_cache=False)
     torch.manual_seed(0)
-    return GPT2LMHeadModel(cfg)
+    return to_device(GPT2LMHeadModel(cfg))
 
 
 def _batch(b: int = 4, s: int = 48):
-    return models.synthetic_batch("clm", b, s, VOCAB, generator=torch.Generator().manual_seed(0))
+    return models.synthetic_batch("clm", b, s, VOCAB, generator=torch.Generator().manual_seed(0),
+                                  device=current_device())
 
 
 @pytest.fixture(scope="module")
@@ -131,9 +133,9 @@ def test_loss_and_grads_equal_eager_with_dropout() -> None:
 
 
 def test_below_the_smallest_peak_warns_once_or_raises() -> None:
-    model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.GELU(), torch.nn.Linear(256, 256),
-                                torch.nn.GELU(), torch.nn.Linear(256, 1))
-    x = torch.randn(1024, 32)
+    model = to_device(torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.GELU(), torch.nn.Linear(256, 256),
+                                          torch.nn.GELU(), torch.nn.Linear(256, 1)))
+    x = to_device(torch.randn(1024, 32))
     eager = copy.deepcopy(model)
     tm = fxtrain.TrainModule(model, Options(memory_budget=1024))
     with warnings.catch_warnings(record=True) as caught:
@@ -160,7 +162,8 @@ def test_profile_reports_the_largest_batch_with_recomputation() -> None:
     """``fxtrain profile MODEL --budget B``: the largest batch without and with recomputation."""
     with torch.device("meta"):
         model = models.PRESETS["gpt2-tiny"].build()
-    report = fxtrain.profile(model, optimizer="adamw", **models.preset_batch("gpt2-tiny", 4, 64))
+    batch = models.preset_batch("gpt2-tiny", 4, 64, device=current_device())
+    report = fxtrain.profile(model, optimizer="adamw", **batch)   # the meta model: costed on the batch's device
     budget = 2 * report.peak_memory_bytes
     plain = report.max_batch(budget)
     recomputing = report.max_batch_recomputed(budget)

@@ -30,9 +30,9 @@ def test_loop_loss_in_graph_fires_label_sparsity_and_matches_eager():
 
 
 def test_plain_outputs_give_loss_and_outputs_and_missing_target_is_clear():
-    lin = torch.nn.Linear(4, 3)
+    lin = to_device(torch.nn.Linear(4, 3))
     mwl = fxtrain.ModuleWithLoss(lin, lambda out, y: F.cross_entropy(out, y), target_keys=("y",))
-    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    x, y = to_device((torch.randn(5, 4), torch.randint(0, 3, (5,))))
     loss, out = mwl(x, y=y)
     torch.testing.assert_close(loss, F.cross_entropy(lin(x), y))
     with pytest.raises(TypeError, match="missing target keyword"):
@@ -43,7 +43,6 @@ def test_plain_outputs_give_loss_and_outputs_and_missing_target_is_clear():
 
 @pytest.mark.usefixtures("passes_whatever_they_cost")
 def test_hf_trainer_trains_a_module_with_loss_like_eager(tmp_path):
-    # HF Trainer places model and batches on its own device: not moved to the test device here.
     """The documented recipe (docs/integrations.md): Trainer(model=TrainModule(ModuleWithLoss(...)),
     remove_unused_columns=False). Logged losses equal eager Trainer's, and label sparsity fired."""
     from transformers import Trainer, TrainingArguments
@@ -56,11 +55,13 @@ def test_hf_trainer_trains_a_module_with_loss_like_eager(tmp_path):
 
     def train(wrap):
         torch.manual_seed(0)
-        model = models.bert_mlm(hidden=32, layers=2, heads=2, vocab=1000)
+        model = to_device(models.bert_mlm(hidden=32, layers=2, heads=2, vocab=1000))
         wrapped = wrap(model)
+        # Trainer moves model and batches to its own device: the test device's (a GPU wherever one
+        # exists, unless use_cpu).
         args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=3,
                                  logging_steps=1, report_to=[], remove_unused_columns=False, save_strategy="no",
-                                 seed=0, disable_tqdm=True)
+                                 use_cpu=current_device().type == "cpu", seed=0, disable_tqdm=True)
         trainer = Trainer(model=wrapped, args=args, train_dataset=rows)
         trainer.train()
         return [h["loss"] for h in trainer.state.log_history if "loss" in h], wrapped

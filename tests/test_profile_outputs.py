@@ -4,10 +4,10 @@
     keep_outputs=False: loss = model(**b).loss; loss.backward()          (HF Trainer's loop)
 
 Oracle: torch's ``MemTracker`` (torch.distributed._tools.mem_tracker) over the same step run for
-real on the CPU, with real tensors, on the eager model (optimizations=False) and on a TrainModule
-(optimizations=True). On a language model the two loops differ by the logits, which only the loop
-holds through the backward; so a profiler that ignored the loop misses the dropped loop's peak by
-10-12% on these models, outside the [-2%, +5%] the peak tests allow.
+real on the test device, with real tensors, on the eager model (optimizations=False) and on a
+TrainModule (optimizations=True). On a language model the two loops differ by the logits, which
+only the loop holds through the backward; so a profiler that ignored the loop misses the dropped
+loop's peak by 10-12% on these models, outside the [-2%, +5%] the peak tests allow.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from torch.distributed._tools.mod_tracker import ModTracker
 import fxtrain
 from fxtrain import models
 from fxtrain.cost.step import loss_of
-from utils import long_params
+from utils import current_device, long_params, to_device
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -79,8 +79,9 @@ def _memtracker_peak(runner, owner: torch.nn.Module, batch, keep_outputs: bool) 
     tracker.track_external(owner, *batch.values())
     with tracker:
         step()
-    (snapshot,) = tracker.get_tracker_snapshot("peak").values()
-    return snapshot["Total"]
+    # the peak on the model's device: on a GPU, a host tensor of the step (a count read back) has
+    # an entry of its own
+    return tracker.get_tracker_snapshot("peak")[next(owner.parameters()).device]["Total"]
 
 
 def _assert_close_peak(estimate: int, measured: int) -> None:
@@ -98,8 +99,8 @@ CASES = [
 
 def _batch(name: str, kind: str):
     if kind == "dense":
-        return models.preset_batch(name, B, S, padding=0.0, label_density=1.0)
-    return models.preset_batch(name, B, S, padding=0.3, label_density=0.2)
+        return models.preset_batch(name, B, S, padding=0.0, label_density=1.0, device=current_device())
+    return models.preset_batch(name, B, S, padding=0.3, label_density=0.2, device=current_device())
 
 
 @pytest.mark.parametrize("name,optimizations,kind",
@@ -107,7 +108,7 @@ def _batch(name: str, kind: str):
 @pytest.mark.usefixtures("passes_whatever_they_cost")
 def test_each_loop_peak_matches_memtracker(name, optimizations, kind):
     torch.manual_seed(0)
-    model = models.build(name)
+    model = to_device(models.build(name))
     batch = _batch(name, kind)
     logits_bytes = B * S * models.PRESETS[name].vocab * 4
     # Memory is costed as the eager executor allocates (inductor's fused kernels allocate less).
@@ -142,7 +143,7 @@ def test_each_loop_peak_matches_memtracker(name, optimizations, kind):
 
 
 def test_report_states_the_loop_and_the_output_bytes():
-    model = models.build("gpt2-tiny")
+    model = to_device(models.build("gpt2-tiny"))
     batch = _batch("gpt2-tiny", "padded")
     keep = fxtrain.profile(model, optimizations=False, **batch)
     drop = fxtrain.profile(model, optimizations=False, keep_outputs=False, **batch)
@@ -174,9 +175,9 @@ class _ScalarLoss(torch.nn.Module):
 
 
 def test_outputs_other_than_the_loss_decide_the_difference():
-    x = torch.randn(64, 16)
+    x = to_device(torch.randn(64, 16))
     # the output is the loss: nothing else to drop, both loops are one
-    model = _ScalarLoss()
+    model = to_device(_ScalarLoss())
     keep = fxtrain.profile(model, x, optimizations=False)
     drop = fxtrain.profile(model, x, optimizations=False, keep_outputs=False)
     assert keep.peak_memory_bytes == drop.peak_memory_bytes
@@ -192,9 +193,11 @@ def test_cli_drop_outputs(capsys):
     from fxtrain.cli import main
     peaks = {}
     for flag in ("--keep-outputs", "--drop-outputs"):
-        assert main(["profile", "gpt2-tiny", "--batch", str(B), "--seq", str(S), "--no-optimizations",
-                     "--json", "--no-progress", flag]) == 0
-        data = json.loads(capsys.readouterr().out)
+        code = main(["profile", "gpt2-tiny", "--batch", str(B), "--seq", str(S), "--no-optimizations",
+                     "--json", "--no-progress", "--device", str(current_device()), flag])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        data = json.loads(out)
         assert data["keep_outputs"] is (flag == "--keep-outputs")
         peaks[flag] = data["peak_memory_bytes"]
     assert peaks["--keep-outputs"] - peaks["--drop-outputs"] == B * S * 1000 * 4
@@ -220,17 +223,18 @@ def test_outputs_dropped_after_a_failed_capture_in_the_process():
     caller holds its call's arguments until the call returns. The session used to hand the outputs
     to the rest of the step as an argument, so dropping them there freed nothing: the dropped loop
     was costed as the keeping one (gpt2-tiny: the logits, 512,000 bytes, over its peak)."""
-    failed = fxtrain.profile(_Uncapturable(), torch.randn(4, 8), options=fxtrain.Options(fullgraph=True))
+    failed = fxtrain.profile(to_device(_Uncapturable()), to_device(torch.randn(4, 8)),
+                             options=fxtrain.Options(fullgraph=True))
     assert failed.fallback is not None and "capture" in failed.fallback
-    model = models.build("gpt2-tiny")
+    model = to_device(models.build("gpt2-tiny"))
     batch = _batch("gpt2-tiny", "padded")
     keep = fxtrain.profile(model, optimizations=False, **batch)
     drop = fxtrain.profile(model, optimizations=False, keep_outputs=False, **batch)
     logits_bytes = B * S * models.PRESETS["gpt2-tiny"].vocab * 4
     assert keep.peak_memory_bytes - drop.peak_memory_bytes == logits_bytes
     assert keep.output_bytes_at_peak - drop.output_bytes_at_peak == logits_bytes
-    x = torch.randn(64, 16)
-    net = _ScalarLoss().net
+    x = to_device(torch.randn(64, 16))
+    net = to_device(_ScalarLoss().net)
     keep = fxtrain.profile(net, x, optimizations=False)
     drop = fxtrain.profile(net, x, optimizations=False, keep_outputs=False)
     assert keep.peak_memory_bytes - drop.peak_memory_bytes == 64 * 4

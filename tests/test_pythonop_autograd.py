@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fxtrain.pythonop import routing
 from fxtrain.pythonop.op import POOL
 from fxtrain.pythonop.registry import CONSTANT, TENSOR, CallSpec, OutputMeta, register
-from utils import assert_grads_equal
+from utils import assert_grads_equal, current_device, to_device
 
 PYTHON_OP = torch.ops.fxtrain.python_op.default
 PYTHON_OP_BACKWARD = torch.ops.fxtrain.python_op_backward.default
@@ -66,6 +66,7 @@ class Compiled(nn.Module):
 
 
 def _pair(model, kernel):
+    model = to_device(model)
     ref = copy.deepcopy(model)
     return Compiled(model, kernel), ref
 
@@ -75,7 +76,7 @@ def _parity(model, kernel, batches=(3, 5), backward=lambda loss: loss.backward()
     pooled = len(POOL)
     compiled, ref = _pair(model, kernel)
     for b in batches:
-        x = torch.randn(b, 4)
+        x = torch.randn(b, 4, device=current_device())
         out, r = compiled(x), ref(x)
         _close(out, r)
         # plain: no pool entry at all; opaque: one per Function call, waiting for the backward
@@ -241,7 +242,7 @@ class Square(torch.autograd.Function):
 def test_plain_kernel_is_the_users_node_double_backward_included():
     """On plain tensors the graph holds the user's own node: even create_graph works as in eager."""
     compiled, ref = _pair(Host(lambda h, x: Square.apply(h)), "plain")
-    x = torch.randn(3, 4)
+    x = torch.randn(3, 4, device=current_device())
     grads = []
     for model in (compiled, ref):
         w = model.lin.weight if model is ref else model.model.lin.weight
@@ -279,7 +280,8 @@ def test_handle_lives_on_the_cpu_and_is_never_read_from_the_data_device():
     """Data on another device than the CPU: the handle is made on, and read back from, the CPU only,
     so the op pair never synchronises with the device. The fake kernel (what dynamo and AOTAutograd
     see) is checked with fake CUDA tensors; the real kernels, which run the user's Function, with fake
-    "meta" tensors, as the profiler runs them (a CPU-only torch cannot apply a Function on CUDA ones)."""
+    "meta" tensors, as the profiler runs them (a CPU-only torch cannot apply a Function on CUDA ones),
+    and with real tensors on the test device (a GPU's under FXTRAIN_TEST_DEVICE=cuda)."""
     from fxtrain.pythonop.op import python_op, python_op_backward
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode():
@@ -305,3 +307,21 @@ def test_handle_lives_on_the_cpu_and_is_never_read_from_the_data_device():
         assert handle.device == torch.device("cpu") and y.requires_grad
         (g2,) = torch.autograd.grad(y, [xg], g)
         assert g2.device.type == "meta"
+
+    # Real tensors on the test device: the same kernels, then the opaque formula (forced by a
+    # dispatch mode, as the "opaque" kernel above) under the engine.
+    x = torch.randn(3, 4, device=current_device())
+    key = _scale_spec(x.device)
+    reads = _ValueReads()
+    with reads:
+        outs = python_op._init_fn(key, [x])
+        (gx,) = python_op_backward._init_fn(key, outs[-1], [torch.ones_like(x)], [3, 4])
+    assert outs[0].device == x.device and outs[-1].device == torch.device("cpu")
+    assert reads.devices == ["cpu"]
+    _close(gx, 0.5 + x * 0.25)   # Scale's backward: g * k + x / 4
+    xg = x.requires_grad_()
+    with _PassThrough():
+        y, handle = PYTHON_OP(key, [xg])
+        (g2,) = torch.autograd.grad(y, [xg], torch.ones_like(y))
+    assert handle.device == torch.device("cpu")
+    _close(g2, gx)

@@ -20,6 +20,11 @@ import torch
 import torch.fx
 
 from fxtrain import torch_private as tp
+from utils import current_device
+
+# What most accessors find is the same on any device; test_aot_accessors, whose inductor compiles
+# kernels for its tensors' device, runs on the test device.
+LOOKUP = pytest.mark.cpu_only(reason="torch private APIs found by name: the same on any device")
 
 PACKAGE = pathlib.Path(tp.__file__).resolve().parent
 
@@ -82,6 +87,7 @@ def _modules() -> List[pathlib.Path]:
     return sorted(p for p in PACKAGE.rglob("*.py") if str(p.relative_to(PACKAGE)) not in ALLOWED)
 
 
+@pytest.mark.cpu_only(reason="source scan (the AST of fxtrain/): no tensors")
 def test_no_private_torch_names_outside_torch_private() -> None:
     found = []
     for path in _modules():
@@ -90,6 +96,7 @@ def test_no_private_torch_names_outside_torch_private() -> None:
                        + "\n".join(found))
 
 
+@pytest.mark.cpu_only(reason="source scan (the AST of fxtrain/): no tensors")
 def test_scanner_sees_private_names(tmp_path: pathlib.Path) -> None:
     """The check above would catch each form of private use."""
     source = tmp_path / "m.py"
@@ -124,11 +131,13 @@ CONSTANTS = ["NN_LINEAR", "NN_GELU", "NN_SILU", "NN_PAD", "NN_SDPA", "ASSERT_ASY
              "current_autograd_node", "run_backward"]
 
 
+@LOOKUP
 @pytest.mark.parametrize("name", CONSTANTS)
 def test_constant_is_there(name: str) -> None:
     assert getattr(tp, name) is not None
 
 
+@LOOKUP
 def test_constants_behave() -> None:
     x = torch.ones(2, 2)
     assert tp.NN_LINEAR(x, x).shape == (2, 2)
@@ -149,8 +158,10 @@ def test_constants_behave() -> None:
     with tp.unset_fake_temporarily(), tp.disable_current_modes():
         pass
     assert tp.tree_flatten([x, (1,)])[0][1] == 1
+    assert "cuda" in tp.foreach_kernel_devices() and "cpu" not in tp.foreach_kernel_devices()
 
 
+@LOOKUP
 def test_dynamo_accessors() -> None:
     for name in ["dynamo_unsupported", "dynamo_recompile_limit_error"]:
         assert issubclass(_check(name, getattr(tp, name)), Exception)
@@ -164,6 +175,7 @@ def test_dynamo_accessors() -> None:
         pass
 
 
+@LOOKUP
 def test_dynamo_config_patch_with_logging_functions_logs_no_error(caplog: pytest.LogCaptureFixture) -> None:
     """Dynamo dumps its config into its metrics after each compile; fxtrain's set of logging functions
     in it logs no error (2.11's dump fails sorting the functions: that record is dropped)."""
@@ -174,6 +186,7 @@ def test_dynamo_config_patch_with_logging_functions_logs_no_error(caplog: pytest
     assert not [r for r in caplog.records if "compilation metrics" in r.getMessage()], caplog.records
 
 
+@LOOKUP
 def test_dynamo_accessors_inside_a_capture() -> None:
     """The accessors that only work while dynamo converts a frame, called from a backend."""
     seen = {}
@@ -201,6 +214,7 @@ def test_dynamo_accessors_inside_a_capture() -> None:
     assert seen["sources"] and all(a is b and a is not None for a, b in seen["sources"]), seen["sources"]
 
 
+@LOOKUP
 def test_graph_and_op_accessors(tmp_path: pathlib.Path) -> None:
     gm = _op_graph()
     boxed = tp.boxed_copy(gm)
@@ -227,6 +241,7 @@ def test_graph_and_op_accessors(tmp_path: pathlib.Path) -> None:
     assert lin.weight.any()
 
 
+@LOOKUP
 def test_copy_graph_copies_pytree_specs_without_torchs_warning() -> None:
     """A graph with pytree calling conventions (AOTAutograd's joint graph has them) copies without
     the FutureWarning torch 2.13 raises for every LeafSpec built, and the copy runs as the original."""
@@ -262,7 +277,7 @@ def test_aot_accessors(partition: str) -> None:
     assert table and not set(tp.BACKWARD_PASS_OPS) & set(table)
     backend = _check("aot_autograd", tp.aot_autograd, fw_compiler=fw, bw_compiler=bw,
                      partition_fn=getattr(tp, partition), decompositions=table)
-    x = torch.randn(4, requires_grad=True)
+    x = torch.randn(4, device=current_device(), requires_grad=True)   # inductor compiles for its device
     out = torch.compile(lambda t: (t.sin() * 2).sum(), backend=backend, fullgraph=True)(x)
     out.backward()
     assert torch.allclose(x.grad, 2 * x.detach().cos())
@@ -270,6 +285,7 @@ def test_aot_accessors(partition: str) -> None:
     assert all(v is not None for v in seen["examples"]) and callable(seen["compiled"])
 
 
+@LOOKUP
 def test_partition_saving_and_size_accessors() -> None:
     """partition_saving splits a joint graph saving only what it is told (the rest recomputed in the
     backward); the size helpers read hints without guards; outside_compile clears is_compiling."""
@@ -301,6 +317,7 @@ def test_partition_saving_and_size_accessors() -> None:
         assert not torch.compiler.is_compiling()
 
 
+@LOOKUP
 def test_dynamo_compile_runs_around_compile() -> None:
     entered = []
 
@@ -318,6 +335,7 @@ def test_dynamo_compile_runs_around_compile() -> None:
     assert entered == ["plus_one"]   # once, with the converted frame's name
 
 
+@LOOKUP
 def test_dims_static_marks_and_takes_back() -> None:
     x = torch.randn(4, 3)
     graphs = []
@@ -337,6 +355,7 @@ def test_dims_static_marks_and_takes_back() -> None:
     assert torch.equal(fn(z), z * 2) and len(graphs) == 2          # the static size is guarded
 
 
+@pytest.mark.cpu_only(reason="a gloo process group of one CPU process")
 def test_distributed_and_subclass_accessors() -> None:
     import torch.distributed as dist
     with pytest.raises(Exception) as failure:
@@ -359,6 +378,7 @@ def test_distributed_and_subclass_accessors() -> None:
     assert isinstance(w, Wrapper) and w.shape == (2, 3)
 
 
+@LOOKUP
 def test_pipeline_stage_class_is_torchs_stage() -> None:
     """The stage class the pipeline runner derives from: torch's PipelineStage, or on a release whose
     stage assumes floating-point activations, a subclass of it that takes any dtype."""
@@ -367,6 +387,7 @@ def test_pipeline_stage_class_is_torchs_stage() -> None:
     assert issubclass(cls, PipelineStage) and tp.pipeline_stage_class() is cls
 
 
+@LOOKUP
 def test_schedule_actions_reads_torch_schedule_orders() -> None:
     """Every rank's F/B/I/W actions of torch's multi-stage schedules (the pipeline simulation)."""
     orders = _check("schedule_actions", tp.schedule_actions, "ScheduleInterleavedZeroBubble", 2, 4, 2)
@@ -378,12 +399,14 @@ def test_schedule_actions_reads_torch_schedule_orders() -> None:
     assert {s for _, s, _ in dual[0]} == {0, 3} and any(k == "B" for k, _, _ in dual[0])  # OVERLAP_F_B unpacked
 
 
+@LOOKUP
 def test_set_custom_op_kernels_is_reachable() -> None:
     """``set_custom_op_kernels`` ran when fxtrain.pythonop.op was imported; its attributes are there."""
     import fxtrain.pythonop.op as op
     assert hasattr(op.python_op, "_lib") and hasattr(op.python_op, "_name")
 
 
+@pytest.mark.cpu_only(reason="torch_private.attention_with_lse knows only the CPU kernels")
 def test_attention_with_lse_kernels_match_sdpa() -> None:
     """The CPU kernel pair behind varlen attention: forward as F.scaled_dot_product_attention, and
     the backward from its log-sum-exp as autograd's (issue 15)."""
@@ -415,6 +438,7 @@ _VARLEN_POSITIONAL = {
 }
 
 
+@pytest.mark.cpu_only(reason="op schemas of the CUDA varlen kernels: no tensors (test_varlen_route.py runs them)")
 @pytest.mark.parametrize("op", sorted(_VARLEN_POSITIONAL))
 def test_varlen_kernel_schemas(op: str) -> None:
     """The variable-length attention kernels (CUDA) are there with the arguments varlen_kernels passes
@@ -429,6 +453,7 @@ def test_varlen_kernel_schemas(op: str) -> None:
                                    "_flash_attention_forward": 5, "_flash_attention_backward": 3}[op]
     assert tp.EFFICIENT_LSE_ALIGN == 32
 
+@LOOKUP
 def test_pythonop_capture_accessors() -> None:
     """What PythonOp capture reads of dynamo: checked inside dynamo's conversion of a frame, where a
     Function's ``call_apply`` meets them (a plain accessor check for the rest)."""
@@ -488,6 +513,7 @@ def test_pythonop_capture_accessors() -> None:
     assert tp.symbolic_scalar_type(seen["speculated"]) is float and seen["break"]
 
 
+@LOOKUP
 def test_tier_accessors(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """What runtime/tiered.py needs: a retrace with inductor's decompositions that keeps placeholder
     names, dynamo's compile lock, and a cache-only inductor compile that refuses a miss (the
@@ -510,6 +536,7 @@ def test_tier_accessors(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch)
                                 cached_only=True)
 
 
+@LOOKUP
 def test_size_guard_accessors() -> None:
     """What runtime/tiered.py reads back from loaded graphs: their ShapeEnv, the guards recorded on
     it, and a per-call check of new guards over the graph inputs (a tensor and a SymInt input)."""

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import fxtrain
 from fxtrain import corpus, models
+from utils import current_device, to_device
 
 
 @pytest.fixture(scope="module")
@@ -28,12 +29,12 @@ def text():
 
 def _bert(vocab):
     torch.manual_seed(0)
-    return models.bert_mlm(hidden=32, layers=1, heads=2, vocab=vocab, max_positions=32)
+    return to_device(models.bert_mlm(hidden=32, layers=1, heads=2, vocab=vocab, max_positions=32))
 
 
 def _gpt2(vocab):
     torch.manual_seed(0)
-    return models.gpt2_lm(hidden=32, layers=1, heads=2, vocab=vocab, positions=32)
+    return to_device(models.gpt2_lm(hidden=32, layers=1, heads=2, vocab=vocab, positions=32))
 
 
 def _mlm_loss(outputs, labels):
@@ -69,16 +70,16 @@ def test_forward_presents_the_wrapped_signature_and_doc():
     back = pickle.loads(pickle.dumps(fxtrain.ModuleWithLoss(torch.nn.Linear(3, 2), _mlm_loss)))
     assert list(inspect.signature(back.forward).parameters) == ["input", "labels"]
     # A module whose signature is unknown keeps TrainModule's own; calling is unchanged either way.
-    lin = fxtrain.TrainModule(torch.nn.Linear(3, 2), fxtrain.Options(fallback="raise"))
+    lin = fxtrain.TrainModule(to_device(torch.nn.Linear(3, 2)), fxtrain.Options(fallback="raise"))
     assert list(inspect.signature(lin.forward).parameters) == ["input"]
-    x = torch.randn(4, 3)
+    x = torch.randn(4, 3, device=current_device())
     torch.testing.assert_close(lin(x), lin.module(x))
     torch.testing.assert_close(lin(input=x), lin.module(x))
 
 
 def test_state_dict_keeps_keys_and_saves_with_safetensors_despite_tied_weights(tmp_path):
     import safetensors.torch
-    model = models.gpt2_lm(hidden=32, layers=1, heads=2, vocab=100, positions=32)
+    model = to_device(models.gpt2_lm(hidden=32, layers=1, heads=2, vocab=100, positions=32))
     tm = fxtrain.TrainModule(model)
     ours, eager = tm.state_dict(), model.state_dict()
     assert list(ours) == list(eager)
@@ -89,7 +90,7 @@ def test_state_dict_keeps_keys_and_saves_with_safetensors_despite_tied_weights(t
     with pytest.raises(RuntimeError, match="share memory"):
         safetensors.torch.save_file(eager, str(tmp_path / "eager.safetensors"))
     safetensors.torch.save_file(ours, str(tmp_path / "tm.safetensors"))   # what HF Trainer does with a wrapper
-    fresh = models.gpt2_lm(hidden=32, layers=1, heads=2, vocab=100, positions=32)
+    fresh = to_device(models.gpt2_lm(hidden=32, layers=1, heads=2, vocab=100, positions=32))
     fresh.load_state_dict(safetensors.torch.load_file(str(tmp_path / "tm.safetensors")), strict=True)
     assert fresh.lm_head.weight is fresh.transformer.wte.weight
     torch.testing.assert_close(fresh.lm_head.weight, model.lm_head.weight, rtol=0, atol=0)
@@ -101,11 +102,12 @@ def test_state_dict_keeps_keys_and_saves_with_safetensors_despite_tied_weights(t
 
 # ------------------------------------------------------------------------------- HF Trainer
 def _trainer_run(out_dir, model, rows, evals, collator, steps=4, resume=None, **overrides):
-    """Trainer with its defaults (column pruning on; checkpoints every 2 steps to test resuming)."""
+    """Trainer with its defaults (column pruning on; checkpoints every 2 steps to test resuming), on the
+    test device (``use_cpu=True`` would move a GPU run's model back to the CPU)."""
     from transformers import Trainer, TrainingArguments
     args = TrainingArguments(output_dir=str(out_dir), per_device_train_batch_size=4, per_device_eval_batch_size=4,
-                             max_steps=steps, logging_steps=1, save_steps=2, report_to="none", use_cpu=True,
-                             seed=0, disable_tqdm=True, **overrides)
+                             max_steps=steps, logging_steps=1, save_steps=2, report_to="none",
+                             use_cpu=current_device().type == "cpu", seed=0, disable_tqdm=True, **overrides)
     trainer = Trainer(model=model, args=args, train_dataset=rows, eval_dataset=evals, data_collator=collator())
     trainer.train(resume_from_checkpoint=resume)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -194,12 +196,13 @@ def test_first_capture_without_cache_says_once_where_the_cache_would_save_it(mon
     import logging
     import fxtrain.module as module
     monkeypatch.setattr(module, "_cache_hint_logged", False)
-    x = torch.randn(4, 3)
+    x = torch.randn(4, 3, device=current_device())
     with caplog.at_level(logging.INFO, logger="fxtrain"):
-        fxtrain.TrainModule(torch.nn.Linear(3, 2), fxtrain.Options(cache_dir=str(tmp_path)))(x).sum().backward()
+        cached = fxtrain.TrainModule(to_device(torch.nn.Linear(3, 2)), fxtrain.Options(cache_dir=str(tmp_path)))
+        cached(x).sum().backward()
         assert not [r for r in caplog.records if "FXTRAIN_CACHE_DIR" in r.getMessage()]   # cache on: no hint
         for _ in range(2):
-            fxtrain.TrainModule(torch.nn.Linear(3, 2))(x).sum().backward()
+            fxtrain.TrainModule(to_device(torch.nn.Linear(3, 2)))(x).sum().backward()
     hints = [r for r in caplog.records if "FXTRAIN_CACHE_DIR" in r.getMessage()]
     assert len(hints) == 1 and hints[0].levelno == logging.INFO
     assert "captured Linear in" in hints[0].getMessage() and "docs/caching.md" in hints[0].getMessage()
@@ -208,7 +211,8 @@ def test_first_capture_without_cache_says_once_where_the_cache_would_save_it(mon
 # ---------------------------------------------------------------- accelerate and peft wrappers
 def _clm_batches():
     g = torch.Generator().manual_seed(0)
-    return [models.synthetic_batch("clm", 4, 16, 100, padding=0.0, label_density=0.5, generator=g) for _ in range(3)]
+    return [models.synthetic_batch("clm", 4, 16, 100, padding=0.0, label_density=0.5, generator=g,
+                                   device=current_device()) for _ in range(3)]
 
 
 def _train_steps(model, batches, backward=None, prepare=None):
@@ -228,7 +232,7 @@ def _train_steps(model, batches, backward=None, prepare=None):
 def test_accelerator_prepare_trains_like_eager():
     from accelerate import Accelerator
     batches = _clm_batches()
-    acc = Accelerator(cpu=True)
+    acc = Accelerator(cpu=current_device().type == "cpu")   # cpu=True: prepare() moves the model to the CPU
     ref, _ = _train_steps(_gpt2(100), batches, acc.backward, acc.prepare)
     tm = fxtrain.TrainModule(_gpt2(100), fxtrain.Options(fallback="raise"))
     got, prepared = _train_steps(tm, batches, acc.backward, acc.prepare)

@@ -52,7 +52,7 @@ def test_op_matches_padded_sdpa(kernel, causal, monkeypatch):
 
 
 def test_op_refuses_lengths_of_another_batch():
-    q = torch.zeros(6, 1, 2)
+    q = torch.zeros(6, 1, 8, device=current_device())   # head dim 8: on CUDA, the one-call route's own check
     with pytest.raises(RuntimeError, match="add up to 5"):
         va.varlen_attention(q, q, q, torch.tensor([2, 3]), 1.0, False)
 
@@ -121,7 +121,7 @@ class _PositionMix(nn.Module):
         h = self.emb(input_ids)
         q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in self.qkv(h).split(h.shape[-1], dim=2))
         q = q * self.table[:s] if self.kind == "table" else q + torch.roll(q, 1, dims=2)
-        keep = attention_mask.bool()[:, None, None, :] & torch.ones(s, s, dtype=torch.bool).tril()
+        keep = attention_mask.bool()[:, None, None, :] & torch.ones(s, s, dtype=torch.bool, device=h.device).tril()
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
         logits = self.head(h + a.transpose(1, 2).reshape(b, s, -1))
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
@@ -293,8 +293,9 @@ def test_profiler_costs_attention_from_the_batch_lengths():
     and nothing is left unknown (before, the op was uncosted and FLOP-ideal ratios overstated)."""
     from fxtrain import profile
     torch.manual_seed(0)
-    model = _PerSequence()
-    x, lengths = torch.randn(21, 8), torch.tensor([9, 5, 5, 2])
+    model = to_device(_PerSequence())
+    x = to_device(torch.randn(21, 8))
+    lengths = torch.tensor([9, 5, 5, 2])   # on the host, as fxtrain makes them
     reports = [profile(model, x, lengths, varlen, optimizations=False, reuse=False) for varlen in (True, False)]
     assert not reports[0].unknown_ops, reports[0].unknown_ops
     matmul = 2 * 21 * 8 * 8

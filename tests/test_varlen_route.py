@@ -7,7 +7,7 @@ CPU it stays per run of equal lengths. Without a GPU these tests check what can 
 - the route chosen for each device type, dtype, head dim and capability;
 - the arguments the op passes (cu_seqlens, max length, causal mask type, scale, layouts, the
   log-sum-exp's layout between forward and backward): the aten kernels are replaced by pure-torch
-  emulators of their documented semantics, checked against the padded reference, on the CPU;
+  emulators of their documented semantics, checked against the padded reference (on the test device);
 - the fake (``register_fake``) shapes against the shapes the real route gives under FakeTensorMode
   on fake CUDA tensors (torch's meta kernels of the aten ops: what the CUDA kernels return).
 
@@ -28,6 +28,10 @@ ON_CUDA = REQUESTED_DEVICE.type == "cuda"
 
 
 # ------------------------------------------------------------------------------ route choice
+ROUTE_CHOICE = pytest.mark.cpu_only(reason="the route chosen for a given device type: no tensors")
+
+
+@ROUTE_CHOICE
 @pytest.mark.parametrize("dtype,capability,expected", [
     (torch.float32, (9, 0), "efficient"),
     (torch.float32, (7, 0), "efficient"),
@@ -42,6 +46,7 @@ def test_route_on_cuda(dtype, capability, expected):
     assert va.route("cuda", dtype, 64, capability) == expected
 
 
+@ROUTE_CHOICE
 def test_route_elsewhere():
     """The CPU keeps the per-run route with its log-sum-exp kernel (faster there: no varlen kernel);
     odd head dims, ROCm and unknown devices take the generic per-run route."""
@@ -74,7 +79,7 @@ def _scores(q, k, causal, scale):
 
 
 def _forward(q, k, v, spans, causal, scale):
-    out, lses = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype), []
+    out, lses = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device), []
     for s, e in spans:
         sc = _scores(q[s:e], k[s:e], causal, scale)
         lse = sc.logsumexp(-1)                                        # [heads, n]
@@ -116,7 +121,7 @@ class _Emulated:
         spans = _spans(cu_q, q.shape[1])
         assert max_q == max_k == max(e - s for s, e in spans)
         out, lses = _forward(q[0], k[0], v[0], spans, mask_type == 1, scale)
-        lse = torch.full((len(spans), q.shape[2], math.ceil(max_q / 32) * 32), float("nan"))
+        lse = torch.full((len(spans), q.shape[2], math.ceil(max_q / 32) * 32), float("nan"), device=q.device)
         for i, l_ in enumerate(lses):
             lse[i, :, :l_.shape[1]] = l_
         self.mask_type = mask_type
@@ -151,7 +156,7 @@ class _Emulated:
 @pytest.mark.parametrize("kind", va.VARLEN_ROUTES)
 @pytest.mark.parametrize("causal", [False, True])
 def test_route_arguments_against_emulated_kernels(kind, causal, monkeypatch):
-    """The one-call route, its kernels emulated on the CPU: values and gradients equal SDPA over the
+    """The one-call route, its kernels emulated in plain torch: values and gradients equal SDPA over the
     padded layout; empty sequences never reach the kernel; one call per direction; the efficient
     kernel gets mask type 1 (causal) or 0."""
     aten = _Emulated()
@@ -160,7 +165,8 @@ def test_route_arguments_against_emulated_kernels(kind, causal, monkeypatch):
     g = torch.Generator().manual_seed(0)
     lengths = [5, 3, 3, 0, 7, 1, 40]   # an empty sequence; 40 pads the efficient lse to 64
     tokens, heads, dim = sum(lengths), 2, 8
-    q, k, v = (torch.randn(tokens, heads, dim, generator=g, dtype=torch.float64).requires_grad_() for _ in range(3))
+    q, k, v = (to_device(torch.randn(tokens, heads, dim, generator=g, dtype=torch.float64)).requires_grad_()
+               for _ in range(3))
     out, lse = va.varlen_attention(q, k, v, torch.tensor(lengths), 0.3, causal)
     expected_lse = (6 * heads * 64,) if kind == "efficient" else (heads, tokens)
     assert tuple(lse.shape) == expected_lse
@@ -168,7 +174,7 @@ def test_route_arguments_against_emulated_kernels(kind, causal, monkeypatch):
     # Wrong arguments (offsets, mask, scale, lse layout) give O(1) errors; the emulator's own
     # rounding (einsum vs the reference's kernels) reaches 2e-7.
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
-    grad = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    grad = torch.randn(out.shape, generator=g, dtype=torch.float64).to(out.device)
     for a, b in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
     assert aten.calls == [f"{kind}_forward", f"{kind}_backward"], aten.calls
@@ -182,7 +188,7 @@ def test_route_with_no_tokens(monkeypatch):
     monkeypatch.setattr(tp, "aten", aten)
     for kind in va.VARLEN_ROUTES:
         monkeypatch.setattr(va, "_route_of", lambda q, v: kind)
-        q = torch.zeros(0, 2, 8, requires_grad=True)
+        q = torch.zeros(0, 2, 8, device=current_device(), requires_grad=True)
         out, lse = va.varlen_attention(q, q, q, torch.tensor([0, 0]), 1.0, True)
         assert out.shape == (0, 2, 8) and lse.shape == ((0,) if kind == "efficient" else (2, 0))
         out.sum().backward()
@@ -190,6 +196,8 @@ def test_route_with_no_tokens(monkeypatch):
 
 
 # ------------------------------------------------------------------------ fake shapes
+@pytest.mark.cpu_only(reason="fake CUDA tensors: torch's meta kernels, the same with or without a GPU "
+                              "(the real ones: test_kernel_route_matches_padded_sdpa)")
 @pytest.mark.parametrize("dtype,kind", [(torch.float32, "efficient"), (torch.float16, "efficient"),
                                         (torch.bfloat16, "flash"), (torch.float16, "flash")])
 @pytest.mark.parametrize("causal", [False, True])
@@ -282,7 +290,7 @@ def test_kernel_launches_do_not_grow_with_sequences(dtype):
 def test_capture_with_the_one_call_route(kind, monkeypatch):
     """A whole capture (fake tracing with the route's fakes: the efficient lse's unbacked size
     through partitioning and saving for the backward) and training steps on the one-call route,
-    its kernels emulated on the CPU: eager's loss, gradients and weights, and the backward met."""
+    its kernels emulated in plain torch: eager's loss, gradients and weights, and the backward met."""
     from fxtrain import models
     from utils import train_left_padded_gpt2, wrap_pair
     aten = _Emulated()

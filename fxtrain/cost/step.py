@@ -21,6 +21,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
+from .. import torch_private as tp
+
 OptimizerSpec = Union[None, str, type, torch.optim.Optimizer, Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]]
 
 _BY_NAME: Dict[str, Callable[..., torch.optim.Optimizer]] = {
@@ -135,10 +137,26 @@ def optimizer_over(spec: OptimizerSpec, params: List[torch.Tensor],
     if spec is None or not params:
         return None
     if isinstance(spec, torch.optim.Optimizer):
-        return _rebuild(spec, mapping if mapping is not None else params)
+        return _implementation_of_real_parameters(_rebuild(spec, mapping if mapping is not None else params))
     factory = optimizer_factory(spec)
     assert factory is not None
-    return factory(params)
+    return _implementation_of_real_parameters(factory(params))
+
+
+def _implementation_of_real_parameters(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Each group that leaves ``foreach`` to torch gets the choice torch makes for real parameters.
+
+    Torch picks the multi-tensor step for plain parameters on the devices with foreach kernels (a
+    GPU) and never for fake tensors (their type is not a plain tensor's), so over fake copies the
+    costed step would loop tensor by tensor where the user's runs foreach, whose temporaries are
+    larger: 7% of a BERT-tiny step's peak when a CPU run was made to choose as a GPU does. On the CPU
+    both choose the loop, as before."""
+    devices = set(tp.foreach_kernel_devices())
+    for group in optimizer.param_groups:
+        if ("foreach" in group and group["foreach"] is None and not group.get("fused")
+                and not group.get("differentiable")):
+            group["foreach"] = all(p.device.type in devices for p in group["params"])
+    return optimizer
 
 
 def warm_optimizer_state(optimizer: Optional[torch.optim.Optimizer], params: List[torch.Tensor]) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import logging
 import os
@@ -40,6 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", default=None,
                    help="on-disk cache of captured graphs (as Options.cache_dir / FXTRAIN_CACHE_DIR): a later run "
                         "of the same model, inputs and options loads the graphs instead of capturing")
+    p.add_argument("--device", default="cpu",
+                   help="built-in models: the device the step is costed for (cuda, ...; default cpu): its kernels "
+                        "and FLOPs, the launch model's rates. The weights stay on the meta device; only the "
+                        "sample batch the capture reads is made there. A factory's model and inputs keep their own")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -73,6 +78,17 @@ def run(args: argparse.Namespace) -> int:
     from .inputs import fake_inputs
 
     optimizations = not args.no_optimizations
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        raise ValueError(f"--device {args.device}: {e}") from None
+    if device.type == "meta":
+        raise ValueError("--device meta: the step is costed without allocating anyway; name the device it runs on")
+    if args.model in PRESETS:
+        try:
+            torch.empty(0, device=device)
+        except (RuntimeError, AssertionError) as e:   # a torch without CUDA asserts
+            raise ValueError(f"--device {args.device}: {str(e).strip().splitlines()[0]}") from None
     stages = 3 + 2 * bool(args.budget) + bool(args.plot)
     with tqdm(total=stages, disable=args.no_progress, desc="build model", leave=False) as bar:
         if args.model in PRESETS:
@@ -83,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
             if optimizations:
                 first = min(args.batch, args.sample_batch)
                 call_kwargs: Dict[str, Any] = preset_batch(args.model, first, args.seq, padding=args.padding,
-                                                           label_density=args.label_density)
+                                                           label_density=args.label_density, device=device)
             else:
                 sample = preset_batch(args.model, 1, args.seq)
                 call_kwargs = fake_inputs(**{k: ((args.batch,) + tuple(v.shape[1:]), v.dtype) for k, v in sample.items()})
@@ -95,8 +111,12 @@ def run(args: argparse.Namespace) -> int:
         bar.update(1)
         bar.set_description("capture and fake step" if optimizations else "fake step")
         options = Options(cache_dir=args.cache_dir) if args.cache_dir else None
-        report = profile(model, *call_args, optimizer=args.optimizer, optimizations=optimizations,
-                         options=options, keep_outputs=args.keep_outputs, **call_kwargs)
+        # Meta weights with shapes-only (meta) inputs are costed on torch's default device; with a
+        # sample batch, on the batch's device (no device mode then: dynamo captures under none).
+        shapes_only = args.model in PRESETS and not optimizations and device.type != "cpu"
+        with torch.device(device) if shapes_only else contextlib.nullcontext():
+            report = profile(model, *call_args, optimizer=args.optimizer, optimizations=optimizations,
+                             options=options, keep_outputs=args.keep_outputs, **call_kwargs)
         bar.update(1)
         bar.set_description(f"scale to batch {args.batch}")
         if report.batch is not None and report.batch != args.batch and args.model in PRESETS:
