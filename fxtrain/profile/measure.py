@@ -2,9 +2,9 @@
 
 It counts the same on every device: the CPU has no caching allocator whose statistics could be
 read, and a GPU's (``torch.cuda.max_memory_allocated``) adds its rounding and caching, which the
-profiler does not cost. So the peak is counted the way the allocator sees tensors: every storage an op returns is registered (weak reference, freed when
-the storage dies), as are the tensors alive when the step starts (parameters, buffers, optimizer
-state, the batch). A Python custom op (a PythonOp) runs its implementation with the counter still
+profiler does not cost. So the peak is counted the way the allocator sees tensors: every storage an
+op returns is registered (weak reference, freed when the storage dies), as are the tensors alive
+when the step starts (parameters, buffers, optimizer state, the batch). A Python custom op (a PythonOp) runs its implementation with the counter still
 active, so the allocations of the user's own forward and backward inside it are seen too; torch's
 ``MemTracker`` stops at the op boundary and misses them.
 """
