@@ -392,8 +392,10 @@ def test_report_outputs(tmp_path):
     data = json.loads(report.to_json())
     assert data["flops_forward"] == report.flops_forward and data["peak_memory_bytes"] == report.peak_memory_bytes
     assert set(data["by_module"]) >= {"fc1", "fc2", "fc3"}
+    assert torch.device(data["device"]).type == current_device().type   # what the step is costed for
     text = str(report)
     assert "peak memory" in text and "fc2" in text and "FLOPs forward" in text
+    assert [line.split()[1] for line in text.splitlines() if line.startswith("device ")] == [data["device"]]
     import matplotlib  # noqa: F401  (a pinned dependency: its absence is a failure, not a skip)
     path = report.plot(str(tmp_path / "p.png"))
     with open(path, "rb") as f:
@@ -498,6 +500,9 @@ def test_cli_builtin_model_table(capsys):
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "LlamaForCausalLM" not in out and "llama-tiny" in out
+    # shapes-only inputs on meta weights: costed for the device named, as the report says
+    assert [torch.device(line.split()[1]).type for line in out.splitlines() if line.startswith("device ")] == \
+        [current_device().type]
     assert "model.layers" in out and "peak memory" in out and "unknown ops" in out
 
 

@@ -62,6 +62,7 @@ class ProfileReport:
     batch: Optional[int]
     optimizations: bool
     optimizer: Optional[str]
+    device: str   # the step is costed for this device's kernels, optimizer step and launch rates
     flops_forward: int
     flops_backward: int
     peak_memory_bytes: int
@@ -139,6 +140,7 @@ class ProfileReport:
         head = [
             ["model", self.model],
             ["batch", "-" if self.batch is None else f"{self.batch:,}"],
+            ["device", self.device],
             ["optimizations", "on (fxtrain's graph)" if self.optimizations else "off (eager PyTorch)"],
             ["optimizer", self.optimizer or "none"],
             ["parameters", f"{self.parameters:,} ({human_bytes(self.parameter_bytes)})"],
@@ -324,6 +326,7 @@ def build_report(session: Session, cost: StepCost, model_name: str, batch: Optio
     info = session.tm.capture_info() if session.tm is not None else None
     return ProfileReport(
         model=model_name, batch=batch, optimizations=session.optimizations, optimizer=optimizer,
+        device=str(session.device),
         flops_forward=tr.flops.get("forward", 0), flops_backward=tr.flops.get("backward", 0),
         peak_memory_bytes=tr.peak, saved_for_backward_bytes=sum(tr.saved.values()),
         parameters=sum(p.numel() for p in params.values()),
