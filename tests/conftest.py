@@ -133,6 +133,22 @@ def pytest_addoption(parser):
         help="on a machine without FXTRAIN_TEST_DEVICE's device (default cuda when unset): fail every test not "
              "marked cpu_only that passes (it never put its model or batches on the test device), pass those that "
              "fail for the missing device, skip the cpu_only ones (docs/architecture.md, the suite)")
+    parser.addoption(
+        "--failure-log", metavar="PATH",
+        help="append each failure's traceback to PATH as the test ends: a run that a timeout kills before "
+             "pytest's summary (bench/gpu_report.sh on a lent GPU) still says why each test failed")
+
+
+def pytest_runtest_logreport(report):
+    """``--failure-log``: written by the controller (the process that prints the summary), not by
+    pytest-xdist's workers, so each failure is there once, in the order the results came in."""
+    if _FAILURE_LOG is None or not report.failed or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    text = report.longreprtext
+    if len(text) > 8000:   # the end of a traceback says what failed; its start, where
+        text = text[:2000] + "\n[...]\n" + text[-6000:]
+    with open(_FAILURE_LOG, "a") as log:
+        log.write(f"===== {report.nodeid} ({report.when})\n{text}\n\n")
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -218,7 +234,12 @@ def pytest_runtest_makereport(item, call):
                            "@pytest.mark.cpu_only(reason=...).")
 
 
+_FAILURE_LOG = None   # --failure-log
+
+
 def pytest_configure(config):
+    global _FAILURE_LOG
+    _FAILURE_LOG = config.getoption("--failure-log")
     if config.getoption("--device-audit"):
         _start_device_audit()
     config.addinivalue_line(

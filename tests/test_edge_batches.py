@@ -63,7 +63,7 @@ def test_all_ignored_labels_after_a_dense_capture_give_eagers_zero_gradients():
     torch.manual_seed(0)
     tm, ref = _pair(_Head(), executor="eager")
     _step_both(tm, ref, {"x": torch.randn(8, 16), "y": torch.randint(0, 300, (8,))}, loss_of=lambda o: o)
-    x, y = torch.randn(8, 16), torch.full((8,), -100)
+    x, y = to_device((torch.randn(8, 16), torch.full((8,), -100)))
     out = tm(x, y)
     out.backward()
     ref(x, y).backward()

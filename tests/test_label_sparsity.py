@@ -158,6 +158,7 @@ def test_sum_reduction_custom_ignore_index_and_empty_batch():
     ids = torch.randint(0, 50, (3, 7))
     labels = torch.where(torch.rand(3, 7) < 0.2, ids, torch.full_like(ids, -1))
     labels[0, 0] = 5
+    ids, labels = to_device((ids, labels))
     for lab in (labels, torch.full_like(labels, -1)):  # the second batch has no label at all: loss 0
         for p in list(tm.parameters()) + list(ref.parameters()):
             p.grad = None

@@ -15,7 +15,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 import fxtrain
 from fxtrain.capture import pipeline
 from fxtrain.capture.pipeline import CaptureContext, rewrite
-from fxtrain.cost.launches import launch_bound, rates_for
+from fxtrain.cost.launches import DeviceRates, StepLoad, launch_bound, rates_for
 from fxtrain.graph_walk import ancestors
 from fxtrain.passes import ExampleSource, Plans, run_passes
 from fxtrain.passes.batch_guard import GuardBuilder, counted_index
@@ -284,8 +284,9 @@ def test_a_pass_whose_launches_cost_more_than_it_skips_is_off_on_an_accelerator(
     plain = _traced(encoder, inputs)
     gm, rewritten = _rewritten(encoder, inputs, rates_for("cuda"))
     for name in ("label_sparsity", "padding_elimination"):
-        assert rewritten.reports[name].startswith("off: on cuda its "), rewritten.reports
-        assert "extra kernel launches per step" in rewritten.reports[name]
+        assert rewritten.reports[name].startswith("off: on cuda the step is bound by the host's launches: its "), \
+            rewritten.reports
+        assert "extra forward kernel op(s) add ~" in rewritten.reports[name]
     assert [n.target for n in gm.graph.nodes] == [n.target for n in plain.graph.nodes]
     assert rewritten.plans == Plans() and rewritten.dense_graph is None
     torch.testing.assert_close(gm(*inputs.values())[0], plain(*inputs.values())[0])
@@ -297,26 +298,48 @@ def test_a_pass_whose_launches_cost_more_than_it_skips_is_off_on_an_accelerator(
     # Asked for by option: kept whatever it costs.
     _, forced = _rewritten(encoder, inputs, rates_for("cuda"), padding_elimination="on")
     assert forced.reports["padding_elimination"].startswith("on: forced on"), forced.reports
-    assert forced.reports["label_sparsity"].startswith("off: on cuda"), forced.reports
+    assert forced.reports["label_sparsity"].startswith("off: on cuda the step"), forced.reports
 
 
 def test_the_launch_cost_is_weighed_at_the_precision_the_flops_run_in():
-    """Label sparsity on a 8192-class head skips ~3.6 GFLOP per step: worth 10 launches in float32
-    (~270 µs at 40 TFLOP/s) but not in bfloat16 (~27 µs at 400)."""
-    _, fp32 = _rewritten(wide_head, _wide_head_inputs(torch.float32), rates_for("cuda"))
+    """The rate is the one of the graph's largest contraction's dtype. Label sparsity on an
+    8192-class head over 1024 rows: the dense step's 4.3 GFLOP of forward contractions take the
+    device ~13 ms at 1 TFLOP/s (float32 here), far longer than the host's launches: it pays; at
+    1000 TFLOP/s (16-bit here) they take ~13 µs, and the ops it adds cost the host more than that."""
+    rates = DeviceRates("cuda", host_per_op={"float32": 1e-6, "16-bit": 1e-6}, host_per_added_op=20e-6,
+                        flops_per_second={"float32": 1e12, "tf32": 1e12, "16-bit": 1e15})
+    _, fp32 = _rewritten(wide_head, _wide_head_inputs(torch.float32), rates)
     assert fp32.reports["label_sparsity"].startswith("on: label density"), fp32.reports
-    _, bf16 = _rewritten(wide_head, _wide_head_inputs(torch.bfloat16), rates_for("cuda"))
-    assert bf16.reports["label_sparsity"].startswith("off: on cuda its "), bf16.reports
-    assert "bfloat16" in bf16.reports["label_sparsity"]
+    _, bf16 = _rewritten(wide_head, _wide_head_inputs(torch.bfloat16), rates)
+    assert bf16.reports["label_sparsity"].startswith("off: on cuda the step "), bf16.reports
+    assert "(1000 TFLOP/s, bfloat16)" in bf16.reports["label_sparsity"], bf16.reports
 
 
 @pytest.mark.cpu_only(reason="the launch model's arithmetic: no tensors")
 def test_launch_bound_decides_only_where_it_knows():
     cuda = rates_for("cuda")
-    assert rates_for("cpu") is None and launch_bound(1, 100, None, torch.float32) is None
-    assert launch_bound(None, 100, cuda, torch.float32) is None        # a density computed in the graph
-    assert launch_bound(1, 0, cuda, torch.float32) is None             # no kernel added
-    assert launch_bound(10 ** 12, 5, cuda, torch.float32) is None      # 3 TFLOP skipped: pays
-    why = launch_bound(10 ** 6, 5, cuda, torch.float16)
-    assert why.startswith("on cuda its 10 extra kernel launches per step (~80 µs"), why
-    assert rates_for("xpu").name == "xpu"   # any accelerator: the same host-launch model
+    step = StepLoad(kernels=100, flops=10 ** 9)
+    assert rates_for("cpu") is None and launch_bound(1, 100, step, None, torch.float32) is None
+    assert launch_bound(None, 100, step, cuda, torch.float32) is None        # a density computed in the graph
+    assert launch_bound(1, 0, step, cuda, torch.float32) is None             # no kernel added
+    assert launch_bound(10 ** 9, 5, None, cuda, torch.float32) is None       # the dense step unknown
+    assert rates_for("xpu").name == "xpu"   # any accelerator: the same model
+
+
+@pytest.mark.cpu_only(reason="the launch model's arithmetic: no tensors")
+def test_a_pass_pays_only_where_it_shortens_the_longer_of_host_and_device():
+    """The step takes the longer of its host time (ops) and its device time (FLOPs). Host-bound,
+    a pass that adds ops never pays, however much it skips; device-bound, it pays until the host
+    becomes the bound. At the H200's rates (cost/launches.py: 93 µs a float32 op, 233 µs an added
+    one, 40 TFLOP/s float32, 220 16-bit)."""
+    cuda = rates_for("cuda")
+    demo = StepLoad(kernels=87, flops=46 * 10 ** 9)     # the demo: host ~8.1 ms, device ~3.4 ms
+    why = launch_bound(40 * 10 ** 9, 5, demo, cuda, torch.float32)
+    assert why.startswith("on cuda the step is bound by the host's launches: its 5 extra forward kernel op(s) "
+                          "add ~1.2 ms of host time to the step's ~8.1 ms; the 120 GFLOP it skips in forward and "
+                          "backward save ~3 ms of the device's ~3.4 ms (40 TFLOP/s, float32): ~9.3 ms per step "
+                          "against ~8.1 ms"), why
+    base = StepLoad(kernels=215, flops=3880 * 10 ** 9)  # BERT-base 32x512: host ~32 ms, device ~53 ms (bf16)
+    assert launch_bound(817 * 10 ** 9, 5, base, cuda, torch.bfloat16) is None          # ~42 ms after
+    assert launch_bound(10 ** 9, 5, base, cuda, torch.bfloat16) is None                # still device-bound
+    assert launch_bound(3000 * 10 ** 9, 100, base, cuda, torch.bfloat16) is not None   # host ~55 ms after

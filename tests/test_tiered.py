@@ -385,8 +385,13 @@ def test_the_worker_and_the_loader_use_the_graphs_device(monkeypatch):
     import fxtrain.runtime.tiered as tiered
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
+    # Traced on the CPU, then moved: a fake tensor made on "cuda:1" touches that device where CUDA
+    # is available (torch 2.11's FakeTensor initialises its GPU context: no such device on one GPU).
     with FakeTensorMode():
-        on_gpu = make_fx(lambda t: (t * 2,))(torch.empty(2, 3, device="cuda:1"))
+        on_gpu = make_fx(lambda t: (t * 2,))(torch.empty(2, 3))
+    for node in on_gpu.graph.nodes:
+        if node.op == "placeholder":
+            node.meta["val"].fake_device = torch.device("cuda", 1)
     on_cpu = make_fx(lambda t: (t * 2,))(torch.empty(2, 3))
     chosen = []
     monkeypatch.setattr(torch.accelerator, "set_device_index", chosen.append)

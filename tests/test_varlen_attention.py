@@ -149,7 +149,7 @@ class _Recorder(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.shapes, self.varlen = [], []
+        self.shapes, self.varlen, self.sequences = [], [], []
 
     @classmethod
     def ignore_compile_internals(cls):
@@ -162,6 +162,8 @@ class _Recorder(TorchDispatchMode):
             self.shapes.append(tuple(args[0].shape))
         elif name.endswith(("_efficient_attention_forward", "_flash_attention_forward")):
             self.varlen.append(tuple(args[0].shape))   # CUDA: one call over every sequence
+            bounds = args[4 if "efficient" in name else 3].tolist()   # cu_seqlens
+            self.sequences.append([e - s for s, e in zip(bounds, bounds[1:])])
         impl = tp.custom_op_impl_of(func)
         if impl is not None and func.namespace == "fxtrain":
             with self:
@@ -193,6 +195,7 @@ def test_attention_never_runs_over_padding():
     if ours.varlen:   # CUDA's one-call route: one kernel call per layer over the real tokens
         assert not ours.shapes and len(ours.varlen) == 2, (ours.shapes, ours.varlen)
         assert all(s[-3] == sum(lengths) for s in ours.varlen), ours.varlen
+        assert ours.sequences == [[n for n in lengths if n]] * 2, ours.sequences
         return
     assert ours.shapes, "no attention kernel ran"
     assert all(s[2] in lengths and s[2] < 16 for s in ours.shapes), ours.shapes
@@ -295,7 +298,7 @@ def test_profiler_costs_attention_from_the_batch_lengths():
     torch.manual_seed(0)
     model = to_device(_PerSequence())
     x = to_device(torch.randn(21, 8))
-    lengths = torch.tensor([9, 5, 5, 2])   # on the host, as fxtrain makes them
+    lengths = to_device(torch.tensor([9, 5, 5, 2]))   # fxtrain makes them on the host; inputs share a device
     reports = [profile(model, x, lengths, varlen, optimizations=False, reuse=False) for varlen in (True, False)]
     assert not reports[0].unknown_ops, reports[0].unknown_ops
     matmul = 2 * 21 * 8 * 8

@@ -16,8 +16,8 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from .. import torch_private as tp
 from ..options import Options
-from ..cost.launches import DeviceRates, launch_bound, rates_for
-from ..passes import ExampleSource, Plans, contraction_dtype, run_passes
+from ..cost.launches import DeviceRates, StepLoad, launch_bound, rates_for
+from ..passes import ExampleSource, Plans, contraction_dtype, forward_flops, kernel_ops, run_passes
 from ..pythonop.route import drop_unused_subclasses
 from ..runtime.absent_grads import AbsentGradBackward
 from ..runtime.executors import Executor
@@ -108,7 +108,7 @@ def from_worker(rewritten: Rewritten, answer: bytes,
         if fw is not None else None
     backward = backward_of(bw, executor) if bw is not None else None
     if executor.compiles_ahead and backward is not None:
-        backward.compile_full()
+        backward.compile_ahead()
     step = CapturedStep(graph=rewritten.graph, dense_graph=rewritten.dense_graph, plans=rewritten.plans,
                         forward_graph=fw, backward_graph=bw, inference=inference, spec=spec, not_replayable=why,
                         backward_reports=backward_reports, forward_reports=forward_reports,
@@ -126,18 +126,21 @@ def unpartitioned(rewritten: Rewritten) -> CapturedStep:
 
 # ------------------------------------------------------------------------------------- passes
 def rewrite(gm: torch.fx.GraphModule, context: CaptureContext) -> Rewritten:
-    """The forward passes, less those whose added kernels cost more than their saved FLOPs on the
-    graph's device (cost/launches.py): those are turned off and the passes run again on the graph
-    as dynamo traced it, so that the others see the graph they would without them."""
+    """The forward passes, less those that would make the step slower on the graph's device: the
+    host time of the kernel ops they add against the device time of the FLOPs they skip, weighed
+    against the dense step's own ops and FLOPs (cost/launches.py). Those are turned off and the
+    passes run again on the graph as dynamo traced it, so that the others see the graph they would
+    without them."""
     drop_unused_subclasses(gm)
     dense = torch.fx.GraphModule(gm, _copy_graph(gm.graph))
     device_type, dtype = contraction_dtype(dense)
     rates = (None if not context.weigh_launches else
              context.launch_rates if context.launch_rates is not None else rates_for(device_type))
+    load = StepLoad(kernel_ops(dense), forward_flops(dense)) if rates is not None else None
     plans = Plans()
     reports = run_passes(gm, context.examples, context.options, plans)
     off = {name: why for name, r in reports.items() if r.applied and getattr(context.options, name, "on") == "auto"
-           for why in [launch_bound(r.saved_flops, r.added_kernels, rates, dtype)] if why}
+           for why in [launch_bound(r.saved_flops, r.added_kernels, load, rates, dtype)] if why}
     if off:
         gm.graph = _copy_graph(dense.graph)
         plans = Plans()
@@ -212,5 +215,5 @@ def compile_graphs(parts: Partition, executor: Executor) -> Compiled:
     elif parts.backward_graph is not None:
         backward = backward_of(parts.backward_graph, executor)
     if executor.compiles_ahead and backward is not None:
-        backward.compile_full()
+        backward.compile_ahead()
     return Compiled(forward, backward)

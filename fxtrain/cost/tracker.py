@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 import torch
 
 from ..runtime.host_counts import HOST_COUNT
+from ..runtime.varlen_attention import VARLEN_ATTENTION, efficient_outputs
 from ..torch_private import (DynamicOutputShapeException, FakeTensor, FakeTensorMode, TorchDispatchMode,
                              custom_op_impl_of, disable_current_modes, tree_flatten)
 from .marks import current_node
@@ -391,7 +392,12 @@ class CostTracker(TorchDispatchMode):
         if func is HOST_COUNT:
             return self._host_count(args[0])
         if depends_on_values(func):
-            out = func(*args, **kwargs)
+            try:
+                out = func(*args, **kwargs)
+            except DynamicOutputShapeException:   # the CUDA efficient route's log-sum-exp, sized by values
+                if func is not VARLEN_ATTENTION:
+                    raise
+                out = efficient_outputs(args[0], args[2], self._value_list(args[3]), int(args[3].numel()))
             self._account(func, args, kwargs, out, flops=self._value_flops(func, args, kwargs, out))
             return out
         if func is torch.ops.aten._local_scalar_dense.default:

@@ -27,7 +27,7 @@ from .documents import packed_attention
 from .embedding_grad import tied_embedding_grad
 from .label_sparsity import label_sparsity
 from .padding_elimination import padding_elimination
-from .rows import contraction_dtype, kernel_ops
+from .rows import contraction_dtype, forward_flops, kernel_ops
 from .scatter_in_place import scatter_in_place
 from .upstream_slicing import upstream_slicing
 
@@ -103,5 +103,6 @@ def run_passes(gm: torch.fx.GraphModule, examples: ExampleSource, options: Optio
     return reports
 
 
-__all__ = ["BACKWARD_PASSES", "BACKWARD_PASS_OPS", "backward_pass_ops", "contraction_dtype", "run_backward_passes", "DynamoExamples", "ExampleSource",
+__all__ = ["BACKWARD_PASSES", "BACKWARD_PASS_OPS", "backward_pass_ops", "contraction_dtype", "forward_flops",
+           "kernel_ops", "run_backward_passes", "DynamoExamples", "ExampleSource",
            "FORWARD_GRAPH_PASSES", "PASSES", "Pass", "PassReport", "Plans", "RUNS_AFTER", "ordered", "run_passes"]

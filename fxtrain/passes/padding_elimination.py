@@ -167,7 +167,8 @@ def _features_last(gm: torch.fx.GraphModule, start: Node, lead: int, entries: Se
              for d in value(start).shape]
     if not all(isinstance(d, int) for d in shape):
         return False
-    probe = torch.arange(math.prod(shape[:lead]), dtype=torch.float64).view(*shape[:lead], *[1] * (len(shape) - lead))
+    probe = torch.arange(math.prod(shape[:lead]), dtype=torch.float64,   # on the graph's device: see varlen._match
+                         device=value(start).device).view(*shape[:lead], *[1] * (len(shape) - lead))
     env: Dict[Node, Any] = {start: probe.expand(shape).contiguous()}
     needed = ancestors(entries)
     for node in gm.graph.nodes:

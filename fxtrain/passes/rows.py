@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..graph_walk import ancestors, descendants, run_node  # noqa: F401  (the passes import them from here)
-from ..torch_private import NN_GELU, NN_LINEAR, NN_SILU, size_hint
+from ..torch_private import NN_GELU, NN_LINEAR, NN_SDPA, NN_SILU, size_hint
 from ..runtime.host_counts import HOST_COUNT, HOST_DOCUMENT_LENGTHS, HOST_ROW_LENGTHS
 from .row_ops import take_rows
 
@@ -222,6 +222,14 @@ def flops_at_capture(node: Node) -> int:
         a = _tensor(node.args[1])
         return 2 * _numel(out) * size_hint(a.shape[-1]) if a is not None else 0
     return 0
+
+
+def forward_flops(gm: torch.fx.GraphModule) -> int:
+    """Forward FLOPs of dynamo's graph at the capturing batch's sizes: its contractions and its
+    SDPA attentions (``flops_at_capture``, ``attention_flops_at_capture``)."""
+    return sum(flops_at_capture(n) + (attention_flops_at_capture(n) if n.op == "call_function"
+                                      and n.target in (NN_SDPA, F.scaled_dot_product_attention) else 0)
+               for n in gm.graph.nodes)
 
 
 def contraction_dtype(gm: torch.fx.GraphModule) -> Tuple[str, torch.dtype]:

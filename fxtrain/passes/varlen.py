@@ -423,10 +423,13 @@ def _match(gm: torch.fx.GraphModule, sdpa: Node, index: Node, tokens: torch.Tens
         if len(features) != 1 or not isinstance(features[0], int):
             return None, f"its {name} rows are not vectors"
         f = features[0]
-        probe = torch.arange(b * s * f, dtype=torch.float64).view(b * s, f)
+        # On the graph's device: the path may meet outside values there (HF's DynamicLayer cats
+        # onto an empty cache tensor made on the keys' device), which a host probe cannot join.
+        probe = torch.arange(b * s * f, dtype=torch.float64, device=tokens.device).view(b * s, f)
         out = ev.run(put, probe, x)
         if not isinstance(out, torch.Tensor) or out.dim() != 4 or out.shape[0] != b or out.shape[2] != s:
             return None, f"its {name} is not [batch, heads, seq, dim] of the re-padded rows"
+        out = out.cpu()
         per_token = out.transpose(1, 2).long()                     # [b, s, heads, dim]
         position, feature = per_token // f, per_token % f
         where = torch.arange(b * s).view(b, s, 1, 1)
@@ -458,7 +461,8 @@ def _match(gm: torch.fx.GraphModule, sdpa: Node, index: Node, tokens: torch.Tens
             return None, "its output is read outside the gather of real tokens"
         path.append(user)
         node = user
-    probe = torch.arange(b * match.heads * s * match.dim, dtype=torch.float64).view(b, match.heads, s, match.dim)
+    probe = torch.arange(b * match.heads * s * match.dim, dtype=torch.float64,
+                         device=tokens.device).view(b, match.heads, s, match.dim)
     out = ev.run(sdpa, probe, node)
     want = probe.transpose(1, 2).reshape(b * s, match.heads * match.dim)
     if not isinstance(out, torch.Tensor) or out.shape != want.shape or not torch.equal(out, want):

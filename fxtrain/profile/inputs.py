@@ -40,8 +40,9 @@ def fake_inputs(**specs: Tuple[Shape, torch.dtype]) -> Dict[str, torch.Tensor]:
     return out
 
 
-def target_device(model: torch.nn.Module, values: Any) -> torch.device:
-    """The device of the real (or fake) tensors; torch's default device if everything is on meta.
+def target_device(model: torch.nn.Module, values: Any, default: Optional[torch.device] = None) -> torch.device:
+    """The device of the real (or fake) tensors; if everything is on meta, ``default`` (the device a
+    session already costs for: its later shapes-only batches, ``max_batch``'s probes) or torch's.
 
     Fake tensors on the meta device itself are not an option: some ops' autograd is registered per
     backend and would not be differentiated there (nll_loss is one), silently losing backward work.
@@ -51,7 +52,7 @@ def target_device(model: torch.nn.Module, values: Any) -> torch.device:
     devices = {t.device for t in tensors if t.device.type != "meta"}
     if len(devices) > 1:
         raise ValueError(f"fxtrain.profile: model and inputs span several devices {sorted(map(str, devices))}")
-    return devices.pop() if devices else torch.get_default_device()
+    return devices.pop() if devices else (default or torch.get_default_device())
 
 
 def to_fake(t: torch.Tensor, mode: FakeTensorMode, device: torch.device) -> torch.Tensor:

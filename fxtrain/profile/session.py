@@ -165,7 +165,7 @@ class Session:
 
     def run(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], hints: Optional[List[float]] = None,
             keep_outputs: bool = True) -> StepCost:
-        device = target_device(self.model, (args, kwargs))
+        device = target_device(self.model, (args, kwargs), default=self.device)
         if self.device is None:
             self.device = device
             self._make_fakes(device)

@@ -201,6 +201,18 @@ class AbsentGradBackward:
             self._full = self.compile(self.gm)
         return self._full
 
+    def compile_ahead(self) -> None:
+        """Compile, before the first backward, the full backward and the pattern a training loop
+        almost always gives: every output's gradient absent but the one-element ones
+        (``loss.backward()`` on a model that also returns its logits). Other patterns compile when
+        they first occur: an executor that compiles ahead keeps code generation off the training
+        loop's path, and off autograd's device thread, which runs a CUDA backward."""
+        self.compile_full()
+        vals = {i: self.placeholders[i].meta.get("val") for i in self.tangents}
+        absent = tuple(i for i, v in vals.items() if not (isinstance(v, torch.Tensor) and v.numel() == 1))
+        if absent and len(absent) < len(self.tangents):
+            self._variant(absent)
+
     def __call__(self, args: List[Any]) -> Any:
         """Boxed call: the list is handed on and cleared, so values die after their last use."""
         if not self.sources:

@@ -225,19 +225,6 @@ def _saved_outputs(spec: Any, fw: torch.fx.GraphModule) -> List[int]:
     return [i for s in (spec.symints, spec.saved, spec.saved_no_check) for i in range(*s.indices(n))]
 
 
-def loss_only(backward: AbsentGradBackward) -> List[Tuple[int, ...]]:
-    """The absent-gradient patterns to compile ahead besides the full backward: every output's
-    gradient absent but the one-element ones (``loss.backward()`` on a model that also returns its
-    logits). Other patterns run the backward graph op by op when they first occur (no code
-    generation on the training loop's path)."""
-    absent = []
-    for i in backward.tangents:
-        val = backward.placeholders[i].meta.get("val")
-        if not (isinstance(val, torch.Tensor) and val.numel() == 1):
-            absent.append(i)
-    return [tuple(absent)] if absent and len(absent) < len(backward.tangents) else []
-
-
 def _compile_all(fw: torch.fx.GraphModule, bw: Optional[torch.fx.GraphModule], inference: bool,
                  cached_only: bool) -> Tuple[Callable[..., Any], Optional[AbsentGradBackward]]:
     with tp.inductor_eager_random():
@@ -245,9 +232,7 @@ def _compile_all(fw: torch.fx.GraphModule, bw: Optional[torch.fx.GraphModule], i
         if bw is None:
             return forward, None
         backward = AbsentGradBackward(bw, lambda g: inductor_compile_graph(g, "backward", cached_only=cached_only))
-        backward.compile_full()
-        for absent in loss_only(backward):
-            backward._variant(absent)
+        backward.compile_ahead()
     # A pattern not compiled ahead runs as the eager executor would: generating code for it here
     # would stop the training loop (and rewind the random generator off the main thread).
     backward.compile = lambda g: tp.boxed_copy(g).forward

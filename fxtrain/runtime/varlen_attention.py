@@ -255,6 +255,17 @@ def _varlen_attention_fake(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, sca
     return torch.empty_like(q), lse
 
 
+def efficient_outputs(q: Tensor, v: Tensor, lengths: Optional[List[int]], entries: int) -> Tuple[Tensor, Tensor]:
+    """The ``"efficient"`` route's outputs (empty, like ``q``) for lengths whose values are known:
+    what its fake cannot give where the fake run has no shape environment for the log-sum-exp's
+    unbacked size (the profiler's fake step, cost/tracker.py). ``lengths`` None: the largest it can
+    be, every one of the ``entries`` sequences as long as all the rows."""
+    found = [n for n in lengths if n > 0] if lengths is not None else None
+    count, longest = (len(found), max(found, default=0)) if found is not None else (entries, q.shape[0])
+    lse = q.new_empty((count * q.shape[1] * _efficient_lse_length(longest) if count else 0,), dtype=torch.float32)
+    return q.new_empty((q.shape[0], q.shape[1], v.shape[2])), lse
+
+
 @torch.library.custom_op("fxtrain::varlen_attention_backward", mutates_args=())
 def varlen_attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                               lengths: Tensor, scale: float, causal: bool) -> Tuple[Tensor, Tensor, Tensor]:
