@@ -3,7 +3,7 @@
 # the checks in priority order, each bounded by its own timeout, the report written as it goes so
 # that a run cut short still returns what it finished.
 #   bash bench/gpu_report.sh [OUT]      (OUT defaults to $OUT, then ./out)
-#   SECTIONS="cuda bench worker varlen cpu" (the default: all, in this order) picks sections;
+#   SECTIONS="cuda bench breakdown worker varlen cpu" (the default: all, in this order) picks sections;
 #   WORKLOADS="demo gpu-bert-base-mlm ..." the bench's workloads, AUTOCASTS="none bf16" its dtypes,
 #   MODES the bench's modes (default: eager, torch.compile and fxtrain's three executors).
 # OUT gets two files, rewritten after each section: report.md and gpu_report.tgz (every log, JSON
@@ -31,7 +31,7 @@ if [ ! -e "$BIN/fxtrain" ]; then
 fi
 pack() { cp "$REPORT" "$OUT/report.md"; tar czf "$OUT/gpu_report.tgz" -C "$WORK" .; }
 
-wanted() { [[ " ${SECTIONS:-cuda bench worker varlen cpu} " == *" $1 "* ]]; }
+wanted() { [[ " ${SECTIONS:-cuda bench breakdown worker varlen cpu} " == *" $1 "* ]]; }
 section() { [ -e "$REPORT" ] && pack; printf '\n## %s (%s)\n\n' "$1" "$(date -u +%H:%M:%S)" >> "$REPORT"; echo "=== $1"; }
 tail_of() { printf '```\n%s\n```\n' "$(tail -n "${2:-15}" "$1")" >> "$REPORT"; }
 # Suites run with -v: each test's outcome is a line of the log as it ends, so a run the timeout cuts
@@ -85,7 +85,19 @@ if wanted bench; then
     done
 fi
 
-# 3. The tier's background compile on the GPU: the worker's device and GPU memory (issue 17).
+# 3. Where a GPU-sized step's time goes (bench/step_breakdown.py): device busy share, syncs, and the
+#    kernels that fill the device, torch.compile against fxtrain's compiled step (issue 17: BERT-base
+#    MLM ran ~1.05x torch.compile at 2.6x fewer FLOPs).
+if wanted breakdown; then
+    section "step breakdown: ${BREAKDOWN_WORKLOAD:-gpu-bert-base-mlm}, bf16 autocast"
+    timeout "${BREAKDOWN_S:-200}" $PY bench/step_breakdown.py --workload "${BREAKDOWN_WORKLOAD:-gpu-bert-base-mlm}" \
+        --device cuda --autocast bf16 --modes "${BREAKDOWN_MODES:-compile,fxtrain:inductor}" \
+        --json "$WORK/breakdown.json" > "$WORK/breakdown.log" 2>&1
+    echo "exit $?" >> "$WORK/breakdown.log"
+    cat "$WORK/breakdown.log" >> "$REPORT"
+fi
+
+# 4. The tier's background compile on the GPU: the worker's device and GPU memory (issue 17).
 if wanted worker; then
     section "the compiled tier's worker on the GPU (bench/worker_gpu_memory.py)"
     timeout "${WORKER_S:-90}" $PY bench/worker_gpu_memory.py --json "$WORK/worker_gpu_memory.json" \
@@ -94,7 +106,7 @@ if wanted worker; then
     tail_of "$WORK/worker_gpu_memory.log" 14
 fi
 
-# 4. The CUDA attention routes (one variable-length kernel call per direction: flash for fp16/bf16
+# 5. The CUDA attention routes (one variable-length kernel call per direction: flash for fp16/bf16
 #    on sm80+, memory-efficient for fp32) and the passes that use them: a subset of 1, for a rerun.
 if wanted varlen; then
     section "varlen attention and the passes over it, FXTRAIN_TEST_DEVICE=cuda"
@@ -107,7 +119,7 @@ if wanted varlen; then
     tail_of "$WORK/varlen_cuda.log" 4
 fi
 
-# 5. The suite on this image's torch, CPU device (issue 16: the oldest release, Python 3.12); last, as
+# 6. The suite on this image's torch, CPU device (issue 16: the oldest release, Python 3.12); last, as
 #    CI runs the oldest release on the CPU too.
 if wanted cpu; then
     section "make test's selection, CPU device"

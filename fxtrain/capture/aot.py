@@ -14,7 +14,7 @@ import torch
 import torch.fx
 
 from .. import torch_private as tp
-from ..passes import FORWARD_GRAPH_PASSES, backward_pass_ops, run_backward_passes
+from ..passes import FORWARD_GRAPH_PASSES, JOINT_GRAPH_PASSES, backward_pass_ops, run_backward_passes
 from ..runtime.step import PassReport
 from ..runtime.absent_grads import AbsentGradBackward
 from ..runtime.executors import Executor
@@ -53,6 +53,8 @@ def split(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], executor: Exe
     result = Split()
 
     def partition(joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
+        result.backward_reports.extend(joint_pass(joint) for joint_pass in JOINT_GRAPH_PASSES)
+
         def keep(cut: torch.fx.GraphModule) -> None:
             # The graph the cut sees (inductor rewrites the joint graph first), copied before the
             # cut, which may rewrite it in place: the forward's saved nodes are nodes of this copy.

@@ -634,15 +634,17 @@ class BudgetState:
 
     def graphs(self, k: int) -> Tuple[torch.fx.GraphModule, torch.fx.GraphModule, List[Any]]:
         """(forward, backward, backward-pass reports) of plan ``k`` (0: the baseline)."""
-        from ..passes import FORWARD_GRAPH_PASSES, run_backward_passes
+        from ..passes import FORWARD_GRAPH_PASSES, JOINT_GRAPH_PASSES, run_backward_passes
         if k == 0:
             return self.baseline_graphs[0], self.baseline_graphs[1], self.baseline_reports
         if k not in self._graphs:
             fw, bw = self.planner.graphs(k)
-            # the passes that ran on the baseline's graphs run on the plan's (capture/aot.py)
+            # the passes that ran on the baseline's graphs run on the plan's (capture/aot.py); the
+            # joint graph's ran before the copy the plans cut
             for forward_pass in FORWARD_GRAPH_PASSES:
                 forward_pass(fw)
-            reports = run_backward_passes(bw, self.executor)
+            joint = {p.__name__ for p in JOINT_GRAPH_PASSES}
+            reports = [r for r in self.baseline_reports if r.name in joint] + run_backward_passes(bw, self.executor)
             self._graphs[k] = (fw, bw, reports)
         return self._graphs[k]
 

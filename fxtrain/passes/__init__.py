@@ -26,6 +26,7 @@ from .density import DynamoExamples, ExampleSource
 from .documents import packed_attention
 from .embedding_grad import tied_embedding_grad
 from .label_sparsity import label_sparsity
+from .noop_copies import noop_copies
 from .padding_elimination import padding_elimination
 from .rows import contraction_dtype, forward_flops, kernel_ops
 from .scatter_in_place import scatter_in_place
@@ -64,6 +65,8 @@ def ordered(passes: Sequence[Pass]) -> List[Pass]:
 PASSES: List[Pass] = ordered([label_sparsity, upstream_slicing, padding_elimination, packed_attention])
 BACKWARD_PASSES: List[Callable[[torch.fx.GraphModule], PassReport]] = [cross_entropy_grad, tied_embedding_grad]
 FORWARD_GRAPH_PASSES: List[Callable[[torch.fx.GraphModule], PassReport]] = [scatter_in_place]
+# On the joint graph, before the partitioner: what must hold in both directions at once.
+JOINT_GRAPH_PASSES: List[Callable[[torch.fx.GraphModule], PassReport]] = [noop_copies]
 # The aten ops each backward pass rewrites: a code generator must leave them whole for the pass.
 BACKWARD_PASS_OPS: Dict[str, Tuple[object, ...]] = {"cross_entropy_grad": _ce_grad.OPS, "tied_embedding_grad": _emb_grad.OPS}
 

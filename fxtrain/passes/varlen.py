@@ -157,8 +157,8 @@ def mask_kind(attn_mask: Any, tokens: torch.Tensor) -> Optional[bool]:
 
 class _Match:
     def __init__(self) -> None:
-        # q, k, v: (packed rows, first feature, per-position chain, heads, repeats of each head)
-        self.inputs: List[Tuple[Node, int, Optional[_Chain], int, int]] = []
+        # q, k, v: (packed rows, first feature, row width, per-position chain, heads, repeats of each head)
+        self.inputs: List[Tuple[Node, int, int, Optional[_Chain], int, int]] = []
         self.heads = 0
         self.dim = 0
         self.gather: Optional[Node] = None
@@ -443,7 +443,7 @@ def _match(gm: torch.fx.GraphModule, sdpa: Node, index: Node, tokens: torch.Tens
         match.heads, match.dim = heads * rep, dim
         if chain is not None and not _chain_exact(chain, ev, tokens, heads, dim):
             return None, f"its {name}'s per-position ops differ when run on the packed real tokens"
-        match.inputs.append((put.args[3], first, chain, heads, rep))
+        match.inputs.append((put.args[3], first, f, chain, heads, rep))
         match.dead += repeat + path + [put, zeros]
         if chain is not None:
             match.dead += chain.post + chain.nodes[::-1]
@@ -588,9 +588,10 @@ def attention_on_real_tokens(gm: torch.fx.GraphModule, plans: Plans, kinds: Dict
         scale = float(scale) if scale is not None else match.dim ** -0.5
         with graph.inserting_before(sdpa):
             packed = []
-            for rows, first, chain, heads, rep in match.inputs:
-                x = graph.call_method("unflatten", (graph.call_method("narrow", (rows, 1, first, heads * match.dim)),
-                                                    1, (heads, match.dim)))
+            for rows, first, width, chain, heads, rep in match.inputs:
+                if first or width != heads * match.dim:   # q, k or v is a part of each row (GPT-2's fused c_attn)
+                    rows = graph.call_method("narrow", (rows, 1, first, heads * match.dim))
+                x = graph.call_method("unflatten", (rows, 1, (heads, match.dim)))
                 if chain is not None:
                     x = _chain_on_rows(graph, chain, x, side_rows)
                 if rep > 1:   # grouped-query attention: each key/value head serves rep query heads
