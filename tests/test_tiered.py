@@ -424,3 +424,27 @@ def test_the_graphs_a_killed_process_left_for_its_worker_are_removed(tmp_path, m
         (d / "graphs.in").write_bytes(b"x")
     tiered._sweep_orphans.__wrapped__()
     assert not gone.exists() and alive.exists() and other.exists()
+
+
+@pytest.mark.cpu_only("processes and a temporary directory: no tensors")
+def test_a_worker_whose_parent_died_before_it_started_still_cleans_up(tmp_path):
+    """The worker's parent is known from its command, not from ``os.getppid()`` as it starts: a
+    parent killed first (the worker starts at nice 19, slowly on a busy machine) would otherwise
+    leave it reading its new parent's pid, never orphaned, running its work to the end and leaving
+    its parent's directory behind. Here the launching shell exits at once."""
+    import os
+    import shlex
+    import subprocess
+    import sys
+    from fxtrain.runtime import threads
+    (tmp_path / "slow_work.py").write_text("import time\ntime.sleep(60)\n")
+    owned = tmp_path / "owned"
+    owned.mkdir()
+    (owned / "graphs.in").write_bytes(b"x")
+    cmd = " ".join(shlex.quote(a) for a in threads.worker_command("slow_work", owned=str(owned)))
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    subprocess.run(["sh", "-c", f"{cmd} >/dev/null 2>&1 &"], env=env, check=True, timeout=30)
+    deadline = time.monotonic() + 20
+    while owned.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not owned.exists(), "the orphaned worker kept its parent's directory"

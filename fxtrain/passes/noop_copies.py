@@ -118,7 +118,9 @@ def _whole_slice(node: Node) -> bool:
     dim, start, end, step = (node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
                              for i, (name, default) in enumerate((("dim", 0), ("start", None), ("end", None),
                                                                   ("step", 1)), start=1))
-    if v is None or not isinstance(dim, int) or step != 1 or start not in (0, None):
+    # Plain ints only: comparing a symbolic start or step would guard on it.
+    if v is None or not isinstance(dim, int) or not isinstance(step, int) or step != 1 \
+            or not (start is None or (isinstance(start, int) and start == 0)):
         return False
     size = v.shape[dim]
     return end is None or (isinstance(end, int) and (end >= sys.maxsize or (isinstance(size, int) and end >= size))) \
@@ -128,7 +130,7 @@ def _whole_slice(node: Node) -> bool:
 def _whole_slice_backward(node: Node) -> bool:
     """``slice_backward(grad, sizes, dim, 0, end, 1)`` whose slice was the whole dim: a copy of ``grad``."""
     _, sizes, dim, start, end, step = node.args[:6]
-    return step == 1 and start == 0 and isinstance(dim, int) and \
+    return isinstance(step, int) and step == 1 and isinstance(start, int) and start == 0 and isinstance(dim, int) and \
         ((isinstance(end, int) and end >= sys.maxsize) or _same(end, sizes[dim]))
 
 

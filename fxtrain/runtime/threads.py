@@ -7,6 +7,7 @@ A thread left inside torch's C++ code while the interpreter finalises can end th
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import threading
 import time
@@ -39,11 +40,13 @@ def worker_command(module: str, *args: str, owned: Optional[str] = None) -> List
     pipe that would tell it. An orphaned worker removes the directory ``owned`` (its parent's files
     for it, which the parent's own cleanup would have removed) as it exits, from the watch or after
     finishing its work, and again while it is still there: the work may write its result into it
-    while the watch removes it (one make test-long run of 2026-11-29 found the directory of a killed
-    process's worker left behind; the cause was not confirmed).
+    while the watch removes it. The parent's pid is written into the command, not read by the worker
+    with ``os.getppid()`` as it starts: a parent killed before that (the worker starts at nice 19,
+    slowly on a busy machine) would leave the worker reading its new parent's pid, never orphaned,
+    and the directory behind once its compile ended (two make test-long runs on 2026-11-29 found it).
     ``sys.argv[1:]`` are ``args``, as with ``-m``."""
     start = (f"import os, runpy, shutil, threading, time\nif hasattr(os, 'nice'):\n    os.nice(19)\n"
-             f"parent = os.getppid()\n"
+             f"parent = {os.getpid()}\n"
              f"def _orphaned():\n"
              f"    if os.getppid() == parent:\n        return False\n"
              f"    for _ in range(5 if {owned!r} else 0):\n"
