@@ -143,10 +143,10 @@ def _cast_key(node: Node) -> Optional[Tuple[Any, ...]]:
     return key
 
 
-def _drop(gm: torch.fx.GraphModule, name: str) -> PassReport:
+def noop_copies(joint: torch.fx.GraphModule) -> PassReport:
     """On the joint graph, before the partitioner: the forward's outputs there are the caller's and
     the gradients, never the saved values, and merged casts are saved once."""
-    graph = gm.graph
+    graph = joint.graph
     written = _written(graph)
     returned, outputs = _outputs(graph)
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -190,15 +190,11 @@ def _drop(gm: torch.fx.GraphModule, name: str) -> PassReport:
             elif not alive:
                 first_cast[key] = node
     if not doomed:
-        return PassReport(name, False, "no copy eager does not make")
+        return PassReport(NAME, False, "no copy eager does not make")
     for node in reversed(doomed):
         graph.erase_node(node)
     graph.lint()
-    gm.recompile()
+    joint.recompile()
     said = [f"{counts['clone']} copies of unwritten tensors", f"{counts['slice']} whole-tensor slices",
             f"{counts['cast']} repeated casts", f"{counts['detach']} detaches"]
-    return PassReport(name, True, "dropped " + ", ".join(s for s in said if not s.startswith("0 ")))
-
-
-def noop_copies(joint: torch.fx.GraphModule) -> PassReport:
-    return _drop(joint, NAME)
+    return PassReport(NAME, True, "dropped " + ", ".join(s for s in said if not s.startswith("0 ")))
