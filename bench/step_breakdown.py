@@ -28,7 +28,7 @@ import torch
 
 from fxtrain import bench, models
 
-SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy ")
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")   # and a plain cudaMemcpy
 
 
 def _busy(intervals: List[Tuple[float, float]]) -> float:
@@ -55,7 +55,7 @@ def _profile(fn: Any, opt: Any, batches: List[Dict[str, Any]], device: torch.dev
     events = prof.events()
     if on_gpu:
         work = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-        syncs = sum(1 for e in events if e.name.startswith(SYNCS))
+        syncs = sum(1 for e in events if e.name.startswith(SYNCS) or e.name == "cudaMemcpy")
     else:   # CPU ops that no other aten op called: the work a device would run
         work = [e for e in events if e.name.startswith("aten::")
                 and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::"))]
