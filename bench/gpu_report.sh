@@ -91,7 +91,7 @@ fi
 if wanted breakdown; then
     section "step breakdown: ${BREAKDOWN_WORKLOAD:-gpu-bert-base-mlm}, bf16 autocast"
     timeout "${BREAKDOWN_S:-200}" $PY bench/step_breakdown.py --workload "${BREAKDOWN_WORKLOAD:-gpu-bert-base-mlm}" \
-        --device cuda --autocast bf16 --modes "${BREAKDOWN_MODES:-compile,fxtrain:inductor}" \
+        --device cuda --autocast bf16 --modes "${BREAKDOWN_MODES:-eager,dynamo,compile,fxtrain:inductor}" \
         --json "$WORK/breakdown.json" > "$WORK/breakdown.log" 2>&1
     echo "exit $?" >> "$WORK/breakdown.log"
     cat "$WORK/breakdown.log" >> "$REPORT"

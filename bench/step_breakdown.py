@@ -9,6 +9,10 @@ on the host (launches, Python, synchronisations) or on the device, nor which ker
 device. This runs each mode's warm-up steps (``fxtrain:auto`` until its tier has compiled), then
 ``--steps`` steps under ``torch.profiler``, and prints per mode:
 
+- the first step's wall time (capture or compilation; the modes run one after another in one
+  process, so the first mode's also pays the process's lazy initialisation): with ``eager`` and
+  ``dynamo`` (torch.compile's trace alone, bench.py) beside fxtrain's, it says how much of a slow
+  first step is dynamo's trace, which every capture pays, and how much fxtrain's own work;
 - step wall time, device busy time (the union of the kernels' intervals), and its share of the wall;
 - device-to-host synchronisations (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, blocking
   ``cudaMemcpy``) per step: each one drains the launch queue;
@@ -92,23 +96,25 @@ def main() -> int:
         model = copy.deepcopy(base)
         fn, opt = bench._wrap(mode, model), bench._optimizer(model, config.lr)
         started = time.perf_counter()
-        for b in batches[:1 + args.warmup]:
+        for i, b in enumerate(batches[:1 + args.warmup]):
             bench._step(fn, opt, b, args.autocast)
+            if i == 0:
+                first = time.perf_counter() - started
         if mode == "fxtrain:auto":
             bench.tier_ran(fn, wait=True)
             bench._step(fn, opt, batches[0], args.autocast)
         warm = time.perf_counter() - started
         results[mode] = _profile(fn, opt, batches[1 + args.warmup:], device, args.autocast)
-        results[mode]["warmup_s"] = warm
+        results[mode]["warmup_s"], results[mode]["first_step_s"] = warm, first
         del fn, opt, model
     unit = "kernel" if device.type == "cuda" else "CPU op"
     print(f"# step breakdown: {args.workload} on {args.device}, autocast {args.autocast or 'none'}, "
           f"{args.steps} profiled steps (the profiler slows the host: compare modes, not with the bench)\n")
-    print("| mode | wall ms/step | device busy ms/step | busy share | launches/step | syncs/step |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| mode | first step s | wall ms/step | device busy ms/step | busy share | launches/step | syncs/step |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for mode, r in results.items():
-        print(f"| {mode} | {r['wall_ms']:.2f} | {r['busy_ms']:.2f} | {r['busy_ms'] / r['wall_ms']:.0%} "
-              f"| {r['launches_per_step']:.0f} | {r['syncs_per_step']:.0f} |")
+        print(f"| {mode} | {r['first_step_s']:.2f} | {r['wall_ms']:.2f} | {r['busy_ms']:.2f} "
+              f"| {r['busy_ms'] / r['wall_ms']:.0%} | {r['launches_per_step']:.0f} | {r['syncs_per_step']:.0f} |")
     for mode, r in results.items():
         print(f"\n## {mode}: the {args.top} {unit}s with most time per step\n")
         print(f"| {unit} | per step | ms/step |")

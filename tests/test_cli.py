@@ -19,14 +19,14 @@ def test_bench_json_has_every_mode_with_parity(tmp_path, capsys):
     """A named workload's settings, overridden by explicit flags (model and sizes here), and the
     FLOP-ideal ratio, costed by the profiler on the first batch."""
     out = tmp_path / "bench.json"
-    assert cli.main(["bench", "--workload", "distilbert-mlm", *TINY, "--modes", "eager,fxtrain,fxtrain:eager",
+    assert cli.main(["bench", "--workload", "distilbert-mlm", *TINY, "--modes", "eager,fxtrain,fxtrain:eager,dynamo",
                      "--flop-ideal", "--device", str(current_device()), "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert (data["config"]["model"], data["config"]["batch"], data["config"]["padding"],
             data["config"]["label_density"]) == ("bert-tiny", 4, 0.5, 0.15)
     # Half the tokens are padding and 15% carry labels: fxtrain's step costs well under eager's.
     assert 1.3 < data["flop_ideal"] < 20, data["flop_ideal"]
-    assert set(data["modes"]) == {"eager", "fxtrain", "fxtrain:eager"}
+    assert set(data["modes"]) == {"eager", "fxtrain", "fxtrain:eager", "dynamo"}
     for name, m in data["modes"].items():
         assert len(m["step_s"]) == 2 and all(t > 0 for t in m["step_s"]) and m["first_step_s"] > 0
         assert len(m["losses"]) == 3
@@ -34,7 +34,7 @@ def test_bench_json_has_every_mode_with_parity(tmp_path, capsys):
         assert m["ops_per_step"] > 0 and (m["kernels_per_step"] is None) == (current_device().type != "cuda"), name
         if name == "fxtrain":   # the default executor, "auto": two steps run on the eager executor
             assert m["tier"].startswith("eager") and m["tiers"], (name, m["tier"], m["tiers"])
-        else:                   # no tiers with executor="eager", nor for PyTorch eager
+        else:                   # no tiers with executor="eager", nor for PyTorch eager or dynamo
             assert m["tier"] == "-" and m["tiers"] == [], name
     assert 0.4 < data["densities"]["padding"] < 0.7
     printed = capsys.readouterr().out
