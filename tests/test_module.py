@@ -406,11 +406,22 @@ def test_absent_gradient_specialisation_removes_the_add():
 
 # ----------------------------------------------------------------------------------- inductor
 def test_inductor_executor_matches_eager():
+    """The model returns its loss and its logits; the loop differentiates the loss. The executor
+    compiles at capture the backward the loop runs (the logits' gradient absent) and not the full
+    one, which compiles when a backward first needs it and gives eager's gradients then too."""
     torch.manual_seed(0)
     tm, ref = wrap_pair(MLP(), executor="inductor")
     batches = [dict(x=torch.randn(b, 8), y=torch.randint(0, 4, (b,))) for b in (4, 6)]
     train_parity(tm, ref, batches, lambda out, _: out[0])
     assert tm.capture_info().executor == "inductor"
+    runners = [r.backward_runner for r in tm.capture_info().records]
+    assert runners and all(len(r.variants) == 1 and r._full is None for r in runners)
+    x, y = to_device((torch.randn(6, 8), torch.randint(0, 4, (6,))))
+    for model in (tm, ref):
+        loss, logits = model(x, y)
+        (loss + logits.square().mean()).backward()
+    assert_grads_equal(tm.module, ref, atol=1e-5)
+    assert any(r.backward_runner._full is not None for r in tm.capture_info().records)
 
 
 def test_backend_failure_falls_back_with_root_cause(monkeypatch):
