@@ -424,6 +424,42 @@ def test_inductor_executor_matches_eager():
     assert any(r.backward_runner._full is not None for r in tm.capture_info().records)
 
 
+@pytest.mark.cpu_only("graph surgery on a hand-built backward graph: no device involved")
+def test_compile_ahead_compiles_the_pattern_the_loop_will_run():
+    """A backward taking a loss's gradient and an output's: compiled ahead, the loss-only pattern
+    and nothing else; where absent gradients arrive as zeros (``accepts_none`` off: the loop can only
+    run the full graph), the full graph only."""
+    from fxtrain.runtime.absent_grads import AbsentGradBackward
+    g = torch.fx.Graph()
+    saved, loss_grad, out_grad = g.placeholder("saved"), g.placeholder("tangents_1"), g.placeholder("tangents_2")
+    for node, shape in ((saved, (3, 4)), (loss_grad, ()), (out_grad, (3, 4))):
+        node.meta["val"] = torch.empty(shape)
+    scaled = g.call_function(torch.ops.aten.mul.Tensor, (saved, loss_grad))
+    total = g.call_function(torch.ops.aten.add.Tensor, (scaled, out_grad))
+    scaled.meta["val"] = total.meta["val"] = torch.empty(3, 4)
+    g.output((total,))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    x, one = torch.randn(3, 4), torch.tensor(2.0)
+    for accepts_none in (True, False):
+        compiled = []
+
+        def compile(graph):
+            compiled.append(sorted(n.name for n in graph.graph.nodes if n.op == "placeholder"))
+            return lambda args: graph.forward(*args)
+
+        backward = AbsentGradBackward(gm, compile)
+        assert backward.accepts_none
+        backward.accepts_none = accepts_none
+        backward.compile_ahead()
+        if accepts_none:   # the variant without the output's gradient
+            assert compiled == [["saved", "tangents_1"]]
+            assert torch.equal(backward([x, one, None])[0], x * 2)
+        else:
+            assert compiled == [["saved", "tangents_1", "tangents_2"]]
+            assert torch.equal(backward([x, one, torch.zeros(3, 4)])[0], x * 2)
+        assert len(compiled) == 1
+
+
 def test_backend_failure_falls_back_with_root_cause(monkeypatch):
     import fxtrain.capture.pipeline as pipeline
 

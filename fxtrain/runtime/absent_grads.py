@@ -215,9 +215,9 @@ class AbsentGradBackward:
         37.1 s compiling the pattern only; two alternating rounds on a 2-core CPU)."""
         vals = {i: self.placeholders[i].meta.get("val") for i in self.tangents}
         absent = tuple(i for i, v in vals.items() if not (isinstance(v, torch.Tensor) and v.numel() == 1))
-        if absent and len(absent) < len(self.tangents):
+        if self.accepts_none and absent and len(absent) < len(self.tangents):
             self._variant(absent)
-        else:
+        else:   # no such pattern, or absent gradients arrive as zeros (not accepts_none): the full one runs
             self.compile_full()
 
     def __call__(self, args: List[Any]) -> Any:
