@@ -204,8 +204,8 @@ class AbsentGradBackward:
     def compile_ahead(self) -> None:
         """Compile, before the first backward, the pattern a training loop almost always gives:
         every output's gradient absent but the one-element ones (``loss.backward()`` on a model that
-        also returns its logits), else (no such pattern: every output is a loss, or none is) the full
-        backward. Other patterns compile when they first occur: an executor that compiles ahead
+        also returns its logits), else the full backward (every output is a loss, or none is, or
+        absent gradients reach this node as zeros: not ``accepts_none``). Other patterns compile when they first occur: an executor that compiles ahead
         keeps code generation off the training loop's path, and off autograd's device thread, which
         runs a CUDA backward.
 
@@ -217,7 +217,7 @@ class AbsentGradBackward:
         absent = tuple(i for i, v in vals.items() if not (isinstance(v, torch.Tensor) and v.numel() == 1))
         if self.accepts_none and absent and len(absent) < len(self.tangents):
             self._variant(absent)
-        else:   # no such pattern, or absent gradients arrive as zeros (not accepts_none): the full one runs
+        else:
             self.compile_full()
 
     def __call__(self, args: List[Any]) -> Any:
