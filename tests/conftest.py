@@ -95,7 +95,8 @@ def passes_whatever_they_cost(monkeypatch):
     does for models as small as the suite's; these tests check the rewrites' exactness on that
     device, which needs them on. The launch model's own decisions are tested without this
     (tests/test_passes_unit.py, test_padding_elimination.py), and ``"on"`` would change the reports
-    these tests read."""
+    these tests read. The runtime's mode is then chosen by the CPU's rule too (cost/launches.py:
+    ``replay_pays``), whose exchange rate a test may set (``BYTES_PER_BACKWARD_OP``)."""
     from fxtrain.capture import pipeline
     monkeypatch.setattr(pipeline, "rates_for", lambda device_type: None)
 

@@ -79,3 +79,31 @@ def test_tied_embedding_gradient_under_bf16_autocast():
     assert tied is tm.module.get_output_embeddings().weight
     torch.testing.assert_close(tied.grad, ref.get_input_embeddings().weight.grad, atol=1e-3, rtol=1e-3)
     assert tm.capture_info().optimizations["tied_embedding_grad"].startswith("on:")
+
+
+@pytest.mark.parametrize("device_rates,mode", [(None, "graph"), ("accelerator", "autograd")])
+def test_the_backward_is_replayed_only_where_its_passes_pay_on_the_device(monkeypatch, device_rates, mode):
+    """The default ``backward="auto"`` weighs the one-hot traffic ``cross_entropy_grad`` removes
+    (an 8192-class head over 512 rows: 48 MiB a step) against replaying the backward graph from
+    Python (~5 µs an op, cost/launches.py: ``replay_pays``). On the CPU the same cores move that
+    memory: the graph mode. On an accelerator it is ~13 µs of device time in a step bound by the
+    host's launches, which the replay would lengthen: PyTorch's engine runs the backward, as eager
+    does. Either way the numbers are eager's."""
+    from fxtrain.capture import pipeline
+    from fxtrain.cost.launches import ACCELERATOR
+    monkeypatch.setattr(pipeline, "rates_for", lambda device_type: ACCELERATOR if device_rates else None)
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(_Classifier("mean", -100, 0.0, classes=8192), label_sparsity="off")
+    g = torch.Generator().manual_seed(1)
+    batches = [{"x": torch.randn(n, 16, generator=g), "y": torch.randint(0, 8192, (n,), generator=g)}
+               for n in (512, 384)]
+    train_parity(tm, ref, batches, lambda out, _: out)
+    (record,) = tm.capture_info().records
+    assert tm.capture_info().optimizations["cross_entropy_grad"].startswith("on:")
+    assert record.runtime.startswith(f"{mode}: "), record.runtime
+    # What capture_info() prints says it: the backward passes it lists act only in the graph mode.
+    assert f"  runtime graph 0 (train): {record.runtime}" in str(tm.capture_info()).splitlines()
+    if device_rates:
+        assert "replaying" in record.runtime and "on accelerator" in record.runtime, record.runtime
+    else:
+        assert "backward passes save " in record.runtime, record.runtime

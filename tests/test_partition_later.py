@@ -15,7 +15,7 @@ import fxtrain
 from fxtrain import models
 from fxtrain.capture import partition_worker
 from fxtrain.capture.backend import Backend
-from fxtrain.runtime import runner
+from fxtrain.cost import launches
 from utils import assert_grads_equal, assert_state_equal, to_device
 
 
@@ -58,7 +58,7 @@ def _train(tm, ref, steps, wait_after=None, tol=(1e-5, 1e-4), forward_context=co
 @pytest.mark.usefixtures("passes_whatever_they_cost")
 def test_first_calls_run_the_autograd_mode_then_the_workers_partition(monkeypatch):
     # Every backward pass pays here, so the whole step runs the aten graphs: the switch changes mode.
-    monkeypatch.setattr(runner, "BYTES_PER_BACKWARD_OP", 0)
+    monkeypatch.setattr(launches, "BYTES_PER_BACKWARD_OP", 0)
     model = _bert()
     ref = copy.deepcopy(model)
     tm = fxtrain.TrainModule(model)
@@ -81,10 +81,11 @@ def test_first_calls_run_the_autograd_mode_then_the_workers_partition(monkeypatc
         assert os.getpriority(os.PRIO_PROCESS, partition_worker._proc.pid) == 19
 
 
+@pytest.mark.usefixtures("passes_whatever_they_cost")
 def test_under_autocast_the_worker_traces_as_the_capture_would(monkeypatch):
     # AOTAutograd bakes autocast's casts into the aten graphs: the worker must trace under the
     # loop's autocast, giving the graphs a partition at capture gives (and eager's numbers).
-    monkeypatch.setattr(runner, "BYTES_PER_BACKWARD_OP", 0)
+    monkeypatch.setattr(launches, "BYTES_PER_BACKWARD_OP", 0)
     device = to_device(torch.zeros(0)).device.type
     model = _bert()
     ref, at_capture = copy.deepcopy(model), copy.deepcopy(model)

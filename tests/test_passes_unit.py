@@ -15,7 +15,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 import fxtrain
 from fxtrain.capture import pipeline
 from fxtrain.capture.pipeline import CaptureContext, rewrite
-from fxtrain.cost.launches import DeviceRates, StepLoad, launch_bound, rates_for
+from fxtrain.cost.launches import DeviceRates, DeviceStep, StepLoad, launch_bound, rates_for, replay_pays
 from fxtrain.graph_walk import ancestors
 from fxtrain.passes import ExampleSource, Plans, run_passes
 from fxtrain.passes.batch_guard import GuardBuilder, counted_index
@@ -324,6 +324,29 @@ def test_launch_bound_decides_only_where_it_knows():
     assert launch_bound(1, 0, step, cuda, torch.float32) is None             # no kernel added
     assert launch_bound(10 ** 9, 5, None, cuda, torch.float32) is None       # the dense step unknown
     assert rates_for("xpu").name == "xpu"   # any accelerator: the same model
+
+
+@pytest.mark.cpu_only(reason="the launch model's arithmetic: no tensors")
+def test_the_backward_is_replayed_only_where_that_shortens_the_step_on_its_device():
+    """The eager executor replays the aten backward (where the backward passes remove memory
+    traffic) only where that shortens the step: on an accelerator the replay's ~5 µs an op is host
+    time, the traffic saved device time at 4 TB/s; on the CPU 50 kB of traffic per replayed op."""
+    cuda = rates_for("cuda")
+    demo = DeviceStep(cuda, StepLoad(kernels=87, flops=46 * 10 ** 9), torch.float32)   # host-bound
+    pays, why = replay_pays(805 * 2 ** 20, 396, demo)
+    assert not pays and why == ("replaying 396 backward ops adds ~2 ms to the host's ~8.1 ms per step, the 805.0 MiB "
+                                "of memory traffic the backward passes remove take ~211 µs of the device's ~3.4 ms on "
+                                "cuda: ~10 ms per step against ~8.1 ms"), why
+    assert replay_pays(805 * 2 ** 20, 396, None)[0]          # the CPU: 805 MiB > 396 x 50 kB
+    assert not replay_pays(10 * 2 ** 20, 396, None)[0]       # 10 MiB < 396 x 50 kB
+    # Device-bound (a wide head: ~75 ms of device work for ~1 ms of launches): 4 GB of traffic pays.
+    wide = DeviceStep(cuda, StepLoad(kernels=10, flops=10 ** 12), torch.float32)
+    assert replay_pays(4 * 10 ** 9, 100, wide) == (True, (
+        "replaying 100 backward ops adds ~500 µs to the host's ~930 µs per step, the 3814.7 MiB of memory traffic "
+        "the backward passes remove take ~1 ms of the device's ~75 ms on cuda: ~74 ms per step against ~75 ms"))
+    # Nothing saved: PyTorch's engine, whatever the device.
+    assert replay_pays(0, 396, None) == replay_pays(0, 396, demo) == (
+        False, "no backward pass applies: PyTorch's engine runs the backward")
 
 
 @pytest.mark.cpu_only(reason="the launch model's arithmetic: no tensors")

@@ -16,7 +16,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from .. import torch_private as tp
 from ..options import Options
-from ..cost.launches import DeviceRates, StepLoad, launch_bound, rates_for
+from ..cost.launches import DeviceRates, DeviceStep, StepLoad, launch_bound, rates_for, replay_pays
 from ..passes import ExampleSource, Plans, contraction_dtype, forward_flops, kernel_ops, run_passes
 from ..pythonop.route import drop_unused_subclasses
 from ..runtime.absent_grads import AbsentGradBackward
@@ -50,6 +50,9 @@ class Rewritten:
     dense_graph: Optional[torch.fx.GraphModule]    # the graph before any pass (None: no batch guard needs it)
     plans: Plans
     reports: Dict[str, str]
+    # The step on its device after the passes that stay on (cost/launches.py); None on the CPU, or
+    # where launches are not weighed: what the runtime's choice of mode is weighed with.
+    device: Optional[DeviceStep] = None
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,8 @@ def finish(rewritten: Rewritten, example_inputs: List[Any],
                         inference=parts.inference, spec=parts.spec, not_replayable=parts.not_replayable,
                         backward_reports=parts.backward_reports, forward_reports=parts.forward_reports,
                         compiled_forward=compiled.forward, backward=compiled.backward,
-                        aot_callable=parts.traced.aot_callable, memory_plan=parts.memory_plan)
+                        aot_callable=parts.traced.aot_callable, memory_plan=parts.memory_plan,
+                        graph_mode_pays=graph_mode_pays(parts.backward_graph, parts.backward_reports, rewritten))
     reports = dict(rewritten.reports)
     reports.update((r.name, str(r)) for r in parts.forward_reports + parts.backward_reports)
     return step, reports
@@ -112,10 +116,20 @@ def from_worker(rewritten: Rewritten, answer: bytes,
     step = CapturedStep(graph=rewritten.graph, dense_graph=rewritten.dense_graph, plans=rewritten.plans,
                         forward_graph=fw, backward_graph=bw, inference=inference, spec=spec, not_replayable=why,
                         backward_reports=backward_reports, forward_reports=forward_reports,
-                        compiled_forward=forward, backward=backward)
+                        compiled_forward=forward, backward=backward,
+                        graph_mode_pays=graph_mode_pays(bw, backward_reports, rewritten))
     reports = dict(rewritten.reports)
     reports.update((r.name, str(r)) for r in forward_reports + backward_reports)
     return step, reports, cpu
+
+
+def graph_mode_pays(backward_graph: Optional[torch.fx.GraphModule], backward_reports: List[PassReport],
+                    rewritten: Rewritten) -> Tuple[bool, str]:
+    """Whether replaying the aten backward graph (where the backward passes act) beats PyTorch's
+    engine on the step's device, and why: the runtime's choice of mode (runtime/runner.py)."""
+    saved = sum(r.saved_bytes for r in backward_reports if r.applied)
+    ops = sum(1 for n in backward_graph.graph.nodes if n.op == "call_function") if backward_graph else 0
+    return replay_pays(saved, ops, rewritten.device)
 
 
 def unpartitioned(rewritten: Rewritten) -> CapturedStep:
@@ -148,8 +162,12 @@ def rewrite(gm: torch.fx.GraphModule, context: CaptureContext) -> Rewritten:
                              plans)
         reports.update((name, PassReport(name, False, why)) for name, why in off.items())
         gm.recompile()
+    on = [r for r in reports.values() if r.applied]
+    device = DeviceStep(rates, StepLoad(load.kernels + sum(r.added_kernels for r in on),
+                                        max(0, load.flops - sum(r.saved_flops or 0 for r in on))), dtype) \
+        if rates is not None and load is not None else None
     return Rewritten(gm, dense if plans.guard is not None else None, plans,
-                     {name: str(r) for name, r in reports.items()})
+                     {name: str(r) for name, r in reports.items()}, device)
 
 
 def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:

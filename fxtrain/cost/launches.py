@@ -39,6 +39,25 @@ passes are off (under bf16, with padding elimination off and label sparsity on, 
 executor ran at eager's 12.89 ms; in float32, with both on, at 0.74x eager); BERT-base MLM
 (host ~32 ms, device ~53 ms) keeps both (1.24x eager on the eager executor, 1.58x compiled).
 
+The same weighing chooses how the eager executor runs a step's backward (``replay_pays``; the
+runtime's modes, runtime/runner.py): PyTorch's C++ engine over the torch-level graph (the "autograd"
+mode), or fxtrain's aten backward graph replayed from Python (the "graph" mode), which is the only
+one its backward passes (the one-hot of cross-entropy, a tied embedding's zero-filled gradient) can
+rewrite. Replaying costs the host more per op than the engine: 4.6-5.6 µs a backward op on the CPU
+machine (one thread; tiny BERT-, GPT-2- and Llama-style models, 173-303 backward ops, whose
+arithmetic is negligible: the graph mode's step minus the autograd mode's, over the backward graph's
+ops; this host's eager step costs 95 µs per forward kernel op where the H200's host took 93, so the
+figure carries), 5 µs in ``host_per_replayed_op``. What a backward pass saves is memory traffic:
+on an accelerator it runs at the device's memory bandwidth (4 TB/s in ``bytes_per_second``: the
+H200's data sheet gives 4.8, not measured), so the graph mode pays only where the step is
+device-bound and stays so after the replay's host time is added:
+
+    max(host + replayed ops x host per replayed op, device - saved bytes / bandwidth)  <  max(host, device)
+
+with host and device the step's after the forward passes that stay on. The demo on an accelerator is
+host-bound (~8.1 ms against ~3.5 ms): its backward passes' 805 MiB would save ~0.2 ms of device time,
+and replaying its 396 backward ops would add ~2 ms of host time, so it runs the autograd mode.
+
 On the CPU no pass is turned off by this model. Each op's dispatch and its arithmetic share the
 same cores, so there is no idle device for the launches to starve. The sparse workloads measured
 there (docs/benchmarks.md: demo 5.8-6.1x eager, llama-packed 1.5-2.0x) gain from every pass at
@@ -46,8 +65,9 @@ the sizes they train.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -78,6 +98,8 @@ class DeviceRates:
     host_per_op: Dict[str, float]
     host_per_added_op: float
     flops_per_second: Dict[str, float]
+    host_per_replayed_op: float = 5e-6      # a backward op replayed from Python, beyond the C++ engine's
+    bytes_per_second: float = 4e12          # the device's memory bandwidth
 
     def host(self, kernels: int, dtype: torch.dtype) -> float:
         precision = _precision(dtype)
@@ -94,12 +116,27 @@ ACCELERATOR = DeviceRates("accelerator", host_per_op={"float32": 93e-6, "16-bit"
 
 def rates_for(device_type: str) -> Optional[DeviceRates]:
     """The rates of ``device_type``; None on the CPU, where launches cost no idle device (see above)."""
-    return None if device_type == "cpu" else DeviceRates(device_type, ACCELERATOR.host_per_op,
-                                                           ACCELERATOR.host_per_added_op, ACCELERATOR.flops_per_second)
+    return None if device_type == "cpu" else dataclasses.replace(ACCELERATOR, name=device_type)
+
+
+@dataclass(frozen=True)
+class DeviceStep:
+    """A capture's step as this model sees it on its device: the device's rates, the step's load
+    after the forward passes that stay on, and the dtype its contractions run in."""
+
+    rates: DeviceRates
+    load: StepLoad
+    dtype: torch.dtype
+
+
+# The CPU's exchange of replayed backward ops against the memory traffic backward passes remove
+# (module docstring).
+BYTES_PER_BACKWARD_OP = 50_000
 
 
 def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.2g} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.2g} µs"
+    value, unit = (seconds * 1e3, "ms") if seconds >= 1e-3 else (seconds * 1e6, "µs")
+    return f"{value:.0f} {unit}" if value >= 100 else f"{value:.2g} {unit}"   # 2 digits, no exponent
 
 
 def launch_bound(saved_flops: Optional[int], added_kernels: int, step: Optional[StepLoad],
@@ -119,3 +156,26 @@ def launch_bound(saved_flops: Optional[int], added_kernels: int, step: Optional[
             f"op(s) add ~{_ms(added)} of host time to the step's ~{_ms(host)}; the {amount} it skips in forward and "
             f"backward save ~{_ms(skipped)} of the device's ~{_ms(device)} ({rate / 1e12:.0f} TFLOP/s, "
             f"{str(dtype).split('.')[-1]}): ~{_ms(after)} per step against ~{_ms(before)}")
+
+
+def replay_pays(saved_bytes: int, replayed_ops: int, device: Optional[DeviceStep]) -> Tuple[bool, str]:
+    """Whether the eager executor should replay the aten backward graph (``replayed_ops`` ops,
+    through which fxtrain's backward passes save ``saved_bytes`` of memory traffic) rather than let
+    PyTorch's engine run the backward; and why. ``device`` None: the CPU's rule (module docstring)."""
+    if not saved_bytes:
+        return False, "no backward pass applies: PyTorch's engine runs the backward"
+    mib = f"{saved_bytes / 2 ** 20:.1f} MiB"
+    if device is None:
+        if saved_bytes > replayed_ops * BYTES_PER_BACKWARD_OP:
+            return True, (f"backward passes save {mib} of memory traffic, more than replaying "
+                          f"{replayed_ops} backward ops costs")
+        return False, (f"backward passes would save {saved_bytes / 2 ** 20:.2f} MiB, less than replaying "
+                       f"{replayed_ops} backward ops costs")
+    rates, load, dtype = device.rates, device.load, device.dtype
+    host, busy = rates.host(load.kernels, dtype), 3 * load.flops / rates.rate(dtype)
+    added, saved = replayed_ops * rates.host_per_replayed_op, saved_bytes / rates.bytes_per_second
+    before, after = max(host, busy), max(host + added, busy - saved)
+    what = (f"replaying {replayed_ops} backward ops adds ~{_ms(added)} to the host's ~{_ms(host)} per step, the "
+            f"{mib} of memory traffic the backward passes remove take ~{_ms(saved)} of the device's ~{_ms(busy)} "
+            f"on {rates.name}: ~{_ms(after)} per step against ~{_ms(before)}")
+    return after < before, what

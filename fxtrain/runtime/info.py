@@ -188,6 +188,13 @@ class CaptureInfo:
             all(r.tier.wait(left()) for r in self.records if r.tier is not None)
 
     @property
+    def runtimes(self) -> List[str]:
+        """How each capture's step runs, and why ('graph 0 (train): autograd: no backward pass
+        applies: ...'): the backward passes among ``optimizations`` act only on a "graph" one
+        (runtime/runner.py)."""
+        return [f"graph {r.index} ({r.mode}): {r.runtime}" for r in self.records if r.run is not None]
+
+    @property
     def capture_reasons(self) -> List[str]:
         """Why each capture happened, in order: 'graph 0 (train): first call', ..."""
         return [f"graph {r.index} ({r.mode}): {r.reason or 'loaded from the cache'}" for r in self.records]
@@ -210,8 +217,9 @@ class CaptureInfo:
         lines.extend(f"  break: {reason}" + (f" (x{n})" if n > 1 else "")
                      for reason, n in Counter(self.break_reasons).items())
         lines.extend(f"  tier {line}" for line in self.tiers)
-        reasons = [f"  capture {line}" for line in self.capture_reasons]
-        if len(reasons) > 6:
-            reasons[3:-3] = [f"  ... {len(reasons) - 6} more capture(s)"]
-        lines.extend(reasons)
+        for kind, entries in (("runtime", self.runtimes), ("capture", self.capture_reasons)):
+            shown = [f"  {kind} {line}" for line in entries]
+            if len(shown) > 6:
+                shown[3:-3] = [f"  ... {len(shown) - 6} more capture(s)"]
+            lines.extend(shown)
         return "\n".join(lines)

@@ -9,7 +9,8 @@ Three ways to run a step's core, chosen per capture (``choose_mode``):
 - "graph": the aten forward and backward graphs run through ``runtime/replay.py`` with the
   executor's compiled code. Chosen when fxtrain's backward passes (which exist only on the aten
   backward graph: the vocabulary-wide one-hot of cross-entropy, a tied embedding's zero-filled
-  gradient) save more memory traffic than replaying the backward op by op costs, or when the
+  gradient) save more than replaying the backward op by op costs on the step's device (weighed at
+  capture: ``CapturedStep.graph_mode_pays``, cost/launches.py: ``replay_pays``), or when the
   executor compiles (inductor), or on the profiler's fake tensors.
 - "aot": AOTAutograd's own runtime, for graphs whose metadata the replay does not handle
   (aliased outputs, subclasses, ...; ``NotReplayable`` says which).
@@ -37,12 +38,6 @@ from .replay import replayed
 
 logger = logging.getLogger("fxtrain")
 
-# Replaying one aten op of the backward from Python costs several µs more than the C++ engine
-# running it, and the graph mode pays AOTAutograd's forward/backward split besides; a byte of memory
-# traffic a backward pass saves is worth ~0.1-0.2 ns. Measured (bench/overhead.py): a tiny GPT-2 whose
-# passes save 1.8 MiB over 183 backward ops ran 0.90x eager in the graph mode, ~1.0x in the autograd
-# mode; the DESIGN §7 BERT-MLM (~180 MB saved, ~1000 ops) gains from the graph mode. 50 kB per op.
-BYTES_PER_BACKWARD_OP = 50_000
 MODES = ("auto", "autograd", "graph")
 
 
@@ -91,16 +86,8 @@ def choose_mode(step: CapturedStep, executor: Executor, preference: str = "auto"
         return "autograd", "asked for (Options.backward)"
     if step.inference:
         return "autograd", "no backward to run"
-    saved = sum(r.saved_bytes for r in step.backward_reports if r.applied)
-    ops = sum(1 for n in step.backward_graph.graph.nodes if n.op == "call_function") if step.backward_graph else 0
-    if saved and saved > ops * BYTES_PER_BACKWARD_OP:
-        return graph_mode[0], graph_mode[1] or (
-            f"backward passes save {saved / 2 ** 20:.1f} MiB of memory traffic, more than replaying "
-            f"{ops} backward ops costs")
-    if saved:
-        return "autograd", (f"backward passes would save {saved / 2 ** 20:.2f} MiB, less than replaying {ops} "
-                            f"backward ops costs")
-    return "autograd", "no backward pass applies: PyTorch's engine runs the backward"
+    pays, why = step.graph_mode_pays
+    return (graph_mode[0], graph_mode[1] or why) if pays else ("autograd", why)
 
 
 def _aot_runtime(aot_callable: Callable[..., Any]) -> Callable[..., Any]:

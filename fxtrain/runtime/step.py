@@ -80,3 +80,7 @@ class CapturedStep:
     # Options.memory_budget's plan (capture/budget.py: MemoryPlan): the graphs above are the plan's,
     # made for the graph runtime, which must then run them.
     memory_plan: Optional[Any] = None
+    # Whether the eager executor should replay the aten graphs (where the backward passes act) rather
+    # than run the autograd mode, and why: weighed on the step's device at capture (cost/launches.py:
+    # replay_pays), read by runtime/runner.py's choose_mode.
+    graph_mode_pays: Tuple[bool, str] = (False, "no backward pass applies: PyTorch's engine runs the backward")
