@@ -52,7 +52,7 @@ class Rewritten:
     reports: Dict[str, str]
     # The step on its device after the passes that stay on (cost/launches.py); None on the CPU, or
     # where launches are not weighed: what the runtime's choice of mode is weighed with.
-    device: Optional[DeviceStep] = None
+    device_step: Optional[DeviceStep] = None
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ def graph_mode_pays(backward_graph: Optional[torch.fx.GraphModule], backward_rep
     engine on the step's device, and why: the runtime's choice of mode (runtime/runner.py)."""
     saved = sum(r.saved_bytes for r in backward_reports if r.applied)
     ops = sum(1 for n in backward_graph.graph.nodes if n.op == "call_function") if backward_graph else 0
-    return replay_pays(saved, ops, rewritten.device)
+    return replay_pays(saved, ops, rewritten.device_step)
 
 
 def unpartitioned(rewritten: Rewritten) -> CapturedStep:
@@ -163,11 +163,11 @@ def rewrite(gm: torch.fx.GraphModule, context: CaptureContext) -> Rewritten:
         reports.update((name, PassReport(name, False, why)) for name, why in off.items())
         gm.recompile()
     on = [r for r in reports.values() if r.applied]
-    device = DeviceStep(rates, StepLoad(load.kernels + sum(r.added_kernels for r in on),
+    device_step = DeviceStep(rates, StepLoad(load.kernels + sum(r.added_kernels for r in on),
                                         max(0, load.flops - sum(r.saved_flops or 0 for r in on))), dtype) \
         if rates is not None and load is not None else None
     return Rewritten(gm, dense if plans.guard is not None else None, plans,
-                     {name: str(r) for name, r in reports.items()}, device)
+                     {name: str(r) for name, r in reports.items()}, device_step)
 
 
 def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
