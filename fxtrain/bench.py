@@ -144,6 +144,7 @@ class ModeResult:
     losses: List[float] = field(default_factory=list)
     tier: str = "-"                      # executor="auto": the tier that ran the last step
     tiers: List[str] = field(default_factory=list)   # capture_info().tiers at the end
+    runtimes: List[str] = field(default_factory=list)   # capture_info().runtimes at the end: how each step ran
     ops_per_step: Optional[int] = None       # aten ops dispatched by one step after the timed ones
     kernels_per_step: Optional[int] = None   # device kernels it launched (CUDA only)
 
@@ -197,9 +198,10 @@ class BenchResult:
             lines.append(f"Optimizations ({mode}):")
             lines.extend(f"  {name:<20} {why}" for name, why in passes.items())
         for mode, r in self.results.items():
-            if r.tiers:
-                lines.append(f"Tiers ({mode}):")
-                lines.extend(f"  {line}" for line in r.tiers)
+            for what, entries in (("Tiers", r.tiers), ("Runtimes", r.runtimes)):
+                if entries:
+                    lines.append(f"{what} ({mode}):")
+                    lines.extend(f"  {line}" for line in entries)
         return "\n".join(lines)
 
     def to_json(self) -> Dict[str, Any]:
@@ -213,6 +215,7 @@ class BenchResult:
                              "step_s": r.step_s, "losses": r.losses, "vs_eager": self.ratio(name, "eager"),
                              "vs_compile": self.ratio(name, "compile"),
                              "max_loss_diff_vs_eager": self.max_loss_diff(name), "tier": r.tier, "tiers": r.tiers,
+                             "runtimes": r.runtimes,
                              "ops_per_step": r.ops_per_step, "kernels_per_step": r.kernels_per_step}
                       for name, r in self.results.items()},
         }
@@ -368,6 +371,7 @@ def run_benchmark(config: BenchConfig, progress: bool = True) -> BenchResult:
     for mode, (fn, _) in runs.items():
         results[mode].tier = tier_ran(fn)
         results[mode].tiers = list(fn.capture_info().tiers) if hasattr(fn, "capture_info") else []
+        results[mode].runtimes = list(fn.capture_info().runtimes) if hasattr(fn, "capture_info") else []
     return BenchResult(config, results, densities, optimizations)
 
 

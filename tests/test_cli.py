@@ -36,10 +36,14 @@ def test_bench_json_has_every_mode_with_parity(tmp_path, capsys):
             assert m["tier"].startswith("eager") and m["tiers"], (name, m["tier"], m["tiers"])
         else:                   # no tiers with executor="eager", nor for PyTorch eager or dynamo
             assert m["tier"] == "-" and m["tiers"] == [], name
+        # How fxtrain's steps ran (the runtime's mode and why); nothing for PyTorch eager or dynamo.
+        assert bool(m["runtimes"]) == name.startswith("fxtrain"), (name, m["runtimes"])
+        assert all(line.startswith("graph 0 (train): ") for line in m["runtimes"]), m["runtimes"]
     assert 0.4 < data["densities"]["padding"] < 0.7
     printed = capsys.readouterr().out
     assert "vs eager" in printed and "fxtrain:eager" in printed and "FLOP-ideal" in printed
     assert "tier at end" in printed and "ops/step" in printed and "kernels/step" in printed
+    assert "Runtimes (fxtrain:eager):" in printed
     assert cli.main(["bench", "--list-workloads"]) == 0
     listed = capsys.readouterr().out
     assert all(name in listed for name in bench.WORKLOADS)
