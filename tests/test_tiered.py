@@ -377,6 +377,39 @@ def test_a_size_inductor_specialised_runs_eagerly(monkeypatch):
     assert "sizes outside its guards (" in info.tiers[0] and "Eq(s" in info.tiers[0] and "run eagerly: 2 call(s) so far" in info.tiers[0], info.tiers
 
 
+class PaddedHead(Head):
+    """Pads its hidden rows by 0 (HF Swin pads its feature maps to whole windows: by 0 where they fit)."""
+
+    def forward(self, x, y):
+        h = nn.functional.pad(torch.tanh(self.a(x)), (0, 0))
+        logits = self.b(h * h.sum(0, keepdim=True))   # a sum over the batch: the backward reads its size
+        return nn.functional.cross_entropy(logits, y), logits
+
+
+def test_a_zero_pad_leaves_the_compiled_batch_symbolic(monkeypatch):
+    """``constant_pad_nd`` kept whole in the worker's retrace reads its input's sizes as integers,
+    which pinned a symbolic batch to the sample's (HF Swin's symbolic capture then failed to compile:
+    a pinned size the backward takes came out as an int). Padding by 0 is a copy, retraced as one:
+    the compiled graphs serve every batch size, at eager's numbers."""
+    import fxtrain.runtime.tiered as tiered
+    monkeypatch.setattr(tiered, "SLOWER", float("inf"))
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(PaddedHead(), executor="auto", compile_after=0.0)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (tm, ref)]
+    _step(tm, ref, opts, _batch(8, 0), EXACT)
+    _step(tm, ref, opts, _batch(8, 1), EXACT)
+    info = tm.capture_info()
+    assert info.wait_for_compiles(600), info.tiers
+    tier = info.records[0].tier
+    assert tier.state != "eager" and "Eq(" not in str(tier), str(tier)   # compiled, no batch size pinned
+    for seed in range(2, 3 + TRIAL_STEPS):
+        _step(tm, ref, opts, _batch(8, seed), EXACT)
+    for rows, seed in ((6, 20), (8, 21), (5, 22)):
+        _step(tm, ref, opts, _batch(rows, seed), COMPILED)
+    assert tier.state == "compiled" and info.graphs == 1, str(tier)
+    assert tier.size_guards is None or tier.size_guards.failed == 0, str(tier)
+
+
 @pytest.mark.cpu_only(reason="fake tensors stand for a second GPU: the choice is tested, not a compile")
 def test_the_worker_and_the_loader_use_the_graphs_device(monkeypatch):
     """Under torchrun/DDP rank r trains on device r: the worker and the loading thread make the

@@ -580,6 +580,18 @@ class Tier:
 RETRACE_KEEPS = (*tp.BACKWARD_PASS_OPS, torch.ops.aten.constant_pad_nd.default)
 
 
+def _zero_pads_as_copies(gm: torch.fx.GraphModule) -> None:
+    """``constant_pad_nd`` with every pad 0 is a copy (its kernel returns ``clone``): HF Swin pads
+    its feature maps to whole windows, by 0 where they already fit. Kept whole in the retrace
+    (``RETRACE_KEEPS``), its kernel reads the input's sizes as integers on fake tensors, which pinned
+    Swin's symbolic batch to the sample's; as ``clone`` it stays symbolic."""
+    for node in gm.graph.nodes:
+        if (node.op == "call_function" and node.target is torch.ops.aten.constant_pad_nd.default
+                and all(isinstance(p, int) and p == 0 for p in node.args[1])):
+            node.target, node.args, node.kwargs = torch.ops.aten.clone.default, (node.args[0],), {}
+    gm.recompile()
+
+
 def _worker(argv: Sequence[str]) -> None:
     """The worker process: retrace with inductor's decompositions, compile, write the graphs the
     parent is to load (pickled, then compiled as unpickled, so its cache keys are the parent's)."""
@@ -590,6 +602,7 @@ def _worker(argv: Sequence[str]) -> None:
     with tp.inductor_eager_random():   # dropout kept whole, to run eager's kernel
         table = InductorExecutor().decompositions(keep=RETRACE_KEEPS)
     random = [n.target for n in fw.graph.nodes if n.op == "call_function" and tp.draws_random_numbers(n)]
+    _zero_pads_as_copies(fw)
     fw = tp.retrace(fw, table)
     now = [n.target for n in fw.graph.nodes if n.op == "call_function" and tp.draws_random_numbers(n)]
     if now != random or _random_order(fw):
@@ -598,9 +611,11 @@ def _worker(argv: Sequence[str]) -> None:
         # Inductor gives the forward's outputs the strides of the retraced graph's values
         # (decompositions may lay them out otherwise than the aten ops did): the backward is traced
         # and compiled for the saved tensors as the compiled forward will hand them over.
-        outs = [o.meta.get("val") for o in _outputs(fw)]
+        # A size the retrace pinned (``_pinned``) comes out as a plain int.
+        outs = [o.meta.get("val") if isinstance(o, torch.fx.Node) else o for o in _outputs(fw)]
         examples = tp.placeholder_examples(bw)
         examples[:len(saved)] = [outs[i] for i in saved]
+        _zero_pads_as_copies(bw)
         bw = tp.retrace(bw, table, examples)
     payload = tp.pickle_graphs((_lean(fw), _lean(bw) if bw is not None else None))
     fw, bw = tp.unpickle_graphs(payload, tp.FakeTensorMode(shape_env=ShapeEnv()))
