@@ -241,7 +241,7 @@ def test_run_passes_measures_the_batch_its_source_gives():
         inputs = _head_inputs(labelled)
         plans = Plans()
         reports = {name: str(r) for name, r in run_passes(_traced(lm_head, inputs), ExampleSource(
-            {"labels": inputs["labels"]}), fxtrain.Options(), plans).items()}
+            {"labels": inputs["labels"]}), fxtrain.Options(), plans)[0].items()}
         assert reports["label_sparsity"].startswith("on: label density" if on else "off: label density"), reports
         assert reports["padding_elimination"] == "off: no [batch, seq] embedding lookup"
         assert plans.guard_builder is None and (plans.guard is not None) == on
@@ -299,6 +299,31 @@ def test_a_pass_whose_launches_cost_more_than_it_skips_is_off_on_an_accelerator(
     _, forced = _rewritten(encoder, inputs, rates_for("cuda"), padding_elimination="on")
     assert forced.reports["padding_elimination"].startswith("on: forced on"), forced.reports
     assert forced.reports["label_sparsity"].startswith("off: on cuda the step"), forced.reports
+
+
+def test_a_pass_turned_off_for_its_launches_is_weighed_before_the_passes_after_it_run(monkeypatch):
+    """Each pass is weighed as it applies. Label sparsity comes first and is slower on an accelerator:
+    the passes start again without it on dynamo's graph, so padding elimination runs once, on the
+    graph it serves, and weighs what it skips there (the head's padded rows too)."""
+    calls = []
+
+    def counted(p):
+        def run(*args):
+            calls.append(p.__name__)
+            return p(*args)
+        run.__name__ = p.__name__
+        return run
+
+    monkeypatch.setattr(fxtrain.passes, "PASSES", [counted(p) for p in fxtrain.passes.PASSES])
+    inputs = _encoder_inputs()
+    gm, rewritten = _rewritten(encoder, inputs, rates_for("cuda"), padding_elimination="on")
+    assert calls.count("padding_elimination") == 1 and calls[:2] == ["label_sparsity"] * 2, calls
+    assert rewritten.reports["label_sparsity"].startswith("off: on cuda the step is bound by the host's"), \
+        rewritten.reports
+    assert rewritten.reports["padding_elimination"].startswith("on: forced on"), rewritten.reports
+    by_option, _ = _rewritten(encoder, inputs, rates_for("cuda"), padding_elimination="on", label_sparsity="off")
+    assert [(n.op, n.target) for n in gm.graph.nodes] == [(n.op, n.target) for n in by_option.graph.nodes]
+    torch.testing.assert_close(gm(*inputs.values())[0], _traced(encoder, inputs)(*inputs.values())[0])
 
 
 def test_the_launch_cost_is_weighed_at_the_precision_the_flops_run_in():

@@ -12,7 +12,7 @@ Ordering needs are declared in ``RUNS_AFTER`` and checked, not left to a list's 
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch.fx
 
@@ -84,11 +84,15 @@ def backward_pass_ops(executor: Executor) -> List[object]:
     return [op for name, ops in BACKWARD_PASS_OPS.items() if name not in skips for op in ops]
 
 
-def run_passes(gm: torch.fx.GraphModule, examples: ExampleSource, options: Options,
-               plans: Plans) -> Dict[str, PassReport]:
+def run_passes(gm: torch.fx.GraphModule, examples: ExampleSource, options: Options, plans: Plans,
+               weigh: Optional[Callable[[PassReport], Optional[str]]] = None
+               ) -> Tuple[Dict[str, PassReport], Optional[PassReport]]:
     """The forward passes on ``gm``, in order; each report carries the kernels its rewrite added to
-    the forward (``rows.kernel_ops`` before and after), which the capture weighs against the FLOPs
-    it saves on the graph's device (capture/pipeline.py)."""
+    the forward (``rows.kernel_ops`` before and after), which ``weigh`` (the capture's launch model,
+    capture/pipeline.py) weighs against the FLOPs it saves on the graph's device. The reports, and
+    the first pass ``weigh`` finds slower (None: all kept): there the passes stop, with ``gm`` and
+    ``plans`` part-rewritten, so that the caller reruns them without it on the graph as dynamo traced
+    it; the passes after it never ran on a graph they would not see."""
     reports: Dict[str, PassReport] = {}
     changed = False
     kernels = kernel_ops(gm)
@@ -97,13 +101,17 @@ def run_passes(gm: torch.fx.GraphModule, examples: ExampleSource, options: Optio
         if report.applied:
             now = kernel_ops(gm)
             report.added_kernels, kernels = now - kernels, now
+            why = weigh(report) if weigh is not None else None
+            if why:
+                reports[report.name] = PassReport(report.name, False, why)
+                return reports, reports[report.name]
         reports[report.name] = report
         changed |= report.applied
     plans.guard_builder = None  # plans.guard is final: the builder (and the graph it copies from) can go
     if changed:
         gm.graph.lint()
         gm.recompile()
-    return reports
+    return reports, None
 
 
 __all__ = ["BACKWARD_PASSES", "BACKWARD_PASS_OPS", "backward_pass_ops", "contraction_dtype", "forward_flops",
