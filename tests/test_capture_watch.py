@@ -15,18 +15,18 @@ from fxtrain.capture.watch import ExpensiveSymbolicSizes, watched
 from utils import train_parity, wrap_pair
 
 
-# Seconds of this process's CPU time, as the watch measures (capture/watch.py): wall seconds on a
+# Seconds of this thread's CPU time, as the watch measures (capture/watch.py): wall seconds on a
 # loaded machine hold less work (0.098 s of sympy counted for 0.3 wall seconds at load 4).
 def _sympy_work(seconds: float) -> None:
     x, y = sympy.symbols("x y", integer=True, positive=True)
-    end = time.process_time() + seconds
-    while time.process_time() < end:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
         sympy.simplify((x ** 3 + y * x) / (x + y) + sympy.floor(x / 7) * y)
 
 
 def _plain_work(seconds: float) -> None:
-    end = time.process_time() + seconds
-    while time.process_time() < end:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
         sum(range(1000))
 
 
@@ -80,6 +80,30 @@ def test_watch_leaves_other_work_alone():
         _sympy_work(0.3)          # sympy past the budget, but not most of the recent time
         _plain_work(0.5)
     assert not watch.stopped and watch.sympy_seconds > 0.1
+
+
+@pytest.mark.cpu_only(reason="the capture watchdog on plain Python work: no tensors")
+def test_watch_charges_sympy_only_the_compiling_threads_time():
+    """Another thread of the process at work while the compile sits in sympy (a partition's answer
+    unpickled, a tier's graphs loaded) is not this compile's sympy work: 0.9 s of it is below the
+    stop's 1.2 s of a 2 s window, however much CPU the process spent meanwhile (about twice that
+    here, the two threads taking turns at the GIL, which the process's CPU time charged to sympy)."""
+    done = threading.Event()
+
+    def busy() -> None:
+        while not done.is_set():
+            sum(range(1000))
+    other = threading.Thread(target=busy, daemon=True)
+    process_started = time.process_time()
+    try:
+        with watched(lambda s: "", warn_after=1e9, sympy_budget=lambda: 0.3) as watch:
+            other.start()
+            _sympy_work(0.9)
+    finally:
+        done.set()
+        other.join()
+    assert time.process_time() - process_started > 1.5      # the busy thread did run beside it
+    assert not watch.stopped and 0.5 < watch.sympy_seconds < 1.0, watch.sympy_seconds
 
 
 @pytest.mark.cpu_only(reason="the capture watchdog on plain Python work: no tensors")

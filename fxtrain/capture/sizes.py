@@ -153,7 +153,7 @@ class SizesPolicy:
         The whole first capture where only leading (batch) dimensions are symbolic: their retry is
         a capture per batch size, the costlier outcome, and a symbolic batch size that ends well
         can spend over half the first capture in sympy (HF Swin: 1.55 s of a 2.9 s first capture).
-        Seconds of process CPU time (capture/watch.py says why).
+        Seconds of the compiling thread's CPU time (capture/watch.py says why).
 
         The first capture's cost includes its partition, which the worker may still be making when
         the symbolic capture starts (the first size change often comes at the second call, which

@@ -15,11 +15,17 @@ bytecodes, and reads its own stack safely. ``ITIMER_PROF`` (process CPU time) le
 main thread: a compile on another thread is not sampled (never stopped; still warned about). A
 handler the process had is put back after the compile.
 
-Why process CPU time, not wall time, for every measure the stop reads (the sympy seconds, the
-window, the first capture that sets the budget): the timer fires per 50 ms of CPU, so under load the
-wall gap between two samples grows, and charging a whole gap to sympy made a machine busy with other
-work look like a capture sunk in sympy (CI stopped HF Swin's symbolic batch size, which spends at
-most 40% of a window in sympy, and the model then captured once per batch size).
+Why the compiling thread's CPU time, not wall time, for every measure the stop reads (the sympy
+seconds, the window, the first capture that sets the budget): the timer fires per 50 ms of CPU, so
+under load the wall gap between two samples grows, and charging a whole gap to sympy made a machine
+busy with other work look like a capture sunk in sympy (CI stopped HF Swin's symbolic batch size,
+which spends at most 40% of a window in sympy, and the model then captured once per batch size).
+Not the process's CPU time either: the process's other threads (a partition's answer unpickled, a
+tier's graphs loaded, an earlier module's background work in a long test run) were charged to sympy
+whenever a sample found the compiling thread there. ``make test-long`` saw stops in its GPT-2 and
+Swin fuzz cases, where Swin's symbolic batch spends 0.96 s of a 6.9 s capture in sympy alone. The
+timer still counts the process's CPU (ITIMER_PROF), so a busy process samples more often: finer,
+not larger.
 
 Why stop it with an exception raised from the handler: the compile runs inside dynamo, which has no
 cancellation. ``ExpensiveSymbolicSizes`` is raised at the compiling thread's current bytecode,
@@ -50,7 +56,7 @@ from typing import Any, Callable, Deque, Iterator, Optional, Tuple
 logger = logging.getLogger("fxtrain")
 
 _SYMPY = f"{os.sep}sympy{os.sep}"
-_INTERVAL = 0.05   # seconds of process CPU time between samples
+_INTERVAL = 0.05   # seconds of process CPU time between samples (ITIMER_PROF)
 # Expensive: past its budget, and sympy most of the time lately. Symbolic captures that end well spend
 # 7-25% of their time in sympy (HF Swin with a symbolic batch, ResNet and ViT with symbolic image
 # sizes, T5); Swin with symbolic image sizes spends ~80%, for minutes.
@@ -90,14 +96,15 @@ class CompileWatch:
         self.stops = 0             # ExpensiveSymbolicSizes raised (more than one: one was swallowed)
         self._stopped_at = 0.0
         self._started = time.perf_counter()
-        self._cpu_started = self._last = time.process_time()
+        self._cpu_started = self._last = time.thread_time()
         self._recent: Deque[Tuple[float, float]] = collections.deque()   # (when, seconds in sympy)
         self._recent_sympy = 0.0
         self._done = threading.Event()
 
     def cpu_seconds(self) -> float:
-        """Process CPU time since the compile started: the unit of every measure the stop reads."""
-        return time.process_time() - self._cpu_started
+        """The compiling thread's CPU time since the compile started: the unit of every measure the
+        stop reads (``watched`` is entered on the compiling thread, and the handler runs there)."""
+        return time.thread_time() - self._cpu_started
 
     def warn_when_slow(self) -> None:
         if not self._done.wait(self.warn_after):
@@ -107,7 +114,7 @@ class CompileWatch:
         """SIGPROF handler: runs on the compiling thread, ``frame`` is where it was interrupted."""
         if self._done.is_set():
             return
-        now = time.process_time()
+        now = time.thread_time()
         in_sympy = _in_sympy(frame)
         if self.stopped:
             if in_sympy and now - self._stopped_at >= _RESTOP:
