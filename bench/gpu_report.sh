@@ -86,7 +86,7 @@ if wanted bench; then
 fi
 
 # 3. Where a GPU-sized step's time goes (bench/step_breakdown.py): device busy share, syncs, and the
-#    kernels that fill the device, torch.compile against fxtrain's compiled step (issue 17: BERT-base
+#    kernels that fill the device, the ops the host dispatches, torch.compile against fxtrain's compiled step (issue 17: BERT-base
 #    MLM ran ~1.05x torch.compile at 2.6x fewer FLOPs).
 if wanted breakdown; then
     section "step breakdown: ${BREAKDOWN_WORKLOAD:-gpu-bert-base-mlm}, bf16 autocast"
