@@ -428,6 +428,15 @@ def foreach_kernel_devices() -> List[str]:
     return list(_get_foreach_kernels_supported_devices())
 
 
+def foreach_copy(destinations: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
+    """``destinations[i].copy_(sources[i])`` for every ``i``, as one dispatched op
+    (``torch._foreach_copy_``, in every release of the window): on CUDA a few multi-tensor kernels
+    instead of a copy kernel per tensor, and on any device one call from Python instead of one per
+    tensor (runtime/deferred.py copies every parameter of a model ahead of an optimizer step)."""
+    if destinations:   # torch refuses an empty list
+        torch._foreach_copy_(list(destinations), list(sources))
+
+
 def release_saved_tensors(ctx: Any) -> None:
     """Drop an autograd.Function node's saved tensors now, not when its backward returns, so the
     backward graph can free each one after its last use (as eager's engine frees per node)."""

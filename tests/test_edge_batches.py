@@ -2,6 +2,7 @@
 optimizer step, and batches the sparse graph cannot serve (the dense route). Default options
 throughout (conftest clears FXTRAIN_*) unless a test is about an option."""
 import copy
+from collections import Counter
 import logging
 
 import pytest
@@ -149,8 +150,8 @@ def test_keeping_costs_nothing_when_the_loop_drops_its_outputs(monkeypatch):
     """Parameters are copied ahead of a step only for deferred outputs still alive."""
     from fxtrain.runtime import deferred
     kept = []
-    original = deferred._kept_copy
-    monkeypatch.setattr(deferred, "_kept_copy", lambda x, owner: kept.append(x) or original(x, owner))
+    original = deferred._kept_copies
+    monkeypatch.setattr(deferred, "_kept_copies", lambda xs, owner: kept.extend(xs) or original(xs, owner))
     torch.manual_seed(0)
     tm = fxtrain.TrainModule(to_device(models.bert_mlm(hidden=32, layers=2, heads=2, vocab=300, max_positions=64)))
     opt = torch.optim.AdamW(tm.parameters(), lr=1e-3)
@@ -167,6 +168,43 @@ def test_keeping_costs_nothing_when_the_loop_drops_its_outputs(monkeypatch):
     out.loss.backward()
     opt.step()
     assert kept and all(any(k is p for p in tm.parameters()) for k in kept)
+
+
+def test_keeping_is_one_copy_op_into_the_last_steps_buffers():
+    """A loop that holds its outputs across the step (``out = model(**batch)``, then backward and
+    ``opt.step()``) has every parameter the deferred outputs read copied before each step: one
+    foreach op for all of them (it was a ``copy_`` from Python per parameter: 202 ops a step for a
+    12-layer BERT, a kernel launch each on a GPU), into the buffers the step before used once its
+    outputs are gone. Reads after the step are still eager's."""
+    from fxtrain.runtime import deferred
+    torch.manual_seed(0)
+    tm, ref = _pair(models.bert_mlm(hidden=32, layers=2, heads=2, vocab=300, max_positions=64))
+    params = list(tm.parameters())
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (tm, ref))
+    g = torch.Generator().manual_seed(3)
+    batches = [models.synthetic_batch("mlm", 4, 16, 300, padding=0.4, label_density=0.15, generator=g,
+                                      device=current_device()) for _ in range(3)]
+    buffers = []
+    for batch in batches:
+        out, ref_out = tm(**batch), ref(**batch)
+        out.loss.backward()
+        ref_out.loss.backward()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        top = Counter(e.name for e in prof.events() if e.name.startswith("aten::")
+                      and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")))
+        assert top["aten::_foreach_copy_"] == 1 and top["aten::copy_"] == 0, top
+        kept = out.logits._pending.inputs
+        assert len(kept) > len(params) // 2 and not any(any(k is p for p in params) for k in kept)
+        buffers.append({id(p): deferred._spares[id(p)][1].data_ptr() for p in params if id(p) in deferred._spares})
+        torch.testing.assert_close(out.logits, ref_out.logits, atol=1e-5, rtol=1e-4, equal_nan=True)
+        del out, ref_out
+    assert len(buffers[0]) > len(params) // 2 and buffers[0] == buffers[1] == buffers[2], \
+        "a later step's copies went to new buffers"
+    assert tm.capture_info().optimizations["padding_elimination"].startswith("on:")
 
 
 def test_a_hand_written_update_still_makes_a_stale_read_raise():

@@ -159,6 +159,10 @@ def test_constants_behave() -> None:
         pass
     assert tp.tree_flatten([x, (1,)])[0][1] == 1
     assert "cuda" in tp.foreach_kernel_devices() and "cpu" not in tp.foreach_kernel_devices()
+    into, values = [torch.zeros(3), torch.zeros(2, 2, dtype=torch.float64)], [torch.arange(3.0), torch.eye(2)]
+    tp.foreach_copy(into, values)
+    assert all(torch.equal(a, b) for a, b in zip(into, values)) and into[1].dtype == torch.float64
+    tp.foreach_copy([], [])
 
 
 @LOOKUP
