@@ -128,6 +128,8 @@ def _watch(pending: _Pending) -> None:
 
 
 def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if not _pending and not _spares:
+        return   # a loop that drops its outputs before the step (HF Trainer): nothing to do
     params = {id(p) for group in optimizer.param_groups for p in group["params"]}
     if not _pending:
         # The loop drops its outputs before the step: no copy of these weights is needed again. Only
