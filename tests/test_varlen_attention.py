@@ -29,19 +29,32 @@ pytestmark = pytest.mark.usefixtures("passes_whatever_they_cost")
 KERNELS = ["generic"] + (["with_lse"] if tp.attention_with_lse(REQUESTED_DEVICE.type) is not None else [])
 
 
+def _qkv(g, tokens, heads, dim, layout):
+    """q, k, v ``[tokens, heads, dim]``: contiguous leaves, or "strided" as models hand them over:
+    q a transposed ``[heads, tokens, dim]``, k and v halves of one ``[tokens, heads, 2 * dim]``
+    projection (row strides other than ``heads * dim``, k's and v's storage offsets not 0)."""
+    def randn(*shape):
+        return to_device(torch.randn(*shape, generator=g, dtype=torch.float64)).requires_grad_()
+    if layout == "packed":
+        return tuple(randn(tokens, heads, dim) for _ in range(3))
+    kv = randn(tokens, heads, 2 * dim)
+    return randn(heads, tokens, dim).transpose(0, 1), kv[..., :dim], kv[..., dim:]
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_op_matches_padded_sdpa(kernel, causal, monkeypatch):
+@pytest.mark.parametrize("layout", ["packed", "strided"])
+def test_op_matches_padded_sdpa(kernel, causal, layout, monkeypatch):
     """Values and gradients equal SDPA over the padded layout with the padding (and causal) mask;
     "generic" is the path of devices without a log-sum-exp kernel (F.scaled_dot_product_attention
-    forward, recomputed weights backward)."""
+    forward, recomputed weights backward). The runs' blocks are strided views of the inputs, read
+    and written in place: "strided" inputs check that they follow the inputs' own strides."""
     if kernel == "generic":
         monkeypatch.setattr(va, "attention_with_lse", lambda device_type: None)
     g = torch.Generator().manual_seed(0)
     lengths = [5, 3, 3, 0, 7, 1]   # a run of equal lengths (one batched call) and an empty sequence
-    tokens, heads, dim = sum(lengths), 2, 4
-    q, k, v = (to_device(torch.randn(tokens, heads, dim, generator=g, dtype=torch.float64)).requires_grad_()
-               for _ in range(3))
+    tokens, heads, dim = sum(lengths), 2, 8
+    q, k, v = _qkv(g, tokens, heads, dim, layout)
     out, lse = va.varlen_attention(q, k, v, torch.tensor(lengths), 0.3, causal)
     assert lse.numel() == (0 if kernel == "generic" else tokens * heads)
     ref = va.reference(q, k, v, lengths, 0.3, causal)

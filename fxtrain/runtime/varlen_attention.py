@@ -78,10 +78,13 @@ def _runs(lengths: Tensor, tokens: int) -> Iterator[Tuple[int, int, int]]:
 
 
 def _heads_first(x: Tensor, offset: int, count: int, length: int) -> Tensor:
-    """Rows ``offset .. offset + count * length`` of a packed ``[tokens, heads, dim]`` tensor as
-    ``[count, heads, length, dim]`` (a view)."""
-    block = x.narrow(0, offset, count * length)
-    return block.view(count, length, *x.shape[1:]).transpose(1, 2)
+    """Rows ``offset .. offset + count * length`` of a packed ``[tokens, heads, ...]`` tensor as
+    ``[count, heads, length, ...]``: one ``as_strided`` view, where narrow, view and transpose were
+    three ops (the loop runs per run of equal lengths, 8 to 14 of these a run: on a host-bound CPU
+    step their dispatch was as much of the attention's time as its kernels)."""
+    rows, heads, *rest = x.stride()
+    return x.as_strided((count, x.shape[1], length, *x.shape[2:]), (length * rows, heads, rows, *rest),
+                        x.storage_offset() + offset * rows)
 
 
 class _Packer:
@@ -91,20 +94,19 @@ class _Packer:
     batch) is returned as the kernel made it: the CPU kernels lay results out token-major, so its
     transpose is a view and nothing is copied."""
 
-    def __init__(self, like: Tensor, runs: List[Tuple[int, int, int]], width: Optional[int] = None,
+    def __init__(self, like: Tensor, runs: List[Tuple[int, int, int]], shape: Optional[Tuple[int, ...]] = None,
                  dtype: Optional[torch.dtype] = None) -> None:
-        self.shape = (like.shape[0], *like.shape[1:2], *([width] if width is not None else like.shape[2:]))
+        self.shape = tuple(like.shape if shape is None else shape)
         self.whole = len(runs) == 1 and runs[0][1] * runs[0][2] == like.shape[0]
         self.dtype = dtype or like.dtype
         self.out = None if self.whole else like.new_empty(self.shape, dtype=self.dtype)
 
     def put(self, offset: int, piece: Tensor) -> None:
-        rows = piece.transpose(1, 2)                          # [count, length, heads, ...]
+        """``piece``: ``[count, heads, length, ...]``, heads first as the kernels return it."""
         if self.whole:
-            self.out = rows.reshape(self.shape).to(self.dtype)
+            self.out = piece.transpose(1, 2).reshape(self.shape).to(self.dtype)
         else:
-            count, length = rows.shape[:2]
-            self.out.narrow(0, offset, count * length).view(count, length, *self.shape[1:]).copy_(rows)
+            _heads_first(self.out, offset, piece.shape[0], piece.shape[2]).copy_(piece)
 
     def result(self) -> Tensor:
         assert self.out is not None, "a single whole run was never put"
@@ -227,17 +229,17 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, scale: fl
     kernels = attention_with_lse(q.device.type) if kind == "blocks_lse" else None
     runs = list(_runs(lengths, q.shape[0]))
     out = _Packer(q, runs)
-    lse = _Packer(q, runs, width=1, dtype=_lse_dtype(q)) if kernels else None
+    lse = _Packer(q, runs, shape=q.shape[:2], dtype=_lse_dtype(q)) if kernels else None
     for offset, count, length in runs:
         qs, ks, vs = (_heads_first(x, offset, count, length) for x in (q, k, v))
         if kernels:
             o, l_ = kernels[0](qs, ks, vs, causal, scale)
-            lse.put(offset, l_.unsqueeze(-1))
+            lse.put(offset, l_)
         else:
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=scale)
         out.put(offset, o)
         del o
-    return out.result(), (lse.result().squeeze(-1) if lse is not None else q.new_empty((0,)))
+    return out.result(), (lse.result() if lse is not None else q.new_empty((0,)))
 
 
 @varlen_attention.register_fake
@@ -280,10 +282,9 @@ def varlen_attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out
     for offset, count, length in runs:
         qs, ks, vs, gs = (_heads_first(x, offset, count, length) for x in (q, k, v, grad))
         if kernels:
-            os_ = _heads_first(out, offset, count, length)
-            # [count, heads, length] over token-major memory: the layout the forward kernel made
-            ls = lse.narrow(0, offset, count * length).view(count, length, -1).transpose(1, 2)
-            parts = kernels[1](gs, qs, ks, vs, os_, ls, causal, scale)
+            # lse as [count, heads, length] over token-major memory: the layout the forward made
+            parts = kernels[1](gs, qs, ks, vs, _heads_first(out, offset, count, length),
+                               _heads_first(lse, offset, count, length), causal, scale)
         else:
             parts = _math_backward(gs, qs, ks, vs, scale, causal)
         for acc, part in zip(grads, parts):
