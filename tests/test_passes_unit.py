@@ -236,6 +236,34 @@ def test_the_batch_guard_counts_a_selection_and_checks_conditions_before_the_ste
     assert guard.failed(tuple(bad.values())) == ["keep is negative somewhere"]
 
 
+def test_the_batch_guard_computes_each_thing_it_reads_once():
+    """Models recompute what the guard reads and each pass adds its own reading (BERT's guard made
+    ``attention_mask != 0`` three times: a kernel each, every step): the guard's graph computes each
+    once, whichever node of the captured graph, or of a pass, asked for it."""
+    inputs = to_device({"x": torch.arange(12.0).view(6, 2), "keep": torch.tensor([1, 0, 1, 1, 0, 0])})
+    gm = _traced(_kept_rows_sum, inputs)
+    plans = Plans()
+    x, keep = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    graph = gm.graph
+    with graph.inserting_before(output):
+        valid = graph.call_function(torch.ne, (keep, 0))
+        again = graph.call_function(torch.ne, (keep, 0))     # the model computing it a second time
+        index = counted_index(gm, plans, valid)
+        total = graph.call_method("sum", (graph.call_function(torch.index_select, (x, 0, index)),))
+    output.args = ((total,),)
+    builder = GuardBuilder.of(gm, plans)
+    builder.require(builder.call("any", builder.node(again), method=True), "nothing is kept")
+    builder.require(builder.call("any", builder.call(torch.ne, builder.node(keep), 0), method=True), "the same, asked again")
+    builder.store(plans)
+    check = plans.guard.check
+    assert [n.target for n in check.graph.nodes].count(torch.ne) == 1, check.code
+    assert [n.target for n in check.graph.nodes].count("any") == 1, check.code
+    assert plans.guard.check(*inputs.values()).tolist() == [1, 1, 3]
+    none = dict(inputs, keep=to_device(torch.zeros(6, dtype=torch.long)))
+    assert plans.guard.failed(tuple(none.values())) == ["nothing is kept", "the same, asked again"]
+
+
 def test_run_passes_measures_the_batch_its_source_gives():
     for labelled, on in ((0.2, True), (1.0, False)):
         inputs = _head_inputs(labelled)

@@ -136,7 +136,7 @@ class GuardBuilder:
         stacked = pieces[0] if len(pieces) == 1 else self.graph.call_function(torch.cat, (pieces,))
         self.graph.output(stacked)
         self._tail = list(self.graph.nodes)[nodes:]
-        check = torch.fx.GraphModule(self.gm, self.graph)
+        check = torch.fx.GraphModule(self.gm, _deduplicated(self.graph))
         plans.guard = BatchGuard(check, [r for _, r in self.conditions], [slot for _, slot in self.counts],
                                  [slot for _, slot in self.vectors])
         plans.guard_builder = self
@@ -171,6 +171,44 @@ def host_numbers(gm: torch.fx.GraphModule, plans: Plans, flags: Node, op: Any) -
     slot = read_ahead(g_flags) if g_flags is not None else new_slot()
     builder.store(plans)
     return gm.graph.call_function(op, (flags, slot))
+
+
+def _deduplicated(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """A copy of ``graph`` computing each thing once: a node with the op, target and arguments of
+    an earlier one is that one. Models recompute what the guard reads, and each pass adds its own
+    reading of it (BERT's guard made ``attention_mask != 0`` three times: a launch each on a GPU,
+    and a kernel each step on any device). Random ops stay apart (``Node.is_impure``); a node whose
+    arguments cannot be keyed is copied as it is. (The builder keeps its own graph whole: a later
+    pass's ``node`` still maps the captured graph's nodes onto it.)"""
+    new = torch.fx.Graph()
+    env: Dict[Node, Node] = {}
+    made: Dict[Tuple[Any, ...], Node] = {}
+    for node in graph.nodes:
+        key = None
+        if node.op in ("call_function", "call_method") and not node.is_impure():
+            key = (node.op, node.target, _hashable(torch.fx.node.map_arg((node.args, node.kwargs), env.__getitem__)))
+            try:
+                hash(key)
+            except TypeError:
+                key = None
+        if key is not None and key in made:
+            env[node] = made[key]
+            continue
+        env[node] = new.node_copy(node, env.__getitem__)
+        if key is not None:
+            made[key] = env[node]
+    return new
+
+
+def _hashable(value: Any) -> Any:
+    """Node arguments with their lists, tuples, dicts and slices as tuples, to key them."""
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, *(_hashable(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", *((k, _hashable(v)) for k, v in value.items()))
+    if isinstance(value, slice):
+        return ("slice", _hashable(value.start), _hashable(value.stop), _hashable(value.step))
+    return value
 
 
 def _pure(node: Node) -> bool:
