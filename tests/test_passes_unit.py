@@ -208,24 +208,33 @@ def _kept_rows_sum(x, keep):
     return ((x * (keep != 0)[:, None]).sum(),)
 
 
-def test_the_batch_guard_counts_a_selection_and_checks_conditions_before_the_step():
-    inputs = to_device({"x": torch.arange(12.0).view(6, 2), "keep": torch.tensor([1, 0, 1, 1, 0, 0])})
+KEEP_INPUTS = {"x": torch.arange(12.0).view(6, 2), "keep": torch.tensor([1, 0, 1, 1, 0, 0])}
+
+
+def _counted_selection(inputs):
+    """``_kept_rows_sum`` traced, its rows selected by ``counted_index(keep != 0)``: the graph, its
+    plans (the guard counting the selection), ``keep``'s placeholder and the output node."""
     gm = _traced(_kept_rows_sum, inputs)
     plans = Plans()
     x, keep = [n for n in gm.graph.nodes if n.op == "placeholder"]
     output = next(n for n in gm.graph.nodes if n.op == "output")
     graph = gm.graph
     with graph.inserting_before(output):
-        valid = graph.call_function(torch.ne, (keep, 0))
-        index = counted_index(gm, plans, valid)
+        index = counted_index(gm, plans, graph.call_function(torch.ne, (keep, 0)))
         total = graph.call_method("sum", (graph.call_function(torch.index_select, (x, 0, index)),))
     output.args = ((total,),)
+    return gm, plans, keep, output
+
+
+def test_the_batch_guard_counts_a_selection_and_checks_conditions_before_the_step():
+    inputs = to_device(KEEP_INPUTS)
+    gm, plans, keep, _ = _counted_selection(inputs)
     builder = GuardBuilder.of(gm, plans)
     assert builder is plans.guard_builder   # a later pass adds to the same guard
     builder.require(builder.call("all", builder.call(torch.ge, builder.node(keep), 0), method=True),
                     "keep is negative somewhere")
     builder.store(plans)
-    graph.eliminate_dead_code()
+    gm.graph.eliminate_dead_code()
     gm.recompile()
     guard = plans.guard
     assert guard.reasons == ["keep is negative somewhere"] and len(guard.slots) == 1
@@ -240,21 +249,14 @@ def test_the_batch_guard_computes_each_thing_it_reads_once():
     """Models recompute what the guard reads and each pass adds its own reading (BERT's guard made
     ``attention_mask != 0`` three times: a kernel each, every step): the guard's graph computes each
     once, whichever node of the captured graph, or of a pass, asked for it."""
-    inputs = to_device({"x": torch.arange(12.0).view(6, 2), "keep": torch.tensor([1, 0, 1, 1, 0, 0])})
-    gm = _traced(_kept_rows_sum, inputs)
-    plans = Plans()
-    x, keep = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    output = next(n for n in gm.graph.nodes if n.op == "output")
-    graph = gm.graph
-    with graph.inserting_before(output):
-        valid = graph.call_function(torch.ne, (keep, 0))
-        again = graph.call_function(torch.ne, (keep, 0))     # the model computing it a second time
-        index = counted_index(gm, plans, valid)
-        total = graph.call_method("sum", (graph.call_function(torch.index_select, (x, 0, index)),))
-    output.args = ((total,),)
+    inputs = to_device(KEEP_INPUTS)
+    gm, plans, keep, output = _counted_selection(inputs)
+    with gm.graph.inserting_before(output):
+        again = gm.graph.call_function(torch.ne, (keep, 0))     # the model computing it a second time
     builder = GuardBuilder.of(gm, plans)
     builder.require(builder.call("any", builder.node(again), method=True), "nothing is kept")
-    builder.require(builder.call("any", builder.call(torch.ne, builder.node(keep), 0), method=True), "the same, asked again")
+    builder.require(builder.call("any", builder.call(torch.ne, builder.node(keep), 0), method=True),
+                    "the same, asked again")
     builder.store(plans)
     check = plans.guard.check
     assert [n.target for n in check.graph.nodes].count(torch.ne) == 1, check.code
