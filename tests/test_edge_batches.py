@@ -244,6 +244,22 @@ def test_weights_heavier_than_the_outputs_are_not_kept(monkeypatch):
         out.logits.sum()
 
 
+def test_a_tied_weight_is_weighed_once_against_the_outputs(monkeypatch):
+    """A weight the deferred graph reads twice (tied embeddings) is copied once, so it is weighed
+    once against the outputs' bytes: weighed as two copies, a copy as large as the outputs it serves
+    was refused and the read after the step raised."""
+    from fxtrain.runtime import deferred
+    monkeypatch.setattr(deferred, "KEEP_ANYWAY", 0)
+    w = to_device(torch.randn(4, 4))
+    pending = deferred._Pending(lambda a, b: (a @ b,), [w, w], False, out_bytes=w.nbytes)
+    pending.keep_before_update({id(w)})
+    assert pending.not_kept is None
+    assert pending.inputs[0] is pending.inputs[1] and pending.inputs[0] is not w
+    before = w.clone()
+    w.add_(1)   # the optimizer's step
+    torch.testing.assert_close(pending.result(0), before @ before)
+
+
 def test_backward_through_an_output_read_after_the_step_raises_as_eager_does():
     torch.manual_seed(0)
     tm, ref = _pair(models.bert_mlm(hidden=32, layers=2, heads=2, vocab=300, max_positions=64))

@@ -78,13 +78,13 @@ class _Pending:
             todo = [(k, i) for k, (i, version) in enumerate(self.versions)
                     if id(self.inputs[i]) in params and self.inputs[i]._version == version
                     and not _without_values(self.inputs[i])]
-            size = sum(self.inputs[i].nbytes for _, i in todo)
+            distinct: Dict[int, torch.Tensor] = {}   # a tied weight is an input twice: one copy, weighed once
+            for _, i in todo:
+                distinct.setdefault(id(self.inputs[i]), self.inputs[i])
+            size = sum(x.nbytes for x in distinct.values())
             if size > max(self.out_bytes, KEEP_ANYWAY):
                 self.not_kept = size
                 return
-            distinct: Dict[int, torch.Tensor] = {}   # a tied weight is an input twice: one copy
-            for _, i in todo:
-                distinct.setdefault(id(self.inputs[i]), self.inputs[i])
             copies = dict(zip(distinct, _kept_copies(list(distinct.values()), self)))
             for k, i in todo:
                 kept = self.inputs[i] = copies[id(self.inputs[i])]
