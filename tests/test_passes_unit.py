@@ -22,6 +22,7 @@ from fxtrain.passes.batch_guard import GuardBuilder, counted_index
 from fxtrain.passes.label_sparsity import label_sparsity
 from fxtrain.passes.padding_elimination import padding_elimination
 from fxtrain.passes.row_ops import row_selection
+from fxtrain.passes.varlen import _Evaluator
 from utils import current_device, to_device
 
 B, S, H, HEADS, V = 3, 8, 16, 2, 50
@@ -421,3 +422,27 @@ def test_a_pass_pays_only_where_it_shortens_the_longer_of_host_and_device():
     assert launch_bound(817 * 10 ** 9, 5, base, cuda, torch.bfloat16) is None          # ~42 ms after
     assert launch_bound(10 ** 9, 5, base, cuda, torch.bfloat16) is None                # still device-bound
     assert launch_bound(3000 * 10 ** 9, 100, base, cuda, torch.bfloat16) is not None   # host ~55 ms after
+
+
+@pytest.mark.cpu_only(reason="graph evaluation on host probes: the device plays no part")
+def test_the_matchers_probes_are_shared_and_a_path_that_writes_into_one_is_refused():
+    """The attention matcher's numbered probes are views of one tensor made once per capture (a
+    probe is as large as the batch's activations), so a layout path that writes into its probe
+    must be refused, not trusted: the numbers it compares against would have moved with it."""
+    def layout(x):
+        return x.view(4, 2).t()
+
+    def writes(x):
+        return x.view(4, 2).mul_(2).t()
+
+    ev = _Evaluator(torch.fx.symbolic_trace(layout), lambda gm, node: None)
+    large, small = ev.numbered((3, 4), torch.device("cpu")), ev.numbered((8,), torch.device("cpu"))
+    assert torch.equal(large.flatten(), torch.arange(12, dtype=torch.float64))
+    assert small.data_ptr() == large.data_ptr() and torch.equal(small, torch.arange(8, dtype=torch.float64))
+    nodes = list(ev.gm.graph.nodes)
+    assert torch.equal(ev.run(nodes[0], small, nodes[-2]), torch.arange(8.0).view(4, 2).t())
+    gm = torch.fx.symbolic_trace(writes)
+    ev = _Evaluator(gm, lambda gm, node: None)
+    nodes = list(gm.graph.nodes)
+    assert ev.run(nodes[0], ev.numbered((8,), torch.device("cpu")), nodes[-2]) is None
+    assert torch.equal(ev.numbered((8,), torch.device("cpu")), torch.arange(8, dtype=torch.float64))   # made anew

@@ -157,6 +157,53 @@ def test_ops_before_attention_that_are_not_rotary_stay_exact(kind):
         assert why.startswith("off:") and "padding rows reach" in why, why
 
 
+class _HeadSplit(nn.Module):
+    """One attention block whose query holds each token's features in its heads "consecutive"ly
+    (head j: features j * dim ..., as every model splits them) or "interleaved" (head j: features j,
+    j + heads, ...): the per-sequence attention unflattens the packed rows into consecutive heads, so
+    the second must keep the padded attention."""
+
+    def __init__(self, layout, vocab=50, hidden=16, heads=2):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
+        self.out = nn.Linear(hidden, hidden)
+        self.head = nn.Linear(hidden, vocab)
+        self.layout, self.heads = layout, heads
+
+    def forward(self, input_ids, attention_mask, labels):
+        b, s = input_ids.shape
+        h = self.emb(input_ids)
+        q, k, v = self.qkv(h).split(h.shape[-1], dim=2)
+        k, v = (t.reshape(b, s, self.heads, -1).transpose(1, 2) for t in (k, v))
+        if self.layout == "interleaved":
+            q = q.reshape(b, s, -1, self.heads).permute(0, 3, 1, 2)
+        else:
+            q = q.reshape(b, s, self.heads, -1).transpose(1, 2)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask.bool()[:, None, None, :])
+        logits = self.head(h + self.out(a.transpose(1, 2).reshape(b, s, -1)))
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
+
+
+@pytest.mark.parametrize("layout", ["consecutive", "interleaved"])
+def test_only_heads_of_consecutive_features_run_sequence_by_sequence(layout):
+    """The matcher runs the capturing batch's layout ops on a probe whose values number each
+    token's features and compares the heads they reach against a view of it: consecutive heads
+    run sequence by sequence, interleaved ones stay padded; eager's numbers either way."""
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(_HeadSplit(layout))
+    g = torch.Generator().manual_seed(6)
+    batches = [models.synthetic_batch("mlm", 4, 16, 50, padding=0.4, label_density=0.3, generator=g)
+               for _ in range(2)]
+    train_parity(tm, ref, batches, lambda out, _: out, state_atol=3e-4)
+    why = tm.capture_info().optimizations["padding_elimination"]
+    assert why.startswith("on:"), why
+    if layout == "consecutive":
+        assert "sequence by sequence: 1 of 1" in why, why
+    else:
+        assert "0 of 1" in why and "its query does not split each token's features into heads" in why, why
+
+
 class _Recorder(TorchDispatchMode):
     """The q shapes of every attention kernel a step runs, inside fxtrain's custom ops too."""
 

@@ -348,12 +348,18 @@ def padding_elimination(gm: torch.fx.GraphModule, examples: ExampleSource, optio
     if tokens is None:
         return PassReport(NAME, False, "the token mask of the capturing batch is not readable")
     kinds: Dict[Node, Optional[bool]] = {}   # attention -> causal (None: neither kind, stays padded)
+    # Per mask, not per attention: the layers of a model share theirs, and reading one is a few
+    # passes over [batch, heads, seq, seq] (BERT-base at 32 x 512: 0.05 s each on the CPU).
+    read: Dict[Any, Tuple[bool, Optional[bool]]] = {}
     for sdpa in sdpas:
         attn_mask = sdpa_arguments(sdpa)["attn_mask"]
-        evaluated = examples.evaluate(gm, attn_mask)
-        if not _masks_padding_keys(evaluated, tokens):
+        if attn_mask not in read:
+            evaluated = examples.evaluate(gm, attn_mask)
+            hides = _masks_padding_keys(evaluated, tokens)
+            read[attn_mask] = (hides, mask_kind(evaluated, tokens) if hides else None)
+        hides_padding, kinds[sdpa] = read[attn_mask]
+        if not hides_padding:
             return PassReport(NAME, False, f"the mask of {sdpa.name} lets real tokens attend to padding")
-        kinds[sdpa] = mask_kind(evaluated, tokens)
     lead_shape = value(mask_node).shape
     plan, why = _plan(gm, lead_shape, examples)
     if plan is None:

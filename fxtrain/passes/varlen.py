@@ -34,6 +34,7 @@ logged and reported.
 from __future__ import annotations
 
 import logging
+import math
 import operator
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
@@ -308,8 +309,9 @@ def _chain_exact(chain: _Chain, ev: "_Evaluator", tokens: torch.Tensor, heads: i
     real tokens, bit for bit."""
     b, s = tokens.shape
     e = value(chain.entry)
-    g = torch.Generator().manual_seed(0)
-    probe = torch.randn(b, heads, s, dim, generator=g, dtype=torch.float64).to(device=tokens.device, dtype=e.dtype)
+    drawn = ev.random((b, heads, s, dim), tokens.device)
+    version = drawn._version
+    probe = drawn.to(e.dtype)
     idx = tokens.flatten().nonzero().flatten()
     dense: Dict[Node, Any] = {chain.entry: probe}
     packed: Dict[Node, Any] = {chain.entry: probe.transpose(1, 2).reshape(b * s, heads, dim)[idx].unsqueeze(2)}
@@ -329,8 +331,13 @@ def _chain_exact(chain: _Chain, ev: "_Evaluator", tokens: torch.Tensor, heads: i
             packed[node] = run_node(node, packed)
     except Exception:
         return False
+    finally:
+        wrote = drawn._version != version   # into its input: the shared draw is no longer what it was
+        if wrote:
+            ev.forget()
     want, got = dense[chain.out], packed[chain.out]
-    if not isinstance(want, torch.Tensor) or want.shape != (b, heads, s, dim) or got.shape != (len(idx), heads, 1, dim):
+    if wrote or not isinstance(want, torch.Tensor) or want.shape != (b, heads, s, dim) \
+            or got.shape != (len(idx), heads, 1, dim):
         return False
     return torch.equal(got.squeeze(2), want.transpose(1, 2).reshape(b * s, heads, dim)[idx])
 
@@ -368,6 +375,30 @@ class _Evaluator:
     def __init__(self, gm: torch.fx.GraphModule, evaluate: Any) -> None:
         self.gm, self.evaluate = gm, evaluate
         self.known: Dict[Node, Any] = {}
+        self._numbers: Optional[torch.Tensor] = None
+        self._random: Dict[Tuple[Tuple[int, ...], str], torch.Tensor] = {}
+
+    def numbered(self, shape: Tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """A probe of ``shape`` whose values number its elements (0, 1, ...; float64, exact to
+        2 ** 53). Views of one tensor made once per capture: a probe is as large as the capturing
+        batch's activations, and making each anew cost more than the rest of the matching (BERT-base
+        at 32 x 512: 48 probes of 12.6 M values, 1.7 s of ``arange`` on the CPU). ``run`` refuses a path that
+        writes into its probe, so the numbers stay true."""
+        n = math.prod(shape)
+        have = self._numbers
+        if have is None or have.numel() < n or have.device != torch.device(device):
+            have = self._numbers = torch.arange(n, dtype=torch.float64, device=device)
+        return have[:n].view(shape)
+
+    def random(self, shape: Tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """Standard normal float64 values of ``shape``, the same for every call with that shape: drawn
+        once per capture on ``device`` (drawing on the host and copying was ~0.2 s per rotary chain at
+        a GPU's batch sizes). Callers must not write into it."""
+        key = (tuple(shape), str(device))
+        if key not in self._random:
+            g = torch.Generator(device=device).manual_seed(0)
+            self._random[key] = torch.randn(shape, generator=g, dtype=torch.float64, device=device)
+        return self._random[key]
 
     def outside(self, node: Node) -> Any:
         if node not in self.known:
@@ -375,6 +406,9 @@ class _Evaluator:
         return self.known[node]
 
     def run(self, start: Node, probe: torch.Tensor, end: Node) -> Optional[Any]:
+        """``end``'s value with ``start``'s replaced by ``probe``; None where a node fails or writes
+        into the probe (its version counter moves: the numbers would no longer be true)."""
+        version = probe._version
         env: Dict[Node, Any] = {start: probe}
         needed = ancestors(end)
         for node in self.gm.graph.nodes:
@@ -387,7 +421,28 @@ class _Evaluator:
                 env[node] = run_node(node, env)
             except Exception:
                 return None
+        if probe._version != version:
+            self.forget()
+            return None
         return env.get(end)
+
+    def forget(self) -> None:
+        """Drop the shared probes (one was written into): later ones are made anew."""
+        self._numbers = None
+        self._random.clear()
+
+
+def _splits_features(out: torch.Tensor, rows: torch.Tensor, first: int, heads: int, dim: int) -> bool:
+    """Whether ``out`` (``[batch, heads, seq, dim]``, made from ``rows``, ``[batch, seq, features]``,
+    whose values number each element) holds each token's features ``first .. first + heads * dim``
+    head after head. One comparison on the graph's device, against a view of ``rows``: the probes
+    are as large as the capturing batch's activations (BERT-base at 32 x 512: 12.6 M values per
+    q, k and v of each layer), so copying them to the host and decoding each value's row and
+    feature there took seconds of the first step."""
+    if not 0 <= first <= rows.shape[2] - heads * dim:
+        return False
+    want = rows[:, :, first:first + heads * dim].unflatten(2, (heads, dim))   # [batch, seq, heads, dim]
+    return torch.equal(out.transpose(1, 2), want)
 
 
 def _match(gm: torch.fx.GraphModule, sdpa: Node, index: Node, tokens: torch.Tensor,
@@ -423,20 +478,17 @@ def _match(gm: torch.fx.GraphModule, sdpa: Node, index: Node, tokens: torch.Tens
         if len(features) != 1 or not isinstance(features[0], int):
             return None, f"its {name} rows are not vectors"
         f = features[0]
-        # On the graph's device: the path may meet outside values there (HF's DynamicLayer cats
-        # onto an empty cache tensor made on the keys' device), which a host probe cannot join.
-        probe = torch.arange(b * s * f, dtype=torch.float64, device=tokens.device).view(b * s, f)
+        # The probe's values number each (row, feature); on the graph's device: the path may meet
+        # outside values there (HF's DynamicLayer cats onto an empty cache tensor made on the keys'
+        # device), which a host probe cannot join.
+        probe = ev.numbered((b * s, f), tokens.device)
         out = ev.run(put, probe, x)
         if not isinstance(out, torch.Tensor) or out.dim() != 4 or out.shape[0] != b or out.shape[2] != s:
             return None, f"its {name} is not [batch, heads, seq, dim] of the re-padded rows"
-        out = out.cpu()
-        per_token = out.transpose(1, 2).long()                     # [b, s, heads, dim]
-        position, feature = per_token // f, per_token % f
-        where = torch.arange(b * s).view(b, s, 1, 1)
-        first = int(feature[0, 0, 0, 0])
         heads, dim = out.shape[1], out.shape[3]
-        block = first + torch.arange(heads * dim).view(heads, dim)
-        if not bool((position == where).all()) or not bool((feature == block).all()):
+        corner = float(out[0, 0, 0, 0])       # token 0's first feature in the heads
+        first = int(corner) if corner.is_integer() else -1
+        if not _splits_features(out, probe.view(b, s, f), first, heads, dim):
             return None, f"its {name} does not split each token's features into heads"
         if match.heads and (heads * rep, dim) != (match.heads, match.dim):
             return None, "q, k and v differ in heads or head size"
@@ -461,11 +513,10 @@ def _match(gm: torch.fx.GraphModule, sdpa: Node, index: Node, tokens: torch.Tens
             return None, "its output is read outside the gather of real tokens"
         path.append(user)
         node = user
-    probe = torch.arange(b * match.heads * s * match.dim, dtype=torch.float64,
-                         device=tokens.device).view(b, match.heads, s, match.dim)
+    probe = ev.numbered((b, match.heads, s, match.dim), tokens.device)
     out = ev.run(sdpa, probe, node)
-    want = probe.transpose(1, 2).reshape(b * s, match.heads * match.dim)
-    if not isinstance(out, torch.Tensor) or out.shape != want.shape or not torch.equal(out, want):
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (b * s, match.heads * match.dim) \
+            or not torch.equal(out.unflatten(1, (match.heads, match.dim)).unflatten(0, (b, s)), probe.transpose(1, 2)):
         return None, "its output is not merged back head after head"
     match.dead += [match.gather] + path[::-1] + [sdpa]
     return match, ""
