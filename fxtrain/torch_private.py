@@ -556,14 +556,69 @@ def retrace(graph: torch.fx.GraphModule, decompositions: Dict[Any, Callable[...,
     return new
 
 
+def decompose_calls(graph: torch.fx.GraphModule, ops: Iterable[Any],
+                    decompositions: Dict[Any, Callable[..., Any]]) -> int:
+    """Each call in ``graph`` of an op in ``ops`` replaced, in place, by its decomposition from
+    ``decompositions``, traced (``make_fx``) on the call's own fake input values and spliced in;
+    every other node stays as it is, its metadata included (a whole-graph ``retrace`` would rebuild
+    them all). Left whole: a call whose inputs carry no fake value, whose trace would need a
+    constant, or whose decomposition asks a question of a size only the batch knows (an unbacked
+    row count of the sparsity passes: the accumulating scatter ``embedding_dense_backward``
+    decomposes to checks ``numel() == 0``, and fake tensors run that decomposition too). Needs:
+    ``GuardOnDataDependentSymNode``, what the shape environment raises there. Returns how many
+    were replaced."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+    wanted = {op for op in ops if op in decompositions}
+    replaced = 0
+    for node in list(graph.graph.nodes):
+        if node.op != "call_function" or node.target not in wanted:
+            continue
+        inputs = node.all_input_nodes
+        examples = [n.meta.get("val") for n in inputs]
+        if any(e is None for e in examples):
+            continue
+
+        def call(*values: Any, node: torch.fx.Node = node, inputs: List[torch.fx.Node] = inputs) -> Any:
+            env = dict(zip(inputs, values))
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+            return decompositions[node.target](*args, **kwargs)
+        fake_mode = detect_fake_mode(examples)
+        try:
+            with fake_mode if fake_mode is not None else contextlib.nullcontext():
+                sub = make_fx(call, decomposition_table=decompositions)(*examples)
+        except GuardOnDataDependentSymNode as e:
+            logging.getLogger("fxtrain").debug("%s left whole: %s", node.format_node(), str(e).splitlines()[0])
+            continue
+        result = next(n for n in sub.graph.nodes if n.op == "output").args[0]
+        if any(n.op == "get_attr" for n in sub.graph.nodes) or not isinstance(result, torch.fx.Node):
+            continue
+        env: Dict[torch.fx.Node, torch.fx.Node] = {}
+        places = iter(inputs)
+        with graph.graph.inserting_before(node):
+            for n in sub.graph.nodes:
+                if n.op == "placeholder":
+                    env[n] = next(places)
+                elif n.op != "output":
+                    env[n] = graph.graph.node_copy(n, env.__getitem__)
+        node.replace_all_uses_with(env[result])
+        graph.graph.erase_node(node)
+        replaced += 1
+    if replaced:
+        graph.graph.lint()
+        graph.recompile()
+    return replaced
+
+
 _fallbacks_made = False
 
 
 def _inductor_runs_backward_pass_ops() -> None:
-    """Ops kept whole for the backward passes but left in a graph (the pass did not fire) run as
-    aten kernels inside inductor's code. Inductor lowers only ops it has no decomposition for, so
-    those with one need a fallback of their own (registered once; torch's own compiles decompose
-    these ops before lowering and never meet it)."""
+    """Ops kept whole for the backward passes that are still in a graph (no pass rewrote them and
+    ``decompose_calls`` could not decompose them) run as aten kernels inside inductor's code.
+    Inductor lowers only ops it has no decomposition for, so those with one need a fallback of
+    their own (registered once; torch's own compiles decompose these ops before lowering and never
+    meet it)."""
     global _fallbacks_made
     if _fallbacks_made:
         return

@@ -324,6 +324,17 @@ def test_sparse_symbolic_capture_reaches_inductor(monkeypatch):
     why = tm.capture_info().optimizations
     assert why["padding_elimination"].startswith("on:") and why["label_sparsity"].startswith("on:"), why
     assert tier.size_guards is None or tier.size_guards.failed == 0, str(tier)
+    # The embedding gradients the tied pass left (positions, token types) reach inductor decomposed,
+    # to be fused as torch.compile fuses them; the row gathers', sized by a count only the batch
+    # knows, stay whole.
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbols
+    from fxtrain import torch_private as tp
+    edb = torch.ops.aten.embedding_dense_backward.default
+    captured = [n for n in tm.capture_info().records[0].step.backward_graph.graph.nodes if n.target is edb]
+    _, bw = tp.unpickle_graphs(tier.payload, tp.FakeTensorMode(shape_env=ShapeEnv()))
+    left = [n for n in bw.graph.nodes if n.target is edb]
+    unbacked = [n for n in captured if free_unbacked_symbols(n.meta["val"])]
+    assert 0 < len(left) == len(unbacked) < len(captured), (len(left), len(unbacked), len(captured))
 
 
 @pytest.mark.extended   # the same switch as the BERT-MLM test above, on packed documents

@@ -541,6 +541,41 @@ def test_tier_accessors(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch)
 
 
 @LOOKUP
+def test_decompose_calls_splices_each_decomposable_call() -> None:
+    """What passes/__init__.py and the tier's worker need: the calls of an op decomposed in place,
+    computing what the op computes, every other node left as it was (its metadata included); a
+    call whose decomposition asks something of a size only the batch knows (an unbacked count, as
+    the sparsity passes' row counts are) stays whole instead of raising."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    edb = torch.ops.aten.embedding_dense_backward.default
+    table = tp.inductor_decompositions()
+    mode = tp.FakeTensorMode(shape_env=ShapeEnv())
+
+    def step(grad, ids):
+        return (edb(grad.tanh(), ids, 10, 3, False) * 2,)
+    with mode:
+        gm = make_fx(step)(torch.empty(4, 5, 8), torch.zeros(4, 5, dtype=torch.long))
+    tanh = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.tanh.default)
+    tanh.meta["kept"] = True
+    assert _check("decompose_calls", tp.decompose_calls, gm, [edb], table) == 1
+    assert edb not in {n.target for n in gm.graph.nodes} and tanh in gm.graph.nodes and tanh.meta["kept"]
+    grad, ids = torch.randn(4, 5, 8), torch.randint(0, 10, (4, 5))
+    ids[0, :3] = 3   # padding_idx: no gradient
+    torch.testing.assert_close(gm(grad, ids)[0], step(grad, ids)[0])
+
+    def gather_back(grad, keep):   # the gradient of a gather from the rows ``keep`` selects
+        rows = keep.nonzero().shape[0]
+        return (edb(grad, torch.zeros(grad.shape[0], dtype=torch.long), rows, -1, False),)
+    unbacked = tp.FakeTensorMode(shape_env=ShapeEnv())
+    with unbacked:
+        gm = make_fx(gather_back)(torch.empty(6, 8), torch.empty(6, dtype=torch.bool))
+    assert tp.decompose_calls(gm, [edb], table) == 0
+    assert edb in {n.target for n in gm.graph.nodes}
+    del mode, unbacked
+
+
+@LOOKUP
 def test_size_guard_accessors() -> None:
     """What runtime/tiered.py reads back from loaded graphs: their ShapeEnv, the guards recorded on
     it, and a per-call check of new guards over the graph inputs (a tensor and a SymInt input)."""

@@ -16,6 +16,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch.fx
 
+from .. import torch_private as tp
 from ..options import Options
 from ..runtime.executors import Executor
 from ..runtime.step import PassReport, Plans
@@ -72,10 +73,23 @@ BACKWARD_PASS_OPS: Dict[str, Tuple[object, ...]] = {"cross_entropy_grad": _ce_gr
 
 
 def run_backward_passes(bw: torch.fx.GraphModule, executor: Executor) -> List[PassReport]:
-    """The backward passes on ``bw``, less those ``executor`` skips (reported as off, with its reason)."""
+    """The backward passes on ``bw``, less those ``executor`` skips (reported as off, with its reason).
+
+    Then each op kept whole for them (``backward_pass_ops``) that no pass rewrote is decomposed as
+    the executor's table would have done at the trace: to a code generator a whole op is an opaque
+    kernel call. Under inductor that was the gradient of every untied embedding (BERT's position and
+    token types: ``embedding_dense_backward``), which on CUDA past 3,072 indices is PyTorch's
+    sort-based kernel of ~15 launches, where inductor fuses its decomposition (a zero fill and an
+    accumulating scatter) as torch.compile does. One sized by a row count only the batch knows (the
+    sparsity passes' row gathers) stays whole: its decomposition cannot be traced
+    (``tp.decompose_calls``)."""
     skips = executor.skips_backward_passes
-    return [PassReport(p.__name__, False, skips[p.__name__]) if p.__name__ in skips else p(bw)
-            for p in BACKWARD_PASSES]
+    reports = [PassReport(p.__name__, False, skips[p.__name__]) if p.__name__ in skips else p(bw)
+               for p in BACKWARD_PASSES]
+    table = executor.decompositions()
+    if table is not None:
+        tp.decompose_calls(bw, backward_pass_ops(executor), table)
+    return reports
 
 
 def backward_pass_ops(executor: Executor) -> List[object]:

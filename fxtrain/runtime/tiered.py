@@ -58,6 +58,7 @@ from __future__ import annotations
 import logging
 import functools
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -570,13 +571,22 @@ class Tier:
             _workers.discard(proc)
         if proc.returncode != 0:
             lines = [ln for ln in err.decode(errors="replace").splitlines() if ln.strip()]
-            raise RuntimeError(f"worker exited with {proc.returncode}: {lines[-1] if lines else 'no message'}")
+            raise RuntimeError(f"worker exited with {proc.returncode}: {_exception_line(lines)}")
+
+
+def _exception_line(lines: Sequence[str]) -> str:
+    """The worker's exception as Python printed it (``module.Type: message``) from its stderr:
+    torch's errors end with advice ("Use tlparse to see full graph."), which said nothing of why."""
+    said = [ln for ln in lines if re.match(r"[A-Za-z_][\w.]*: \S", ln)]
+    return said[-1] if said else lines[-1] if lines else "no message"
 
 
 # Ops the worker's retrace keeps whole (inductor lowers each itself): the backward ops fxtrain's
 # passes rewrite around, and constant_pad_nd, whose decomposition reads its input's whole size()
 # and so pinned a symbolic capture to its sample sizes (the shifted labels of an HF causal-LM loss:
-# the packed Llama compiled for its first batch's [2, 24] only).
+# the packed Llama compiled for its first batch's [2, 24] only). The passes ran at capture: what
+# they left whole is then decomposed call by call, where the batch's sizes allow
+# (``tp.decompose_calls``; passes/__init__.py: run_backward_passes says why).
 RETRACE_KEEPS = (*tp.BACKWARD_PASS_OPS, torch.ops.aten.constant_pad_nd.default)
 
 
@@ -600,7 +610,8 @@ def _worker(argv: Sequence[str]) -> None:
     fw, bw, saved = tp.unpickle_graphs(given.read_bytes(), tp.FakeTensorMode(shape_env=ShapeEnv()))
     use_graphs_device((fw, bw))
     with tp.inductor_eager_random():   # dropout kept whole, to run eager's kernel
-        table = InductorExecutor().decompositions(keep=RETRACE_KEEPS)
+        whole = InductorExecutor().decompositions(keep=())
+    table = {op: fn for op, fn in whole.items() if op not in RETRACE_KEEPS}
     random = [n.target for n in fw.graph.nodes if n.op == "call_function" and tp.draws_random_numbers(n)]
     _zero_pads_as_copies(fw)
     fw = tp.retrace(fw, table)
@@ -617,6 +628,7 @@ def _worker(argv: Sequence[str]) -> None:
         examples[:len(saved)] = [outs[i] for i in saved]
         _zero_pads_as_copies(bw)
         bw = tp.retrace(bw, table, examples)
+        tp.decompose_calls(bw, tp.BACKWARD_PASS_OPS, whole)
     payload = tp.pickle_graphs((_lean(fw), _lean(bw) if bw is not None else None))
     fw, bw = tp.unpickle_graphs(payload, tp.FakeTensorMode(shape_env=ShapeEnv()))
     _compile_all(fw, bw, inference, cached_only=False)
