@@ -123,6 +123,22 @@ def test_failed_compile_stays_eager_and_logs_once(caplog):
     assert tier.state == "eager" and "compile_timeout exceeded" in tier.reason, str(tier)
 
 
+@pytest.mark.cpu_only(reason="a worker process that fails before it reads a graph: no tensors")
+def test_a_failed_worker_is_reported_by_its_exception(tmp_path):
+    """The reason a capture stays eager is the worker's exception as Python printed it, not the
+    last line of its stderr: torch's errors end with advice ("Use tlparse to see full graph.")."""
+    from fxtrain.runtime.tiered import Tier, _exception_line
+    with pytest.raises(RuntimeError, match=r"^worker exited with 1: FileNotFoundError: .*absent"):
+        Tier._run_worker(tmp_path / "absent", tmp_path / "made", False, 120.0, lambda: True)
+    printed = ["Traceback (most recent call last):", '  File "decompositions.py", line 4702, in put',
+               "    if x.numel() == 0:",
+               "torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode: Could not guard on Eq(u4, 0)",
+               "Caused by: (_decomp/decompositions.py:4702 in put)", "While executing %edb : [num_users=1] = ...",
+               "Original traceback:", "Use tlparse to see full graph. (https://github.com/pytorch/tlparse)"]
+    assert _exception_line(printed) == printed[3]
+    assert _exception_line(["Killed"]) == "Killed" and _exception_line([]) == "no message"
+
+
 @pytest.mark.parametrize("after", [0.0, 2.0])
 def test_compile_starts_compile_after_seconds_after_the_first_call(after):
     """The default executor is "auto"; a capture's worker starts at its first call
