@@ -564,7 +564,8 @@ def decompose_calls(graph: torch.fx.GraphModule, ops: Iterable[Any],
     them all). Left whole: a call whose inputs carry no fake value, whose trace would need a
     constant, or whose decomposition asks a question of a size only the batch knows (an unbacked
     row count of the sparsity passes: the accumulating scatter ``embedding_dense_backward``
-    decomposes to checks ``numel() == 0``, and fake tensors run that decomposition too). Needs:
+    decomposes to checks ``numel() == 0`` on torch 2.13 and 2.14, not on 2.11, and fake tensors run
+    that decomposition too). Needs:
     ``GuardOnDataDependentSymNode``, what the shape environment raises there. Returns how many
     were replaced."""
     from torch.fx.experimental.proxy_tensor import make_fx

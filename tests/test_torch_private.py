@@ -567,10 +567,14 @@ def test_decompose_calls_splices_each_decomposable_call() -> None:
     def gather_back(grad, keep):   # the gradient of a gather from the rows ``keep`` selects
         rows = keep.nonzero().shape[0]
         return (edb(grad, torch.zeros(grad.shape[0], dtype=torch.long), rows, -1, False),)
+
+    def asking(grad, indices, rows, padding_idx, by_freq):
+        # torch 2.13's decomposition asks ``numel() == 0`` of the rows; 2.11's asks nothing
+        return grad.new_zeros(0, grad.shape[1]) if rows == 0 else table[edb](grad, indices, rows, padding_idx, by_freq)
     unbacked = tp.FakeTensorMode(shape_env=ShapeEnv())
     with unbacked:
         gm = make_fx(gather_back)(torch.empty(6, 8), torch.empty(6, dtype=torch.bool))
-    assert tp.decompose_calls(gm, [edb], table) == 0
+    assert tp.decompose_calls(gm, [edb], {edb: asking}) == 0
     assert edb in {n.target for n in gm.graph.nodes}
     del mode, unbacked
 

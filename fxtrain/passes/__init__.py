@@ -81,8 +81,8 @@ def run_backward_passes(bw: torch.fx.GraphModule, executor: Executor) -> List[Pa
     token types: ``embedding_dense_backward``), which on CUDA past 3,072 indices is PyTorch's
     sort-based kernel of ~15 launches, where inductor fuses its decomposition (a zero fill and an
     accumulating scatter) as torch.compile does. One sized by a row count only the batch knows (the
-    sparsity passes' row gathers) stays whole: its decomposition cannot be traced
-    (``tp.decompose_calls``)."""
+    sparsity passes' row gathers) stays whole where its decomposition asks something of that count
+    and so cannot be traced (torch 2.13 and 2.14: ``tp.decompose_calls``)."""
     skips = executor.skips_backward_passes
     reports = [PassReport(p.__name__, False, skips[p.__name__]) if p.__name__ in skips else p(bw)
                for p in BACKWARD_PASSES]
