@@ -32,7 +32,14 @@ ask it alike):
 - ``"blocks_lse"`` (the CPU): per run of equal lengths, through a kernel that also returns the
   softmax's log-sum-exp (``torch_private.attention_with_lse``, the CPU flash kernel), whose backward
   reuses it and costs one pass. Kept on the CPU: no variable-length kernel there, and the batched
-  runs already make the demo ~6-8x eager.
+  runs already make the demo ~6-8x eager. One call over a padded copy instead (every sequence
+  scattered to ``[sequences, longest, heads, dim]``, the same kernel told a key mask, the rows
+  gathered back: exact, one kernel call, but ``sequences * longest**2`` work) measured slower at
+  every size but the tiniest (torch 2.13, one thread, 2026-12-07, forward / backward µs per call,
+  per-run against padded): 4 sequences of 20-45 tokens, 2 heads of 16: 582 / 807 against 484 / 715;
+  the demo's 16 sequences, 4 heads of 64: 2834 / 8728 against 6094 / 13867; BERT-base's 8 x 12
+  heads: 5152 / 9691 against 7628 / 17468; 15 packed causal documents up to 512 tokens: 28491 /
+  68672 against 54237 / 125036.
 - ``"blocks"`` (anything else: float64 on CUDA, ROCm, odd head dims): per run,
   ``F.scaled_dot_product_attention`` forward and a backward recomputing the attention weights in
   plain tensor ops: an extra ``q @ k^T`` and softmax, and the ``[len, len]`` weights in memory, but
