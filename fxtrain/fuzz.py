@@ -356,7 +356,7 @@ class _Pair:
         if loss.custom:
             model = ModuleWithLoss(model, functools.partial(_custom_loss, self.kind, loss))
         self.ref = copy.deepcopy(model)
-        # The launch model would turn the passes off for models this small on an accelerator: the
+        # The launch model would turn the passes off for models this small (cost/launches.py): the
         # fuzzer keeps them, since what they compute is what it tests (capture/backend.py: Plugins).
         self.tm = TrainModule(model, Options(executor="auto") if case.tier else None,
                               plugins=Plugins(weigh_launches=False))

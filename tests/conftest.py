@@ -90,10 +90,10 @@ def _no_fxtrain_environment(monkeypatch):
 @pytest.fixture
 def passes_whatever_they_cost(monkeypatch):
     """For tests of what the sparsity passes compute: the passes stay on whatever their kernel
-    launches would cost on the test device. On an accelerator the launch model (cost/launches.py)
-    turns off an ``"auto"`` pass whose added launches cost more than the FLOPs it skips, which it
-    does for models as small as the suite's; these tests check the rewrites' exactness on that
-    device, which needs them on. The launch model's own decisions are tested without this
+    launches would cost on the test device. The launch model (cost/launches.py) turns off an
+    ``"auto"`` pass whose added host work costs more than the FLOPs it skips, which it does for
+    models as small as the suite's, on an accelerator and on the CPU; these tests check the
+    rewrites' exactness on the test device, which needs them on. The launch model's own decisions are tested without this
     (tests/test_passes_unit.py, test_padding_elimination.py), and ``"on"`` would change the reports
     these tests read. The runtime's mode is then chosen by the CPU's rule too (cost/launches.py:
     ``replay_pays``), whose exchange rate a test may set (``BYTES_PER_BACKWARD_OP``)."""

@@ -23,6 +23,7 @@ from fxtrain.passes.label_sparsity import label_sparsity
 from fxtrain.passes.padding_elimination import padding_elimination
 from fxtrain.passes.row_ops import row_selection
 from fxtrain.passes.varlen import _Evaluator
+from fxtrain.runtime import varlen_attention as va
 from utils import current_device, to_device
 
 B, S, H, HEADS, V = 3, 8, 16, 2, 50
@@ -321,11 +322,11 @@ def test_a_pass_whose_launches_cost_more_than_it_skips_is_off_on_an_accelerator(
     assert [n.target for n in gm.graph.nodes] == [n.target for n in plain.graph.nodes]
     assert rewritten.plans == Plans() and rewritten.dense_graph is None
     torch.testing.assert_close(gm(*inputs.values())[0], plain(*inputs.values())[0])
-    # The graph's own device decides: the CPU has no launch model (both passes on), an accelerator has
-    # (as has the CPU under FXTRAIN_TEST_LAUNCH_RATES=accelerator, tests/conftest.py).
+    # The graph's own device decides, the CPU by its own rule (host work and arithmetic add up there):
+    # one attention of 3 sequences and a 256-wide head over 24 tokens skip less than they add.
     _, own = _rewritten(encoder, inputs, None)
-    on = pipeline.rates_for(current_device().type) is None
-    assert all(own.reports[n].startswith("on: " if on else "off: on ") for n in ("label_sparsity", "padding_elimination"))
+    assert all(own.reports[n].startswith(f"off: on {'the cpu' if current_device().type == 'cpu' else ''}")
+               for n in ("label_sparsity", "padding_elimination")), own.reports
     # Asked for by option: kept whatever it costs.
     _, forced = _rewritten(encoder, inputs, rates_for("cuda"), padding_elimination="on")
     assert forced.reports["padding_elimination"].startswith("on: forced on"), forced.reports
@@ -375,11 +376,54 @@ def test_the_launch_cost_is_weighed_at_the_precision_the_flops_run_in():
 def test_launch_bound_decides_only_where_it_knows():
     cuda = rates_for("cuda")
     step = StepLoad(kernels=100, flops=10 ** 9)
-    assert rates_for("cpu") is None and launch_bound(1, 100, step, None, torch.float32) is None
+    assert launch_bound(1, 100, step, None, torch.float32) is None               # no rates: no weighing
     assert launch_bound(None, 100, step, cuda, torch.float32) is None        # a density computed in the graph
     assert launch_bound(1, 0, step, cuda, torch.float32) is None             # no kernel added
     assert launch_bound(10 ** 9, 5, None, cuda, torch.float32) is None       # the dense step unknown
     assert rates_for("xpu").name == "xpu"   # any accelerator: the same model
+
+
+def test_padding_elimination_reports_the_attention_calls_it_makes_variable_length():
+    """What the CPU's rule weighs: one attention over 3 sequences of lengths 8, 5, 3 runs as one
+    kernel call a run on the CPU's route, one call on CUDA's variable-length kernels."""
+    inputs = _encoder_inputs()
+    reports, slower = run_passes(_traced(encoder, inputs), ExampleSource(inputs), fxtrain.Options(), Plans())
+    report = reports["padding_elimination"]
+    assert report.applied and slower is None, report
+    runs = 1 if va.route(current_device().type, torch.float32, H // HEADS) in va.VARLEN_ROUTES else 3
+    assert (report.attention_calls, report.attention_runs) == (1, runs), report
+    assert va.kernel_calls(torch.empty(1, 1, 4, 8), torch.empty(1, 1, 4, 8), [8, 5, 5, 0, 3]) == 3
+    assert reports["label_sparsity"].attention_calls == 0
+
+
+@pytest.mark.cpu_only(reason="the launch model's arithmetic: no tensors")
+def test_on_the_cpu_a_pass_pays_where_the_host_work_it_adds_takes_less_than_the_arithmetic_it_skips(monkeypatch):
+    """The CPU's host work and arithmetic share the cores, so they add up; the attention a pass makes
+    variable-length costs a call and a kernel call per run of equal lengths there (cost/launches.py)."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    cpu = rates_for("cpu")
+    assert cpu.shares_cores and cpu.rate(torch.float32) == 160e9 and cpu.rate(torch.bfloat16) == 160e9
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    assert rates_for("cpu").rate(torch.float32) == 320e9          # the arithmetic scales with threads
+    step = StepLoad(kernels=215, flops=120 * 10 ** 6)   # unused on the CPU: the dense step's own ops do not bound
+    # 12 layers of hidden 32 at 4 x 64: ~9.1 ms of attention calls against ~1.1 ms of arithmetic.
+    why = launch_bound(59_700_000, -1, step, cpu, torch.float32, attention_calls=12, attention_runs=48)
+    assert why == ("on the cpu the host's work and the arithmetic share the cores: 12 attention(s) run as 48 kernel "
+                   "calls (one per run of equal lengths) add ~9.1 ms of host work a step; the 179 MFLOP it skips in "
+                   "forward and backward take ~1.1 ms at 160 GFLOP/s"), why
+    # The demo's padding elimination: 6.9 GFLOP skipped (~130 ms) for 4 attentions of 16 runs (~10 ms).
+    assert launch_bound(6_922_000_000, 7, step, cpu, torch.float32, attention_calls=4, attention_runs=64) is None
+    # Label sparsity's gathers alone: 5 ops (~300 µs) against what they skip.
+    assert launch_bound(10 ** 7, 5, step, cpu, torch.float32) == (
+        "on the cpu the host's work and the arithmetic share the cores: 5 extra forward kernel op(s) add ~300 µs "
+        "of host work a step; the 30 MFLOP it skips in forward and backward take ~188 µs at 160 GFLOP/s")
+    assert launch_bound(10 ** 8, 5, step, cpu, torch.float32) is None
+    assert launch_bound(None, 5, step, cpu, torch.float32) is None      # a density computed in the graph
+    assert launch_bound(0, -3, step, cpu, torch.float32) is None        # only removes work
+    # The replay keeps the CPU's rule (memory traffic per replayed op) under the CPU's rates.
+    on_cpu = DeviceStep(cpu, step, torch.float32)
+    assert replay_pays(805 * 2 ** 20, 396, on_cpu) == replay_pays(805 * 2 ** 20, 396, None)
+    assert replay_pays(10 * 2 ** 20, 396, on_cpu) == replay_pays(10 * 2 ** 20, 396, None)
 
 
 @pytest.mark.cpu_only(reason="the launch model's arithmetic: no tensors")

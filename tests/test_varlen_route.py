@@ -290,6 +290,7 @@ def test_kernel_launches_do_not_grow_with_sequences(dtype):
 
 # ------------------------------------------------ the capture pipeline on the one-call route
 @pytest.mark.parametrize("kind", va.VARLEN_ROUTES)
+@pytest.mark.usefixtures("passes_whatever_they_cost")
 def test_capture_with_the_one_call_route(kind, monkeypatch):
     """A whole capture (fake tracing with the route's fakes: the efficient lse's unbacked size
     through partitioning and saving for the backward) and training steps on the one-call route,

@@ -59,8 +59,8 @@ class Plugins:
     real_batches: bool = True                  # calls see real values: batch guards, density probes
     budget_fallback: Optional[str] = None      # policy below the smallest peak, if not Options.fallback's
     # False: keep every "auto" pass the batch calls for, whatever its kernel launches cost on the
-    # device (cost/launches.py). The fuzzer's: it tests what the passes compute, and on an accelerator
-    # the launch model turns them off for models as small as its own.
+    # device (cost/launches.py). The fuzzer's: it tests what the passes compute, and the launch model
+    # turns them off for models as small as its own.
     weigh_launches: bool = True
 
 

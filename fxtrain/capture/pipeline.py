@@ -157,7 +157,8 @@ def rewrite(gm: torch.fx.GraphModule, context: CaptureContext) -> Rewritten:
     def weigh(report: PassReport) -> Optional[str]:
         if getattr(context.options, report.name, "on") != "auto":
             return None
-        return launch_bound(report.saved_flops, report.added_kernels, load, rates, dtype)
+        return launch_bound(report.saved_flops, report.added_kernels, load, rates, dtype,
+                            report.attention_calls, report.attention_runs)
 
     off: Dict[str, PassReport] = {}
     while True:

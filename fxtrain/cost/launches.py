@@ -58,11 +58,33 @@ with host and device the step's after the forward passes that stay on. The demo 
 host-bound (~8.1 ms against ~3.5 ms): its backward passes' 805 MiB would save ~0.2 ms of device time,
 and replaying its 396 backward ops would add ~2 ms of host time, so it runs the autograd mode.
 
-On the CPU no pass is turned off by this model. Each op's dispatch and its arithmetic share the
-same cores, so there is no idle device for the launches to starve. The sparse workloads measured
-there (docs/benchmarks.md: demo 5.8-6.1x eager, llama-packed 1.5-2.0x) gain from every pass at
-the sizes they train. There the replay and the arithmetic share the cores too, and a byte of memory
-traffic a backward pass removes is worth ~0.1-0.2 ns against the replay's ~5 µs an op
+On the CPU the host's dispatch and the arithmetic share the same cores, so the two add up rather
+than overlap, and a pass pays where the host work it adds takes less than the arithmetic it skips:
+
+    added host  <  3 x forward FLOPs the pass skips / the CPU's FLOP rate
+
+The added host work is the kernel ops it adds (``host_per_added_op``) and, above all, its
+attention: the CPU runs variable-length attention one kernel call per run of equal lengths
+(runtime/varlen_attention.py), each with its views and copies, where the padded step made one call.
+Measured on this project's 2-core CPU machine (torch 2.13.0, 2 threads, 2026-12-07,
+``runtime/varlen_attention`` forward and backward through autograd against SDPA's on the padded
+``[sequences, heads, longest, 16]``, both at sizes where the kernels cost their fixed part): 470 µs
+for one run and ~140 µs more per run (616, 885, 1463, 2403 µs for 2, 4, 8, 16 runs of 8-23 tokens;
+500 to 2794 µs at 32-47 tokens) against SDPA's 135-250 µs, so ~200 µs a call
+(``host_per_attention_call``) and 140 µs a run (``host_per_attention_run``); an added gather,
+forward and backward, ~60 µs (``index_select`` of 200 of 512 rows: 130 µs against 68 µs for the
+same step without it). The FLOP rate is 80 GFLOP/s a thread (fp32 ``mm`` of 2048 x 256 x 256 up
+to 4096 x 768 x 3072: 149-179 GFLOP/s on 2 threads; 64-92 at 256 x 32 x 32, where a step of tiny
+matmuls skips less time than its FLOPs say: the model then keeps a pass it could have turned off).
+What it decides: a 12-layer BERT of hidden 32 at 4 x 64 (50% padding) skips ~1 ms of arithmetic
+with padding elimination and adds 12 attention calls of 4 runs, ~9 ms: off (measured: 26.5 ms a
+step with it against 21.2 ms without, eager 25.2 ms; `auto` executor); its label sparsity stays on.
+The bench's CPU workloads keep every pass with a margin of about 10x or more (the demo's padding
+elimination skips 6.9 GFLOP forward, ~130 ms of arithmetic, for ~10 ms of attention runs; gpt2-sft's
+5.1 GFLOP, ~96 ms, for 4 attentions of 16 runs).
+
+On the CPU the replay and the arithmetic share the cores too, and a byte of memory traffic a
+backward pass removes is worth ~0.1-0.2 ns against the replay's ~5 µs an op
 (``BYTES_PER_BACKWARD_OP``, 50 kB: bench/overhead.py's tiny GPT-2, whose passes save 1.8 MiB over
 183 backward ops, ran 0.90x eager in the graph mode and ~1.0x in the autograd mode; the demo's
 90 MiB over 325 ops gains from the graph mode: 253 against 266 ms a step, medians of 10 interleaved
@@ -105,6 +127,10 @@ class DeviceRates:
     flops_per_second: Dict[str, float]
     host_per_replayed_op: float = 5e-6      # a backward op replayed from Python, beyond the C++ engine's
     bytes_per_second: float = 4e12          # the device's memory bandwidth
+    # The CPU's: host work and arithmetic on the same cores (they add up), and the per-run attention.
+    shares_cores: bool = False
+    host_per_attention_call: float = 0.0
+    host_per_attention_run: float = 0.0
 
     def host(self, kernels: int, dtype: torch.dtype) -> float:
         precision = _precision(dtype)
@@ -119,9 +145,18 @@ ACCELERATOR = DeviceRates("accelerator", host_per_op={"float32": 93e-6, "16-bit"
                           flops_per_second={"float32": 40e12, "tf32": 100e12, "16-bit": 220e12})
 
 
-def rates_for(device_type: str) -> Optional[DeviceRates]:
-    """The rates of ``device_type``; None on the CPU, where launches cost no idle device (see above)."""
-    return None if device_type == "cpu" else dataclasses.replace(ACCELERATOR, name=device_type)
+# The CPU's, per thread (module docstring): rates_for scales the FLOP rate by torch's thread count.
+CPU = DeviceRates("the cpu", host_per_op={"float32": 95e-6, "16-bit": 95e-6}, host_per_added_op=60e-6,
+                  flops_per_second={"float32": 80e9, "tf32": 80e9, "16-bit": 80e9}, shares_cores=True,
+                  host_per_attention_call=200e-6, host_per_attention_run=140e-6)
+
+
+def rates_for(device_type: str) -> DeviceRates:
+    """The rates of ``device_type``: the CPU's at this process's thread count, else an accelerator's."""
+    if device_type == "cpu":
+        threads = torch.get_num_threads()
+        return dataclasses.replace(CPU, flops_per_second={k: v * threads for k, v in CPU.flops_per_second.items()})
+    return dataclasses.replace(ACCELERATOR, name=device_type)
 
 
 @dataclass(frozen=True)
@@ -145,9 +180,13 @@ def _ms(seconds: float) -> str:
 
 
 def launch_bound(saved_flops: Optional[int], added_kernels: int, step: Optional[StepLoad],
-                 rates: Optional[DeviceRates], dtype: torch.dtype) -> Optional[str]:
+                 rates: Optional[DeviceRates], dtype: torch.dtype, attention_calls: int = 0,
+                 attention_runs: int = 0) -> Optional[str]:
     """Why a pass that skips ``saved_flops`` forward FLOPs and adds ``added_kernels`` forward
-    kernel ops makes ``step`` slower on the device (None: it pays, or nothing is known)."""
+    kernel ops (and ``attention_calls`` variable-length attentions making ``attention_runs`` kernel
+    calls on a per-run route) makes ``step`` slower on the device (None: it pays, or nothing is known)."""
+    if rates is not None and rates.shares_cores and saved_flops is not None:
+        return _cpu_bound(saved_flops, added_kernels, rates, dtype, attention_calls, attention_runs)
     if rates is None or step is None or saved_flops is None or added_kernels <= 0:
         return None
     rate = rates.rate(dtype)
@@ -163,14 +202,34 @@ def launch_bound(saved_flops: Optional[int], added_kernels: int, step: Optional[
             f"{str(dtype).split('.')[-1]}): ~{_ms(after)} per step against ~{_ms(before)}")
 
 
+def _cpu_bound(saved_flops: int, added_kernels: int, rates: DeviceRates, dtype: torch.dtype,
+               attention_calls: int, attention_runs: int) -> Optional[str]:
+    """The CPU's rule (module docstring): the host work added against the arithmetic skipped."""
+    rate = rates.rate(dtype)
+    added = (added_kernels * rates.host_per_added_op + attention_calls * rates.host_per_attention_call
+             + attention_runs * rates.host_per_attention_run)
+    skipped = 3 * saved_flops / rate
+    if added <= 0 or added < skipped:   # fewer ops than before (a pass that only removes work) pays too
+        return None
+    amount = f"{3 * saved_flops / 1e9:.3g} GFLOP" if 3 * saved_flops >= 1e9 else f"{3 * saved_flops / 1e6:.3g} MFLOP"
+    what = [f"{added_kernels} extra forward kernel op(s)"] if added_kernels > 0 else []
+    if attention_calls:
+        per_run = " (one per run of equal lengths)" if attention_runs > attention_calls else ""
+        what.append(f"{attention_calls} attention(s) run as {attention_runs} kernel calls{per_run}")
+    return (f"on {rates.name} the host's work and the arithmetic share the cores: {' and '.join(what)} "
+            f"add ~{_ms(added)} of host work a step; the {amount} it skips in forward and backward take "
+            f"~{_ms(skipped)} at {rate / 1e9:.0f} GFLOP/s")
+
+
 def replay_pays(saved_bytes: int, replayed_ops: int, device: Optional[DeviceStep]) -> Tuple[bool, str]:
     """Whether the eager executor should replay the aten backward graph (``replayed_ops`` ops,
     through which fxtrain's backward passes save ``saved_bytes`` of memory traffic) rather than let
-    PyTorch's engine run the backward; and why. ``device`` None: the CPU's rule (module docstring)."""
+    PyTorch's engine run the backward; and why. ``device`` None or the CPU's: the CPU's rule (module
+    docstring)."""
     if not saved_bytes:
         return False, "no backward pass applies: PyTorch's engine runs the backward"
     mib = f"{saved_bytes / 2 ** 20:.1f} MiB"
-    if device is None:
+    if device is None or device.rates.shares_cores:
         if saved_bytes > replayed_ops * BYTES_PER_BACKWARD_OP:
             return True, (f"backward passes save {mib} of memory traffic, more than replaying "
                           f"{replayed_ops} backward ops costs")

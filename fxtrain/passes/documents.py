@@ -43,7 +43,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from ..options import Options
-from ..runtime.varlen_attention import VARLEN_ATTENTION
+from ..runtime.varlen_attention import VARLEN_ATTENTION, kernel_calls
 from ..torch_private import NN_SDPA, size_hint
 from ..runtime.step import PassReport, Plans
 from ..runtime.host_counts import HOST_DOCUMENT_LENGTHS
@@ -242,9 +242,11 @@ def packed_attention(gm: torch.fx.GraphModule, examples: ExampleSource, options:
     # The capturing batch's attention work, documents over whole rows: what 'auto' weighs.
     positions = {p for _, p, _ in found.values()}
     work = whole = 0
+    lengths: Dict[Node, List[int]] = {}
     for p in positions:
         real = examples.value(p)
-        work += sum(n * n for n in _lengths(real))
+        lengths[p] = _lengths(real)
+        work += sum(n * n for n in lengths[p])
         whole += real.numel() * real.shape[1]
     on, reason = density_reason("attention density", work / whole if whole else None,
                                 options.packed_attention, options.sparsity_threshold)
@@ -253,7 +255,7 @@ def packed_attention(gm: torch.fx.GraphModule, examples: ExampleSource, options:
     builder = GuardBuilder.of(gm, plans)
     guarded: Dict[Tuple[Node, Node, bool], bool] = {}
     lengths_of: Dict[Node, Node] = {}
-    done = saved = 0
+    done = saved = run_calls = 0
     first = next(n for n in graph.nodes if n.op != "placeholder")
     for sdpa, ((b, h, s, d, kh), pos, causal) in found.items():
         args = sdpa_arguments(sdpa)
@@ -291,6 +293,7 @@ def packed_attention(gm: torch.fx.GraphModule, examples: ExampleSource, options:
         sdpa.replace_all_uses_with(out)
         erase_replaced(graph, [sdpa])
         done += 1
+        run_calls += kernel_calls(value(args["query"]), value(args["value"]), lengths[pos])
     builder.store(plans)
     for w in why:
         logger.info("fxtrain %s: attention stays over whole rows: %s", NAME, w)
@@ -298,7 +301,7 @@ def packed_attention(gm: torch.fx.GraphModule, examples: ExampleSource, options:
         return PassReport(NAME, False, why[0])
     note = f" (over whole rows: {'; '.join(why)})" if why else ""
     return PassReport(NAME, True, f"{reason}: {done} of {len(sdpas)} attention(s) run document by document{note}",
-                      saved_flops=saved)
+                      saved_flops=saved, attention_calls=done, attention_runs=run_calls)
 
 
 def _lengths(positions: torch.Tensor) -> List[int]:

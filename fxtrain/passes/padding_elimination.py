@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from ..options import Options
 from ..torch_private import ASSERT_ASYNC, NN_SDPA
 from ..runtime.step import PassReport, Plans
+from ..runtime.varlen_attention import kernel_calls
 from .batch_guard import GuardBuilder, counted_index
 from .defer import defer_dense, feeds_resumed_code
 from .label_sparsity import cross_entropy_args, unsupported_cross_entropy
@@ -387,6 +388,7 @@ def padding_elimination(gm: torch.fx.GraphModule, examples: ExampleSource, optio
     plan.consumers = [c for c in plan.consumers if c[1].op != "output" and c[1] in gm.graph.nodes]
     index, packed_row = _rewrite(gm, plan, mask_node, pad_id, plans)
     kinds = {n: k for n, k in kinds.items() if n in gm.graph.nodes}
+    heads = {n: (value(sdpa_arguments(n)["query"]), value(sdpa_arguments(n)["value"])) for n in kinds}
     varlen, kept = attention_on_real_tokens(gm, plans, kinds, index, packed_row, set(plan.row_cuts), mask_node,
                                             pad_id or 0, tokens, examples.evaluate)
     saved += round(sum(f for n, f in attention.items() if n not in gm.graph.nodes) * (1 - within))
@@ -394,7 +396,9 @@ def padding_elimination(gm: torch.fx.GraphModule, examples: ExampleSource, optio
     if kinds:
         note += f"; attention on real tokens, sequence by sequence: {varlen} of {len(kinds)}"
         note += f" (re-padded: {kept[0]})" if kept else ""
-    return PassReport(NAME, True, f"{reason}: {matmuls} matmul(s) on real tokens only{note}", saved_flops=saved)
+    return PassReport(NAME, True, f"{reason}: {matmuls} matmul(s) on real tokens only{note}", saved_flops=saved,
+                      attention_calls=varlen, attention_runs=sum(kernel_calls(*qv, lengths) for n, qv in heads.items()
+                                                                 if n not in gm.graph.nodes))
 
 
 def _erase_unused(gm: torch.fx.GraphModule, nodes: Set[Node]) -> None:

@@ -53,6 +53,11 @@ class PassReport:
     # (cost/launches.py). None: not known at capture (a density computed in the graph).
     saved_flops: Optional[int] = None
     added_kernels: int = 0
+    # Attention calls the rewrite made variable-length, and the kernel calls they make between them
+    # on the capturing batch where the route runs one per run of equal lengths (the CPU's): host
+    # work the CPU's launch model weighs (cost/launches.py), one kernel each on CUDA.
+    attention_calls: int = 0
+    attention_runs: int = 0
 
     def __str__(self) -> str:
         return f"{'on' if self.applied else 'off'}: {self.reason}"

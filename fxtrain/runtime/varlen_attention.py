@@ -62,14 +62,18 @@ Tensor = torch.Tensor
 
 
 def _runs(lengths: Tensor, tokens: int) -> Iterator[Tuple[int, int, int]]:
-    """``(offset, count, length)`` for each run of consecutive sequences of equal non-zero length.
-
-    The lengths must add up to the packed rows (``tokens``): lengths from another batch would
-    otherwise slice the wrong blocks silently."""
+    """``runs_of`` the host lengths, which must add up to the packed rows (``tokens``): lengths
+    from another batch would otherwise slice the wrong blocks silently."""
     values = lengths.tolist()  # a CPU tensor: a host read
     if sum(values) != tokens:
         raise RuntimeError(f"fxtrain varlen_attention: sequence lengths add up to {sum(values)}, "
                            f"but {tokens} packed rows were given")
+    return runs_of(values)
+
+
+def runs_of(values: List[int]) -> Iterator[Tuple[int, int, int]]:
+    """``(offset, count, length)`` for each run of consecutive sequences of equal non-zero length:
+    one kernel call each on the per-run routes."""
     offset = 0
     run_start, run_len, run_count = 0, -1, 0
     for n in values:
@@ -159,6 +163,16 @@ def _capability(device: torch.device) -> Optional[Tuple[int, int]]:
 def _route_of(q: Tensor, v: Tensor) -> str:
     return route(q.device.type, q.dtype, q.shape[-1], _capability(q.device), torch.version.hip is not None,
                  v.shape[-1])
+
+
+def kernel_calls(q: Tensor, v: Tensor, lengths: List[int]) -> int:
+    """Kernel calls a ``varlen_attention`` of padded-layout ``q`` and ``v`` (values or fakes: their
+    device, dtype and head dims choose the route) makes in each direction for ``lengths``: one on
+    the variable-length routes, one per run of equal lengths on the others (the host work the CPU's
+    launch model counts, cost/launches.py)."""
+    if _route_of(q, v) in VARLEN_ROUTES:
+        return 1
+    return len(list(runs_of(lengths)))
 
 
 _local = threading.local()
