@@ -81,8 +81,9 @@ class Options:
                 "batch's attention work within documents over whole rows is below `sparsity_threshold`."})
     sparsity_threshold: float = field(default=0.9, metadata={
         "help": "Density (labelled or non-padding fraction, attention work within documents) below which an 'auto' "
-                "sparsity pass turns on; on an accelerator, only where it shortens the step: the device time of "
-                "the FLOPs it skips against the host time of the ops it adds (docs/sparsity.md)."})
+                "sparsity pass turns on, only where it shortens the step on its device: the time of the FLOPs it "
+                "skips against the host time of the ops it adds, overlapping on an accelerator, adding up on the "
+                "CPU (docs/sparsity.md)."})
     sparsity_guard: str = field(default="dense", metadata={
         "choices": ("dense", "raise"),
         "help": "A batch that breaks a sparsity pass's per-batch condition (a label or a kept row on a padding "

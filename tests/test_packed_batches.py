@@ -252,3 +252,26 @@ def test_token_type_ids_are_not_taken_for_restarting_positions():
     train_parity(tm, ref, [batch], lambda out, _: out.loss, atol=5e-5)
     why = tm.capture_info().optimizations["packed_attention"]
     assert why.startswith("off:") and "packed batch" not in why, why
+
+
+@pytest.mark.cpu_only(reason="the CPU's launch rule: the CPU runs one kernel call per run of equal-length documents")
+def test_the_cpu_weighs_a_kernel_call_per_run_of_documents(monkeypatch):
+    """On the CPU each run of equal-length documents is a kernel call of its own, which the CPU's
+    launch rule weighs (cost/launches.py): the tiny Llama's 2 attentions over documents of 5, 3, 6,
+    2, 7 and 9 tokens are 12 calls, more host work than the arithmetic they skip, so the pass is off
+    by default there and the step trains as eager's."""
+    import fxtrain
+    from fxtrain.capture import pipeline
+    from fxtrain.cost import launches
+    monkeypatch.setattr(pipeline, "rates_for", launches.rates_for)   # undo the module's fixture
+    model = to_device(_model("llama"))
+    ref = copy.deepcopy(model)
+    tm = fxtrain.TrainModule(model)
+    batch = to_device(_packed(_documents(LAYOUTS[0], 0)))
+    loss, ref_loss = tm(**batch).loss, ref(**batch).loss
+    torch.testing.assert_close(loss, ref_loss)
+    loss.backward(); ref_loss.backward()
+    assert_grads_equal(model, ref)
+    why = tm.capture_info().optimizations["packed_attention"]
+    assert why.startswith("off: on the cpu the host's work and the arithmetic share the cores: "), why
+    assert "2 attention(s) run as 12 kernel calls (one per run of equal lengths)" in why, why
