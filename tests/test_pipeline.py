@@ -75,6 +75,12 @@ def _free_port() -> int:
 
 def _entry(rank: int, world: int, port: int, out: str, job: str, arg: Any) -> None:
     torch.set_num_threads(1)
+    # The workers check what the passes compute in each stage (label sparsity in the last, padding
+    # elimination in the first) on models as small as the suite's: the passes stay on whatever they
+    # cost on the device, as under tests/conftest.py's passes_whatever_they_cost, which a spawned
+    # process does not inherit.
+    from fxtrain.capture import pipeline as capture_pipeline
+    capture_pipeline.rates_for = lambda device_type: None
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=40))
     try:

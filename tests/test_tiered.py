@@ -355,6 +355,7 @@ def test_sparse_symbolic_capture_reaches_inductor(monkeypatch):
 
 
 @pytest.mark.extended   # the same switch as the BERT-MLM test above, on packed documents
+@pytest.mark.usefixtures("passes_whatever_they_cost")
 def test_packed_llama_capture_reaches_inductor(monkeypatch):
     """Packed rows of one shape, documents of other lengths every step: inductor's graphs serve
     them all. The worker pins the rows' sizes (the causal-LM loss pads the labels, and
