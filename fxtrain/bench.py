@@ -26,7 +26,8 @@ from .torch_private import TORCH_VERSION_TEXT
 
 logger = logging.getLogger("fxtrain")
 
-MODES = ("eager", "compile", "dynamo", "fxtrain", "fxtrain:eager", "fxtrain:inductor", "fxtrain:auto")
+MODES = ("eager", "compile", "compile:reduce-overhead", "dynamo", "fxtrain", "fxtrain:eager", "fxtrain:inductor",
+         "fxtrain:auto")
 
 
 @dataclass
@@ -252,8 +253,11 @@ def count_step(fn: Callable[..., Any], opt: torch.optim.Optimizer, batch: Dict[s
 def _wrap(mode: str, model: torch.nn.Module) -> Callable[..., Any]:
     """The callable a mode trains: the model itself, torch.compile of it, or a TrainModule.
 
-    ``dynamo`` is torch.compile with the "eager" backend: dynamo's trace, whose graph then runs as
-    eager does. Its first step is what every capture pays before fxtrain's own work (a sizeable part
+    ``compile:reduce-overhead`` is torch.compile's CUDA-graph mode: on a GPU its row says what
+    replaying a step's launches as CUDA graphs gains where the host bounds the step (the demo), the
+    measure issue 17 asks for before fxtrain's compiled tier gets CUDA graphs; elsewhere it is
+    torch.compile's default. ``dynamo`` is torch.compile with the "eager" backend: dynamo's trace,
+    whose graph then runs as eager does. Its first step is what every capture pays before fxtrain's own work (a sizeable part
     of fxtrain's first step on a deep model: BERT-base's 12 layers), so the two first steps side by
     side say which of them a slow start is."""
     from .module import TrainModule
@@ -262,6 +266,8 @@ def _wrap(mode: str, model: torch.nn.Module) -> Callable[..., Any]:
         return model
     if mode == "compile":
         return torch.compile(model)
+    if mode == "compile:reduce-overhead":
+        return torch.compile(model, mode="reduce-overhead")
     if mode == "dynamo":
         return torch.compile(model, backend="eager")
     return TrainModule(model, Options(executor=mode.split(":", 1)[1]) if ":" in mode else Options())

@@ -17,16 +17,17 @@ TINY = ["--model", "bert-tiny", "--batch", "4", "--seq", "16", "--steps", "2", "
 
 def test_bench_json_has_every_mode_with_parity(tmp_path, capsys):
     """A named workload's settings, overridden by explicit flags (model and sizes here), and the
-    FLOP-ideal ratio, costed by the profiler on the first batch."""
+    FLOP-ideal ratio, costed by the profiler on the first batch. torch.compile's CUDA-graph mode
+    trains as eager does too (CUDA graphs on a GPU, torch.compile's default code elsewhere)."""
     out = tmp_path / "bench.json"
-    assert cli.main(["bench", "--workload", "distilbert-mlm", *TINY, "--modes", "eager,fxtrain,fxtrain:eager,dynamo",
-                     "--flop-ideal", "--device", str(current_device()), "--json", str(out)]) == 0
+    assert cli.main(["bench", "--workload", "distilbert-mlm", *TINY, "--modes",
+                     "eager,fxtrain,fxtrain:eager,dynamo,compile:reduce-overhead", "--flop-ideal", "--device", str(current_device()), "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert (data["config"]["model"], data["config"]["batch"], data["config"]["padding"],
             data["config"]["label_density"]) == ("bert-tiny", 4, 0.5, 0.15)
     # Half the tokens are padding and 15% carry labels: fxtrain's step costs well under eager's.
     assert 1.3 < data["flop_ideal"] < 20, data["flop_ideal"]
-    assert set(data["modes"]) == {"eager", "fxtrain", "fxtrain:eager", "dynamo"}
+    assert set(data["modes"]) == {"eager", "fxtrain", "fxtrain:eager", "dynamo", "compile:reduce-overhead"}
     for name, m in data["modes"].items():
         assert len(m["step_s"]) == 2 and all(t > 0 for t in m["step_s"]) and m["first_step_s"] > 0
         assert len(m["losses"]) == 3
@@ -34,9 +35,9 @@ def test_bench_json_has_every_mode_with_parity(tmp_path, capsys):
         assert m["ops_per_step"] > 0 and (m["kernels_per_step"] is None) == (current_device().type != "cuda"), name
         if name == "fxtrain":   # the default executor, "auto": two steps run on the eager executor
             assert m["tier"].startswith("eager") and m["tiers"], (name, m["tier"], m["tiers"])
-        else:                   # no tiers with executor="eager", nor for PyTorch eager or dynamo
+        else:                   # no tiers with executor="eager", nor for PyTorch eager, torch.compile or dynamo
             assert m["tier"] == "-" and m["tiers"] == [], name
-        # How fxtrain's steps ran (the runtime's mode and why); nothing for PyTorch eager or dynamo.
+        # How fxtrain's steps ran (the runtime's mode and why); nothing for PyTorch's modes.
         assert bool(m["runtimes"]) == name.startswith("fxtrain"), (name, m["runtimes"])
         assert all(line.startswith("graph 0 (train): ") for line in m["runtimes"]), m["runtimes"]
     assert 0.4 < data["densities"]["padding"] < 0.7

@@ -150,6 +150,53 @@ def test_autocast_bf16_matches_eager():
     assert_grads_equal(tm.module, ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("init_scale", [2.0 ** 16, 2.0 ** 40], ids=["scaled", "overflowing"])
+def test_grad_scaler_fp16_loop_matches_eager(init_scale, passes_whatever_they_cost):
+    """The mixed-precision loop a GPU user writes: float16 autocast, ``GradScaler`` scaling the loss,
+    unscaling before gradient clipping, skipping a step whose gradients overflowed and lowering the
+    scale. On a padded BERT-MLM with the sparsity passes on, the scaled backward runs the captured
+    graphs; at 2**40 every step's float16 gradients overflow to inf and each step must be skipped
+    as eager skips it (the parameters unchanged, the scale halved each time)."""
+    from fxtrain import models
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(models.bert_mlm(hidden=32, layers=2, heads=2, vocab=300))
+    device = current_device()
+    runs = []
+    for model in (tm, ref):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        runs.append((model, opt, torch.amp.GradScaler(device.type, init_scale=init_scale), []))
+    start = copy.deepcopy(ref.state_dict())
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        batch = to_device(models.synthetic_batch("mlm", 6, 24, 300, padding=0.5, label_density=0.15, generator=g))
+        for model, opt, scaler, log in runs:
+            with torch.autocast(device.type, dtype=torch.float16):
+                loss = model(**batch).loss
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            log.append((loss.detach(), norm, scaler.get_scale()))
+    optimizations = tm.capture_info().optimizations
+    assert optimizations["padding_elimination"].startswith("on") and optimizations["label_sparsity"].startswith("on")
+    (_, _, _, got), (_, _, _, want) = runs
+    for (loss, norm, scale), (ref_loss, ref_norm, ref_scale) in zip(got, want):
+        torch.testing.assert_close(loss, ref_loss, atol=2e-3, rtol=1e-3)
+        torch.testing.assert_close(norm, ref_norm, atol=2e-3, rtol=1e-2, equal_nan=True)
+        assert scale == ref_scale
+    if init_scale > 2.0 ** 16:
+        assert [s for _, _, s in want] == [init_scale / 2, init_scale / 4, init_scale / 8]
+        assert all(n.isinf() or n.isnan() for _, n, _ in got)
+        assert_state_equal(tm.module, ref, atol=0)
+        for name, value in ref.state_dict().items():
+            torch.testing.assert_close(value, start[name], atol=0, rtol=0)
+    else:
+        assert [s for _, _, s in want] == [init_scale] * 3
+        assert_state_equal(tm.module, ref, atol=2e-3)
+
+
 # --------------------------------------------------------------------------------- recapture
 def test_batch_and_length_changes_do_not_recapture():
     class Seq(nn.Module):
