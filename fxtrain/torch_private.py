@@ -1013,6 +1013,52 @@ NN_SDPA = torch._C._nn.scaled_dot_product_attention
 ASSERT_ASYNC = torch._assert_async
 
 
+# ---------------------------------------------------------------- activation checkpointing
+# Dynamo traces ``torch.utils.checkpoint`` (HF's ``gradient_checkpointing_enable``) as one call of
+# the higher-order op ``tag_activation_checkpoint``: its first argument a ``get_attr`` of the body
+# graph (an attribute of the traced module), the region's inputs after it, its value a tuple of the
+# body's outputs. When AOTAutograd traces the call, torch runs the body with two metadata tags on
+# every op, which FX copies from the node being interpreted to each aten node traced from it
+# (``torch.fx.proxy._COPY_META_FIELDS`` under ``preserve_node_meta``) and the joint-graph
+# partitioners read: ``recompute`` (a ``CheckpointPolicy``; plain checkpointing gives every op
+# PREFER_RECOMPUTE: ``TagActivationCheckpoint.tag_nodes`` on 2.11, the always-recompute policy of
+# ``create_selective_checkpoint_contexts`` since 2.13) and ``ac_graph_id`` (one id per region, from
+# the counter ``torch._higher_order_ops.wrap.uid``, increasing in trace order: the partitioner saves
+# a region's output that a later region reads by comparing the ids). A selective checkpoint
+# (``context_fn``) keeps its policy in ``body.meta["_checkpoint_context_fn"]``, and its ops' tags
+# come from that policy as they run. Checked on 2.11.0, 2.13.0 and 2.14.1.
+CHECKPOINT_OP = torch.ops.higher_order.tag_activation_checkpoint
+
+
+def checkpoint_context_fn(body: torch.fx.GraphModule) -> Optional[Callable[[], Any]]:
+    """A checkpointed region's selective policy (the ``context_fn`` its user gave), or None."""
+    return getattr(body, "meta", {}).get("_checkpoint_context_fn")
+
+
+def new_checkpoint_region() -> int:
+    """A fresh region id from torch's own counter: never one torch gives a region it traces itself."""
+    from torch._higher_order_ops import wrap
+    return next(wrap.uid)
+
+
+def tag_recompute(node: torch.fx.Node, region: int) -> None:
+    """The tags AOTAutograd's trace of plain checkpointing leaves on each of a region's ops."""
+    from torch.utils.checkpoint import CheckpointPolicy
+    node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
+    node.meta["ac_graph_id"] = region
+
+
+def untag_recompute(node: torch.fx.Node) -> None:
+    """Drop those tags (a region's op moved back into a body, which torch tags as it traces it)."""
+    node.meta.pop("recompute", None)
+    node.meta.pop("ac_graph_id", None)
+
+
+def recompute_region(node: torch.fx.Node) -> Optional[int]:
+    """The checkpointed region ``node`` is recomputed in (its ``ac_graph_id``), or None."""
+    return node.meta.get("ac_graph_id") if node.meta.get("recompute") is not None else None
+
+
 # ------------------------------------------------------------------- attention kernels with lse
 def _cpu_flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                        scale: float) -> Any:

@@ -128,7 +128,7 @@ CONSTANTS = ["NN_LINEAR", "NN_GELU", "NN_SILU", "NN_PAD", "NN_SDPA", "ASSERT_ASY
              "tree_map", "tree_map_only", "DisableTorchFunctionSubclass", "DispatchKey", "DispatchKeySet",
              "AFTER_AUTOGRAD_KEYSET", "is_grad_enabled", "set_grad_enabled", "any_requires_grad",
              "dispatch_tls_include_set", "dispatch_tls_exclude_set", "ForceDispatchKeyGuard", "dispatch_mode_depth",
-             "current_autograd_node", "run_backward"]
+             "current_autograd_node", "run_backward", "CHECKPOINT_OP"]
 
 
 @LOOKUP
@@ -163,6 +163,26 @@ def test_constants_behave() -> None:
     tp.foreach_copy(into, values)
     assert all(torch.equal(a, b) for a, b in zip(into, values)) and into[1].dtype == torch.float64
     tp.foreach_copy([], [])
+
+
+@LOOKUP
+def test_checkpoint_region_accessors() -> None:
+    """What fxtrain reads and writes of a checkpointed region: the tags AOTAutograd's trace would put
+    on its ops (the partitioner reads them), torch's region counter, a selective policy."""
+    graph = torch.fx.Graph()
+    node = graph.call_function(torch.sin, (graph.placeholder("x"),))
+    first, second = tp.new_checkpoint_region(), tp.new_checkpoint_region()
+    assert second > first
+    assert tp.recompute_region(node) is None
+    tp.tag_recompute(node, second)
+    from torch.utils.checkpoint import CheckpointPolicy
+    assert tp.recompute_region(node) == second and node.meta["recompute"] is CheckpointPolicy.PREFER_RECOMPUTE
+    tp.untag_recompute(node)
+    assert tp.recompute_region(node) is None and "ac_graph_id" not in node.meta
+    body = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
+    assert tp.checkpoint_context_fn(body) is None
+    body.meta["_checkpoint_context_fn"] = policy = lambda: None
+    assert tp.checkpoint_context_fn(body) is policy
 
 
 @LOOKUP

@@ -18,6 +18,8 @@ from .. import torch_private as tp
 from ..options import Options
 from ..cost.launches import DeviceRates, DeviceStep, StepLoad, launch_bound, rates_for, replay_pays
 from ..passes import ExampleSource, Plans, contraction_dtype, forward_flops, kernel_ops, run_passes
+from ..passes.checkpoints import NAME as CHECKPOINTS, NotConvex, OpenRegions, close_checkpoints, has_checkpoints, \
+    open_checkpoints, tag_added
 from ..pythonop.route import drop_unused_subclasses
 from ..runtime.absent_grads import AbsentGradBackward
 from ..runtime.executors import Executor
@@ -146,8 +148,22 @@ def rewrite(gm: torch.fx.GraphModule, context: CaptureContext) -> Rewritten:
     on the graph the passes before it left; one found slower is turned off and the passes start
     again, without it, on the graph as dynamo traced it, so that those after it see the graph they
     will run on. (Weighing them all at the end and running all passes again cost BERT-base 2 x 128
-    a second padding elimination, ~0.2 s of its first step, whenever label sparsity was off.)"""
+    a second padding elimination, ~0.2 s of its first step, whenever label sparsity was off.)
+
+    Activation-checkpointed regions are opened for the passes and closed again after them
+    (passes/checkpoints.py): the dense graph, the step's load and every pass see the layers inside
+    them, and the graph that leaves this stage has torch's region calls where dynamo's had them."""
     drop_unused_subclasses(gm)
+    whole = _copy_graph(gm.graph) if has_checkpoints(gm) else None
+    try:
+        return _rewrite(gm, context, open_checkpoints(gm))
+    except NotConvex as e:   # the passes' ops left a region with a gap: rewrite with the regions whole
+        gm.graph = whole
+        gm.delete_all_unused_submodules()   # the bodies of the regions closed before the gap
+        return _rewrite(gm, context, OpenRegions(PassReport(CHECKPOINTS, False, f"{e}: the regions left whole")))
+
+
+def _rewrite(gm: torch.fx.GraphModule, context: CaptureContext, opened: OpenRegions) -> Rewritten:
     dense = torch.fx.GraphModule(gm, _copy_graph(gm.graph))
     device_type, dtype = contraction_dtype(dense)
     rates = (None if not context.weigh_launches else
@@ -163,13 +179,21 @@ def rewrite(gm: torch.fx.GraphModule, context: CaptureContext) -> Rewritten:
     off: Dict[str, PassReport] = {}
     while True:
         plans = Plans()
+        before = set(gm.graph.nodes)
         reports, slower = run_passes(gm, context.examples,
                                      dataclasses.replace(context.options, **dict.fromkeys(off, "off")), plans, weigh)
         if slower is None:
             break
         off[slower.name] = slower
         gm.graph = _copy_graph(dense.graph)
-    reports.update(off)   # (assigning gm.graph recompiled it; run_passes recompiles what it rewrites)
+    # (assigning gm.graph recompiled it; run_passes recompiles what it rewrites)
+    if opened.report.applied:
+        tag_added(gm, before)   # what the passes added inside a region is recomputed with it
+        close_checkpoints(gm, opened)
+        gm.delete_all_unused_submodules()   # dynamo's bodies, replaced by the closed regions'
+        if plans.guard is not None:
+            close_checkpoints(dense, opened)
+    reports = {opened.report.name: opened.report, **reports, **off}
     on = [r for r in reports.values() if r.applied]
     device_step = DeviceStep(rates, StepLoad(load.kernels + sum(r.added_kernels for r in on),
                                         max(0, load.flops - sum(r.saved_flops or 0 for r in on))), dtype) \

@@ -24,6 +24,7 @@ import torch.fx
 
 from .. import torch_private as tp
 from ..pythonop.op import calling_directly
+from .checkpointed import checkpointing_eagerly
 from .direct import direct
 
 Compiled = Callable[[List[Any]], Any]   # boxed: takes the argument list, may clear it
@@ -78,7 +79,7 @@ class EagerExecutor(Executor):
     autograd_mode = True
 
     def torch_level(self, graph: torch.fx.GraphModule) -> Callable[..., Any]:
-        return direct(calling_directly(graph))
+        return direct(calling_directly(checkpointing_eagerly(graph)))
 
     def compile(self, graph: torch.fx.GraphModule, kind: str, example_inputs: Sequence[Any]) -> Compiled:
         return tp.boxed_copy(graph).forward

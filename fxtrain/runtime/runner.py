@@ -29,6 +29,7 @@ import torch
 from .info import Densities
 from .step import CapturedStep
 from .absent_grads import release_materialization
+from .checkpointed import checkpointing_eagerly
 from .deferred import with_deferred
 from .dense_route import DenseRoute
 from .direct import direct
@@ -140,7 +141,7 @@ def build(step: CapturedStep, executor: Executor, context: RunContext, preferenc
     if plans.guard is not None and context.measures_batches:
         route = DenseRoute(plans.guard, context.count_dense_batch, context.sparsity_guard, context.owner)
         if step.dense_graph is not None:   # a cache hit has none: cache/call.py runs the module instead
-            core = route.wrap(core, direct(step.dense_graph))
+            core = route.wrap(core, direct(checkpointing_eagerly(step.dense_graph)))
     if plans.probes and context.measures_batches and context.density is not None:
         core = with_density_probes(core, plans.probes, context.density, context.log_density)
     return Runtime(core, mode, reason)
