@@ -80,6 +80,29 @@ def test_padding_elimination_reaches_inside_checkpointed_layers(passes_whatever_
     assert _regions(tm) == 3 and tm.capture_info().graphs == 1
 
 
+@pytest.mark.parametrize("kind", ["gpt2-padded", "llama-packed"])
+def test_causal_lms_checkpointed_with_reentrant_calls_keep_their_passes(kind, passes_whatever_they_cost):
+    """HF's default for ``gradient_checkpointing_enable`` has been the reentrant checkpoint: dynamo
+    records it as the same region op. A right-padded GPT-2 (padding elimination inside the layers)
+    and a Llama on packed documents (attention document by document inside the layers) train as
+    eager does."""
+    torch.manual_seed(0)
+    model = (models.gpt2_lm(hidden=32, layers=2, heads=2, vocab=300, positions=64) if kind == "gpt2-padded"
+             else models.build("llama-tiny", seed=0))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    tm, ref = wrap_pair(model)
+    g, vocab = torch.Generator().manual_seed(0), model.config.vocab_size
+    batches = [models.packed_batch(2, 64, vocab, documents=(5, 20), generator=g, device=current_device())
+               if kind == "llama-packed" else
+               models.synthetic_batch("clm", 4, 24, vocab, padding=0.3, label_density=0.5, labels_at_end=0.5,
+                                      generator=g, device=current_device()) for _ in range(2)]
+    train_parity(tm, ref, batches, lambda out, _: out.loss, state_atol=3e-4)
+    why = tm.capture_info().optimizations
+    fired = "packed_attention" if kind == "llama-packed" else "padding_elimination"
+    assert why[fired].startswith("on:") and why["checkpointed_regions"].startswith("on: 2 "), why
+    assert _regions(tm) == 2
+
+
 def _saved_mib(step):
     """MiB of distinct storages autograd saves for the backward while ``step`` runs its forward."""
     seen = {}
