@@ -1048,6 +1048,24 @@ def tag_recompute(node: torch.fx.Node, region: int) -> None:
     node.meta["ac_graph_id"] = region
 
 
+# Torch 2.13 runs plain checkpointing through selective checkpointing's machinery, which wraps each
+# random op of a region (dropout, and the CPU flash attention kernel, tagged random even at dropout 0)
+# in two higher-order ops, so that the backward's recomputation replays the forward's random numbers:
+# ``run_and_save_rng_state(op, *args)`` returns (the generator's state, ``op(*args)``) in the forward,
+# ``run_with_rng_state(state, op, *args)`` runs ``op`` from that state in the backward (defined in
+# ``torch._prims.rng_prims`` on 2.11-2.14). A dispatch mode meets them as calls it must implement:
+# ``HigherOrderOperator.py_impl(mode class)`` registers the mode's implementation.
+RNG_STATE_OPS = (torch.ops.higher_order.run_and_save_rng_state, torch.ops.higher_order.run_with_rng_state)
+
+
+def implement_rng_state_ops(mode_class: type, run_and_save: Callable[..., Any], run_with: Callable[..., Any]) -> None:
+    """Give ``mode_class`` (a TorchDispatchMode) its implementations of the two ops above; each gets
+    the mode, then the op's own arguments, and runs with the mode off as ``__torch_dispatch__`` does."""
+    save, replay = RNG_STATE_OPS
+    save.py_impl(mode_class)(run_and_save)
+    replay.py_impl(mode_class)(run_with)
+
+
 def untag_recompute(node: torch.fx.Node) -> None:
     """Drop those tags (a region's op moved back into a body, which torch tags as it traces it)."""
     node.meta.pop("recompute", None)

@@ -134,6 +134,19 @@ def test_checkpointed_layers_are_not_kept_for_the_backward(backward, passes_what
     assert kept["checkpointed"] < kept["plain"] / 2, kept
 
 
+def test_the_profiler_costs_the_recomputation_and_the_smaller_saved_set():
+    """``fxtrain.profile`` on fake tensors sees what checkpointing does to the step: the backward
+    recomputes the layers (more FLOPs), the forward keeps less for it, the forward's FLOPs are the
+    same."""
+    batch = _batches(n=1, padding=0.5, label_density=0.15, shapes=((4, 64),))[0]
+    plain = fxtrain.profile(_bert(layers=3, hidden=64).to(current_device()), **batch)
+    checked = fxtrain.profile(_checkpointed(_bert(layers=3, hidden=64)).to(current_device()), **batch)
+    assert checked.flops_forward == plain.flops_forward
+    assert checked.flops_backward > 1.2 * plain.flops_backward, (checked.flops_backward, plain.flops_backward)
+    assert checked.saved_for_backward_bytes < plain.saved_for_backward_bytes / 2, \
+        (checked.saved_for_backward_bytes, plain.saved_for_backward_bytes)
+
+
 def test_checkpointing_changes_no_value_under_dropout_and_the_passes(passes_whatever_they_cost):
     """With dropout and padding elimination on, fxtrain with checkpointing computes what fxtrain
     without it computes (the passes run dropout on real tokens only, so neither draws eager's masks):

@@ -128,7 +128,7 @@ CONSTANTS = ["NN_LINEAR", "NN_GELU", "NN_SILU", "NN_PAD", "NN_SDPA", "ASSERT_ASY
              "tree_map", "tree_map_only", "DisableTorchFunctionSubclass", "DispatchKey", "DispatchKeySet",
              "AFTER_AUTOGRAD_KEYSET", "is_grad_enabled", "set_grad_enabled", "any_requires_grad",
              "dispatch_tls_include_set", "dispatch_tls_exclude_set", "ForceDispatchKeyGuard", "dispatch_mode_depth",
-             "current_autograd_node", "run_backward", "CHECKPOINT_OP"]
+             "current_autograd_node", "run_backward", "CHECKPOINT_OP", "RNG_STATE_OPS"]
 
 
 @LOOKUP

@@ -31,7 +31,7 @@ import torch
 from ..runtime.host_counts import HOST_COUNT
 from ..runtime.varlen_attention import VARLEN_ATTENTION, efficient_outputs
 from ..torch_private import (DynamicOutputShapeException, FakeTensor, FakeTensorMode, TorchDispatchMode,
-                             custom_op_impl_of, disable_current_modes, tree_flatten)
+                             custom_op_impl_of, disable_current_modes, implement_rng_state_ops, tree_flatten)
 from .marks import current_node
 from .shadows import Shadows
 from .flops import depends_on_values, op_flops
@@ -549,3 +549,21 @@ def _python_op_flops(spec: Any, tensors: Any) -> Tuple[Optional[int], Optional[i
         forward, backward = result
         return int(forward), None if backward is None else int(backward)
     return int(result), None
+
+
+def _run_and_save_rng_state(mode: CostTracker, op: Any, *args: Any, **kwargs: Any) -> Tuple[torch.Tensor, Any]:
+    """A checkpointed region's random op in the forward (torch_private.RNG_STATE_OPS): the op costs
+    what it costs alone, counted with the tracker back on; a fake step has no generator state to
+    keep, so the state is an empty stand-in that only the backward's replay reads."""
+    with mode:
+        out = op(*args, **kwargs)
+    return torch.empty(0, dtype=torch.uint8), out
+
+
+def _run_with_rng_state(mode: CostTracker, state: torch.Tensor, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """The backward's replay of that op: its cost again (the recomputation), the state unread."""
+    with mode:
+        return op(*args, **kwargs)
+
+
+implement_rng_state_ops(CostTracker, _run_and_save_rng_state, _run_with_rng_state)
