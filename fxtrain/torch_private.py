@@ -1030,6 +1030,11 @@ ASSERT_ASYNC = torch._assert_async
 CHECKPOINT_OP = torch.ops.higher_order.tag_activation_checkpoint
 
 
+def is_checkpoint_call(node: torch.fx.Node) -> bool:
+    """Whether ``node`` calls torch's region op (a checkpointed region)."""
+    return node.op == "call_function" and node.target is CHECKPOINT_OP
+
+
 def checkpoint_context_fn(body: torch.fx.GraphModule) -> Optional[Callable[[], Any]]:
     """A checkpointed region's selective policy (the ``context_fn`` its user gave), or None."""
     return getattr(body, "meta", {}).get("_checkpoint_context_fn")

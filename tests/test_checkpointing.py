@@ -39,8 +39,7 @@ def _batches(n=3, padding=0.4, label_density=0.2, shapes=((4, 16), (3, 11), (5, 
 
 
 def _regions(tm):
-    return sum(n.op == "call_function" and n.target is tp.CHECKPOINT_OP
-               for r in tm.capture_info().records for n in r.step.graph.graph.nodes)
+    return sum(tp.is_checkpoint_call(n) for r in tm.capture_info().records for n in r.step.graph.graph.nodes)
 
 
 # The aten graphs' mode (backward="graph") was right before; make test-long checks it stays so.
@@ -229,7 +228,7 @@ def test_closing_a_region_takes_in_the_pure_ops_between_its_ops_and_refuses_impu
     x = torch.randn(5, requires_grad=True)
     want = gm(x)
     close_checkpoints(gm, OpenRegions(PassReport("checkpointed_regions", True, ""), {7: {"use_reentrant": False}}))
-    calls = [n for n in gm.graph.nodes if n.target is tp.CHECKPOINT_OP]
+    calls = [n for n in gm.graph.nodes if tp.is_checkpoint_call(n)]
     assert len(calls) == 1 and calls[0].kwargs == {"use_reentrant": False}
     body = getattr(gm, calls[0].args[0].target)
     assert [n.target for n in body.graph.nodes if n.op == "call_function"] == [torch.sin, torch.cos, torch.add]

@@ -171,6 +171,8 @@ def test_checkpoint_region_accessors() -> None:
     on its ops (the partitioner reads them), torch's region counter, a selective policy."""
     graph = torch.fx.Graph()
     node = graph.call_function(torch.sin, (graph.placeholder("x"),))
+    assert not tp.is_checkpoint_call(node)
+    assert tp.is_checkpoint_call(graph.call_function(tp.CHECKPOINT_OP, ()))
     first, second = tp.new_checkpoint_region(), tp.new_checkpoint_region()
     assert second > first
     assert tp.recompute_region(node) is None

@@ -56,7 +56,7 @@ def _why_whole(gm: torch.fx.GraphModule, call: Node) -> Optional[str]:
         return f"a checkpointed region called with {sorted(set(call.kwargs) - _CHECKPOINT_KWARGS)}"
     nodes = list(body.graph.nodes)
     if any(n.op not in ("placeholder", "call_function", "call_method", "output") or
-           (n.op == "call_function" and n.target is tp.CHECKPOINT_OP) for n in nodes):
+           tp.is_checkpoint_call(n) for n in nodes):
         return "a checkpointed region whose body reads module attributes or nests another"
     if sum(n.op == "placeholder" for n in nodes) != len(call.args) - 1:
         return "a checkpointed region called with other arguments than its body takes"
@@ -113,12 +113,12 @@ class OpenRegions:
 
 
 def has_checkpoints(gm: torch.fx.GraphModule) -> bool:
-    return any(n.op == "call_function" and n.target is tp.CHECKPOINT_OP for n in gm.graph.nodes)
+    return any(tp.is_checkpoint_call(n) for n in gm.graph.nodes)
 
 
 def open_checkpoints(gm: torch.fx.GraphModule) -> OpenRegions:
     """Replace each checkpointed region's call by its body's ops, tagged for recomputation."""
-    calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is tp.CHECKPOINT_OP]
+    calls = [n for n in gm.graph.nodes if tp.is_checkpoint_call(n)]
     if not calls:
         return OpenRegions(PassReport(NAME, False, "no activation checkpointing"))
     for call in calls:

@@ -47,11 +47,11 @@ def run_checkpointed(body: torch.fx.GraphModule, *args: Any, **kwargs: Any) -> A
 def checkpointing_eagerly(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A copy of ``graph`` whose region calls go to :func:`run_checkpointed`; ``graph`` itself where
     it has none."""
-    if not any(n.op == "call_function" and n.target is tp.CHECKPOINT_OP for n in graph.graph.nodes):
+    if not any(tp.is_checkpoint_call(n) for n in graph.graph.nodes):
         return graph
     copied = torch.fx.GraphModule(graph, tp.copy_graph(graph.graph))
     for n in copied.graph.nodes:
-        if n.op == "call_function" and n.target is tp.CHECKPOINT_OP:
+        if tp.is_checkpoint_call(n):
             n.target = run_checkpointed
     copied.recompile()
     return copied
