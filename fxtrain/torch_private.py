@@ -488,7 +488,8 @@ def inductor_compile(graph: torch.fx.GraphModule, example_inputs: Sequence[Any],
 
     Needs: ``compile_fx_inner(gm, example_inputs, is_backward=..., is_inference=...)`` returning a
     boxed callable; it looks the graph up in inductor's on-disk FX graph cache first.
-    ``cached_only``: raise NotInInductorCache instead of generating code on a miss. A miss
+    ``cached_only``: raise NotInInductorCache instead of generating code on a miss (a graph inductor
+    generates no code for, one without calls, is never a miss). A miss
     generates code under ``preserve_rng_state``, which puts the global generator back as it was when
     the compile began: off the main thread that would rewind the random numbers the training loop
     drew meanwhile (runtime/tiered.py loads graphs a worker compiled, on a thread, hits only).
@@ -510,9 +511,20 @@ def inductor_compile(graph: torch.fx.GraphModule, example_inputs: Sequence[Any],
         if fake_mode is not None:
             context = torch._guards.tracing(torch._guards.TracingContext(fake_mode))
     with context, config.patch(layout_optimization=False):
-        if cached_only and not _in_inductor_cache(graph, list(example_inputs), is_backward, is_inference):
+        if (cached_only and _generates_code(graph)
+                and not _in_inductor_cache(graph, list(example_inputs), is_backward, is_inference)):
             raise NotInInductorCache("inductor's FX graph cache has no entry for this graph")
         return compile_fx_inner(graph, list(example_inputs), is_backward=is_backward, is_inference=is_inference)
+
+
+def _generates_code(graph: torch.fx.GraphModule) -> bool:
+    """Whether inductor generates code for ``graph``, and so keeps it in its FX graph cache.
+    Needs: ``compile_fx_inner`` returns a graph without calls as it is (``count_calls(gm.graph) == 0``,
+    unless functorch's ``bundled_autograd_cache``), with no cache entry. The compiled tier met one: an
+    inference graph of HF RoBERTa's after a graph break, returning nothing; its load, refused as a
+    cache miss, kept the capture on the eager executor with "the background compile failed"."""
+    from torch._dynamo.utils import count_calls
+    return count_calls(graph.graph) > 0 or bool(torch._functorch.config.bundled_autograd_cache)
 
 
 def _in_inductor_cache(graph: torch.fx.GraphModule, inputs: List[Any], is_backward: bool, is_inference: bool) -> bool:

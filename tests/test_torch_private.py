@@ -542,8 +542,9 @@ def test_pythonop_capture_accessors() -> None:
 @LOOKUP
 def test_tier_accessors(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """What runtime/tiered.py needs: a retrace with inductor's decompositions that keeps placeholder
-    names, dynamo's compile lock, and a cache-only inductor compile that refuses a miss (the
-    positive path, a hit, is tests/test_tiered.py's switch)."""
+    names, dynamo's compile lock, and a cache-only inductor compile that refuses a miss and loads a
+    graph inductor generates no code for (the positive path, a hit, is tests/test_tiered.py's
+    switch)."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))   # nothing cached from before
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -560,6 +561,13 @@ def test_tier_accessors(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch)
         with pytest.raises(tp.NotInInductorCache):
             tp.inductor_compile(new, tp.placeholder_examples(new), is_backward=False, is_inference=True,
                                 cached_only=True)
+        # A graph without calls: inductor returns it as it is and caches nothing, so it loads
+        # (HF RoBERTa's inference graph after a graph break, returning nothing, was refused).
+        with mode:
+            empty = make_fx(lambda t: ())(x)
+        assert not _check("_generates_code", tp._generates_code, empty) and tp._generates_code(new)
+        assert tp.inductor_compile(empty, tp.placeholder_examples(empty), is_backward=False, is_inference=True,
+                                   cached_only=True)([torch.randn(4, 8)]) == ()
 
 
 @LOOKUP
