@@ -1,6 +1,8 @@
 """The capture watchdog (fxtrain/capture/watch.py): a slow capture warns once, a compile sunk in
 sympy is stopped (and only then), and a stop the compile outran leaves nothing behind."""
 import logging
+import signal
+import sys
 import threading
 import time
 import weakref
@@ -11,7 +13,8 @@ import torch
 from torch import nn
 
 import fxtrain
-from fxtrain.capture.watch import ExpensiveSymbolicSizes, watched
+from fxtrain.capture import watch as watch_module
+from fxtrain.capture.watch import CompileWatch, ExpensiveSymbolicSizes, watched
 from utils import train_parity, wrap_pair
 
 
@@ -57,6 +60,29 @@ def test_a_stop_swallowed_in_a_weakref_callback_is_raised_again():
             assert watch.stops == 1
             _sympy_work(30.0)
     assert watch.stops == 2 and time.perf_counter() - started < 15
+
+
+@pytest.mark.cpu_only(reason="the capture watchdog on plain Python work: no tensors")
+def test_a_stop_waits_for_sympys_own_code(monkeypatch):
+    """A sample that lands in other code sympy is running (a weakref callback the collector started
+    there) does not stop the compile: Python would print the exception and drop it. The next sample
+    in sympy's own code does."""
+    monkeypatch.setattr(watch_module, "_SHARE", 0.01)   # 20 ms of sympy in the window is "most of it"
+    frames = {}
+
+    class Callback:
+        def _sympy_(self):   # called by sympy.sympify, from sympy's own code
+            frames["callback"], frames["sympy"] = sys._getframe(), sys._getframe(1)
+            return sympy.Integer(1)
+
+    sympy.sympify(Callback())
+    watch = CompileWatch(lambda s: "", warn_after=1e9, sympy_budget=lambda: 0.0)
+    _plain_work(0.05)   # charged to sympy by the next sample, whose stack holds sympy's frame
+    watch.sample(signal.SIGPROF, frames["callback"])
+    assert not watch.stopped and watch.sympy_seconds >= 0.05
+    with pytest.raises(ExpensiveSymbolicSizes):
+        watch.sample(signal.SIGPROF, frames["sympy"])
+    assert watch.stops == 1
 
 
 @pytest.mark.cpu_only(reason="the capture watchdog on plain Python work: no tensors")
