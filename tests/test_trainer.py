@@ -192,6 +192,25 @@ def test_trainer_default_arguments_module_with_loss(tmp_path, text):
     assert losses == pytest.approx(ref_losses, abs=1e-4)
 
 
+def test_trainer_gradient_checkpointing_like_plain_trainer(tmp_path, text):
+    """``TrainingArguments(gradient_checkpointing=True)``: Trainer calls the model's
+    ``gradient_checkpointing_enable`` through the TrainModule, and the checkpointed layer trains as the
+    plain Trainer's does, recomputed in the backward (tests/test_checkpointing.py covers the rest)."""
+    from transformers import DataCollatorForLanguageModeling
+    paras, tok = text
+    rows = corpus.mlm_rows(tok, paras[:16], 16)
+    collator = lambda: DataCollatorForLanguageModeling(tok, mlm_probability=0.15, seed=1)  # noqa: E731
+    ref = _bert(len(tok))
+    _, ref_losses = _trainer_run(tmp_path / "eager", ref, rows, None, collator, steps=3, save_strategy="no",
+                                 gradient_checkpointing=True)
+    tm = fxtrain.TrainModule(_bert(len(tok)), fxtrain.Options(fallback="raise"))
+    _, losses = _trainer_run(tmp_path / "fx", tm, rows, None, collator, steps=3, save_strategy="no",
+                             gradient_checkpointing=True)
+    assert ref.is_gradient_checkpointing and tm.module.is_gradient_checkpointing
+    assert len(losses) == 3 and losses == pytest.approx(ref_losses, abs=1e-4)
+    assert tm.capture_info().optimizations["checkpointed_regions"].startswith("on: 1 checkpointed region(s)")
+
+
 def test_first_capture_without_cache_says_once_where_the_cache_would_save_it(monkeypatch, caplog, tmp_path):
     import logging
     import fxtrain.module as module
