@@ -5,6 +5,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 import weakref
 
 import pytest
@@ -83,6 +84,33 @@ def test_a_stop_waits_for_sympys_own_code(monkeypatch):
     with pytest.raises(ExpensiveSymbolicSizes):
         watch.sample(signal.SIGPROF, frames["sympy"])
     assert watch.stops == 1
+
+
+@pytest.mark.cpu_only(reason="the capture watchdog on a CPU tensor's backward: no device involved")
+def test_a_stop_in_a_backward_leaves_no_anomaly_traceback_and_keeps_other_warnings():
+    """AOTAutograd traces the backward under anomaly mode, whose engine warns with the forward's
+    traceback for any error a backward node raises: a stop landing in a backward's sympy work printed
+    one for a capture that was right (the fuzzer's Llama, under load)."""
+    class SympyInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            _sympy_work(30.0)
+            return grad * 2
+
+    x = torch.randn(3, requires_grad=True)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with pytest.raises(ExpensiveSymbolicSizes):
+            with watched(lambda s: "", warn_after=1e9, sympy_budget=lambda: 0.3), \
+                    torch.autograd.detect_anomaly(check_nan=False):
+                warnings.warn("the compile's own warning", UserWarning)
+                SympyInBackward.apply(x).sum().backward()
+    said = [str(w.message) for w in seen]
+    assert "the compile's own warning" in said and not [m for m in said if m.startswith("Error detected in")]
 
 
 @pytest.mark.cpu_only(reason="the capture watchdog on plain Python work: no tensors")

@@ -43,6 +43,13 @@ the compile then goes on, and if it is still in sympy ``_RESTOP`` seconds of CPU
 stop is raised again. Not sooner, so that a stop on its way out is not raised again into the
 handlers that unwind it.
 
+Why the compile's warnings are held until it ends: AOTAutograd traces the backward under anomaly
+mode, and for an error a backward node raises the autograd engine warns with the forward's traceback
+("Error detected in SliceBackward0. Traceback of forward call ..."). A stop that lands in the sympy
+work of a backward node is such an error: the fuzzer's Llama, stopped under load, printed one for a
+capture that went on to be right. After a stop those warnings are dropped; every other one is shown
+at the compile's end as it would have been.
+
 The warning comes from a plain timer thread that reads no frames.
 """
 from __future__ import annotations
@@ -54,7 +61,8 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Callable, Deque, Iterator, Optional, Tuple
+import warnings
+from typing import Any, Callable, Deque, Iterator, List, Optional, Tuple
 
 logger = logging.getLogger("fxtrain")
 
@@ -66,6 +74,7 @@ _INTERVAL = 0.05   # seconds of process CPU time between samples (ITIMER_PROF)
 WINDOW = 2.0       # seconds
 _SHARE = 0.6
 _RESTOP = 0.5      # seconds of CPU after a stop the compile did not end with: raised again
+_ANOMALY = "Error detected in "   # how the autograd engine's anomaly mode begins its warning
 
 
 class ExpensiveSymbolicSizes(BaseException):
@@ -172,8 +181,30 @@ def watched(describe: Callable[[float], str], warn_after: float,
     warner = threading.Thread(target=watch.warn_when_slow, name="fxtrain-compile-watch", daemon=True)
     warner.start()
     try:
-        with _sampling(watch):
+        with _sampling(watch), _held_warnings(lambda message: bool(watch.stops) and str(message).startswith(_ANOMALY)):
             yield watch
     finally:
         watch._done.set()
         warner.join()
+
+
+@contextlib.contextmanager
+def _held_warnings(dropped: Callable[[Any], bool]) -> Iterator[None]:
+    """Warnings shown in the block are shown at its end, less those ``dropped`` says (read then).
+    Through ``warnings.showwarning``, the hook Python calls once its filters let a warning through:
+    ``catch_warnings`` would also undo the filters a module imported inside the block adds. On the
+    main thread only, where a compile can be stopped: two threads swapping the process-wide hook
+    could leave one's in place, and every later warning would go to its list."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: List[Tuple[Any, ...]] = []
+    show = warnings.showwarning
+    warnings.showwarning = lambda *args, **kwargs: held.append((args, kwargs))   # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        warnings.showwarning = show
+        for args, kwargs in held:
+            if not dropped(args[0]):
+                show(*args, **kwargs)
