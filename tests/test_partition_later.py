@@ -6,7 +6,11 @@ import copy
 import logging
 import os
 import re
+import subprocess
+import sys
+import textwrap
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -103,6 +107,29 @@ def test_under_autocast_the_worker_traces_as_the_capture_would(monkeypatch):
     assert "torch.bfloat16" in later.step.forward_graph.code
     assert _code(later.step.forward_graph) == _code(now.step.forward_graph)
     assert _code(later.step.backward_graph) == _code(now.step.backward_graph)
+
+
+@pytest.mark.cpu_only(reason="checks a process's exit: the worker's pipes are the same whatever the device")
+def test_a_process_that_used_the_worker_exits_without_resource_warnings():
+    # Python's development mode shows every ResourceWarning; the worker's two pipes, left open,
+    # printed "sys:1: ResourceWarning: unclosed file <_io.BufferedReader ...>" at every such exit.
+    script = textwrap.dedent("""
+        import torch, fxtrain
+        from fxtrain import models
+        from fxtrain.capture import partition_worker
+        tm = fxtrain.TrainModule(models.bert_mlm(hidden=32, layers=2, heads=2, vocab=1000))
+        batch = models.synthetic_batch("mlm", 4, 16, 1000, padding=0.3, label_density=0.2)
+        tm(**batch).loss.backward()
+        assert tm.capture_info().wait_for_partitions(300)
+        print("worker used:", partition_worker._proc is not None)
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FXTRAIN_")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    done = subprocess.run([sys.executable, "-X", "dev", "-c", script], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "worker used: True" in done.stdout, done.stdout
+    assert "ResourceWarning" not in done.stderr, done.stderr[-3000:]
 
 
 def _code(gm):

@@ -74,6 +74,7 @@ def partition(payload: bytes, timeout: float = TIMEOUT) -> bytes:
     global _proc
     with _lock:
         if _proc is None or _proc.poll() is not None:
+            _close(_proc)
             root = str(Path(__file__).resolve().parents[2])
             env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
             _proc = subprocess.Popen(threads.worker_command("fxtrain.capture.partition_worker"), env=env,
@@ -97,9 +98,23 @@ def partition(payload: bytes, timeout: float = TIMEOUT) -> bytes:
     return answer[1:]
 
 
+def _close(proc: Optional[subprocess.Popen]) -> None:
+    """Ends ``proc`` and closes its pipes: a worker left with open pipes made Python print
+    "ResourceWarning: unclosed file" at the exit of every process that had one."""
+    if proc is None:
+        return
+    proc.kill()
+    proc.wait()
+    for pipe in (proc.stdin, proc.stdout):
+        if pipe is not None:
+            try:
+                pipe.close()
+            except OSError:   # a write the dead worker never read: nothing to flush to
+                pass
+
+
 def _stop() -> None:
-    if _proc is not None:
-        _proc.kill()
+    _close(_proc)
 
 
 threads.on_exit(_stop)
