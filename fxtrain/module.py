@@ -233,6 +233,7 @@ class TrainModule(nn.Module):
                 self._info.note_cache(f"not stored ({key[1]}): the call made {made} graphs "
                                       f"and {len(breaks)} graph break(s)")
         if breaks:
+            self._sizes.graph_broke(key)
             logger.warning("fxtrain: %d graph break(s) while capturing %s: %s", len(breaks),
                            type(self.module).__name__, "; ".join(dict.fromkeys(breaks)))
         self._rollback.after_capture()
@@ -254,8 +255,7 @@ class TrainModule(nn.Module):
     def _entry_for(self, key: Hashable, args: Tuple[Any, ...], kwargs: Dict[str, Any], sizes: Tuple[Any, ...]) -> Any:
         """Dynamo's entry for this call: the static one, or from the first size change of its schema
         on, the symbolic one (``dynamic=None``; capture/sizes.py says which sizes it makes symbolic)."""
-        resized, breaks = key in self._cache.resized, bool(self._info.graph_breaks)
-        if self._sizes.use_symbolic(key, sizes, args, kwargs, resized, breaks):
+        if self._sizes.use_symbolic(key, sizes, args, kwargs, key in self._cache.resized):
             if self._sizes.later_partitions is None:
                 # A symbolic capture's sympy budget is a share of the first capture's whole cost:
                 # the partitions the worker makes of it count. The requests go out now, and the

@@ -80,6 +80,59 @@ def test_no_capture_on_sizes_already_run_when_symbolic_sizes_break_the_graph():
     assert switch in str(info)
 
 
+def _captures_per_step(tm, ref, batches):
+    captures = []
+    for batch in batches:
+        before = tm.capture_info().graphs
+        train_parity(tm, ref, [batch], _sum)
+        captures.append(tm.capture_info().graphs - before)
+    return captures
+
+
+def test_first_image_size_after_another_runs_its_static_capture():
+    """Image sizes stay static on the symbolic entry (a capture per size, capture/sizes.py), so the
+    first size, captured by the static entry, goes back there. Before: HF Swin's 4x32 images after
+    3x48 were captured a third time (found by the edge fuzzer, seed 221)."""
+    class Conv(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.lin = nn.Conv2d(3, 4, 3), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.lin(self.conv(x).relu().mean((2, 3))).pow(2).sum()
+
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(Conv(), dynamic=None)
+    sizes = ((4, 32), (3, 48), (4, 32), (3, 48), (3, 32), (4, 32))
+    batches = [dict(x=torch.randn(b, 3, s, s)) for b, s in sizes]
+    # (3, 32): a capture on the symbolic entry (symbolic batch at 32), which then serves 4x32 too.
+    assert _captures_per_step(tm, ref, batches) == [1, 1, 0, 0, 1, 0], tm.capture_info().capture_reasons
+
+
+def test_a_break_in_another_schema_keeps_the_first_sizes_on_their_capture():
+    """A graph break while capturing one call schema (HF's output_hidden_states=True breaks at its
+    hooks) no longer sends another schema's first sizes to the symbolic entry, where a size 1 that
+    dynamo specialises captured them again (found by the edge fuzzer, seed 221: DistilBERT, 1x1)."""
+    class Flagged(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x, hooks=False):
+            h = self.lin(x)
+            if hooks:
+                torch._dynamo.graph_break()
+            return h.tanh().sum()
+
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(Flagged(), dynamic=None)
+    batches = [dict(x=torch.randn(*s)) for s in ((1, 8), (3, 8))] + [dict(x=torch.randn(2, 8), hooks=True),
+                                                                      dict(x=torch.randn(1, 8))]
+    captures = _captures_per_step(tm, ref, batches)
+    assert tm.capture_info().graph_breaks >= 1
+    assert captures[-1] == 0, (captures, tm.capture_info().capture_reasons)
+
+
 def test_recapture_reason_is_the_failed_guard():
     """A new requires_grad pattern inside the model (as Longformer's attention helper called on
     the queries, then on the mask): dynamo's failing guard, in its own words."""

@@ -54,6 +54,8 @@ class SizesPolicy:
         self.symbolic: Dict[Hashable, Dims] = {}     # keys on the symbolic entry -> their symbolic dims
         self.expensive: Dict[Hashable, Dims] = {}    # key -> dims whose symbolic reasoning proved expensive
         self.image_sizes: Dict[Hashable, Dict[Tuple[int, int], set]] = {}   # key -> image dim -> sizes captured
+        self.broken: set = set()                     # keys whose captures broke the graph
+        self.captured: Dict[Hashable, List[Tuple[Tuple[Any, ...], Dims]]] = {}   # symbolic entry's captures: sizes, symbolic dims
         self.first_compile_seconds: Optional[float] = None
         # The CPU seconds of the first capture's partition, made later by the worker
         # (runtime/pending.py), once every such partition is back; None while one is out.
@@ -67,7 +69,7 @@ class SizesPolicy:
             self.first[key] = (shapes, call_sizes(args, kwargs))
 
     def use_symbolic(self, key: Hashable, shapes: Tuple[Any, ...], args: Tuple[Any, ...], kwargs: Dict[str, Any],
-                     resized: bool, graph_breaks: bool) -> bool:
+                     resized: bool) -> bool:
         """Whether this call runs from the symbolic entry. ``resized``: a cached graph served the
         first sizes and stopped serving (dynamo never saw them)."""
         self.switch = None
@@ -82,18 +84,36 @@ class SizesPolicy:
                 self.switch = "a cached graph served the first sizes and stopped serving"
         if key not in self.symbolic:
             return False
-        # The first sizes go back to the static entry, which captured them, only where the symbolic
-        # graph cannot serve them: dynamo specialises sizes 0 and 1, so a symbolic dimension that was
-        # 0 or 1 would capture them a second time. Elsewhere the symbolic graph serves them, since the
-        # static graph's guards may no longer hold (HF classifiers set config.problem_type on their
-        # first call). Never in a model with graph breaks: the frames it compiled apart were compiled
-        # again under the symbolic entry, and their static versions no longer match (dynamo guards
-        # each function on the entry it was compiled under; HF Longformer recaptured 19 graphs).
-        if (shapes == first[0] and not resized and not graph_breaks
-                and any(first[0][i][d] < 2 for i, d in self.symbolic[key])):
+        # The first sizes go back to the static entry, which captured them, only where no capture
+        # on the symbolic entry serves them (``_symbolic_serves``): dynamo specialises sizes 0 and 1,
+        # so a symbolic dimension that was 0 or 1 would capture them a second time, and a size that
+        # changed but stays static there (an image size among its first few, one whose symbolic
+        # reasoning proved expensive) is a capture per size (HF Swin, 4x32 images after 3x48 had
+        # captured 4x32 a third time). Where one serves them it does, since the static graph's
+        # guards may no longer hold (HF classifiers set config.problem_type on their first call).
+        # Never in a schema whose captures broke the graph: the frames it compiled apart were
+        # compiled again under the symbolic entry, and their static versions no longer match
+        # (dynamo guards each function on the entry it was compiled under; HF Longformer recaptured
+        # 19 graphs). A break in another schema's capture does not count: this schema's calls never
+        # run the frames it made (HF's output_hidden_states=True breaks at its hooks).
+        if (shapes == first[0] and not resized and key not in self.broken
+                and not self._symbolic_serves(key, shapes)):
             return False
         self.call = (key, shapes, args, kwargs)
         return True
+
+    def _symbolic_serves(self, key: Hashable, shapes: Tuple[Any, ...]) -> bool:
+        """Whether a capture made on the symbolic entry for ``key`` covers ``shapes``: its static
+        sizes are these, and each of its symbolic ones is either this one or, both being at least
+        2, any (dynamo specialises 0 and 1)."""
+        def covers(seen: Tuple[Any, ...], dims: Dims) -> bool:
+            return all((v == w or (v >= 2 and w >= 2)) if (i, d) in dims else v == w
+                       for i, (now, then) in enumerate(zip(shapes, seen)) for d, (v, w) in enumerate(zip(now, then)))
+        return any(covers(seen, dims) for seen, dims in self.captured.get(key, ()))
+
+    def graph_broke(self, key: Hashable) -> None:
+        """A capture of this schema broke the graph (see ``use_symbolic``)."""
+        self.broken.add(key)
 
     def end_call(self) -> None:
         self.call = None
@@ -113,6 +133,7 @@ class SizesPolicy:
         tensors = call_tensors(args, kwargs)
         waiting = self._image_dims_static(key, tensors, first, shapes, changed | before)
         dims = (before | changed | leading_dims(first)) - expensive - waiting
+        self.captured.setdefault(key, []).append((shapes, dims))
         if dims != before:
             self.symbolic[key] = dims
             new = dims - before
@@ -184,6 +205,7 @@ class SizesPolicy:
         useful; if the leading ones alone still prove expensive, those too (a capture per size)."""
         assert self.call is not None
         key, shapes = self.call[0], self.call[1]
+        self.captured[key].pop()   # the stopped capture serves nothing
         dims = self.symbolic[key]
         static = frozenset(d for d in dims if d[1] != 0) or dims
         self.symbolic[key] = dims - static
