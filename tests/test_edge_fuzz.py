@@ -3,7 +3,7 @@ one seed, a few hundred batches in all, against eager PyTorch. The long mode is
 `python -m fxtrain.fuzz --seeds 20 --batches 100` (docs/sparsity.md, "Edge batches")."""
 import pytest
 
-from fxtrain import fuzz
+from fxtrain import cli, fuzz
 from utils import current_device
 
 CI_BATCHES = 16    # per case in `make test`
@@ -88,3 +88,20 @@ def test_tier_switch_mid_run_matches_eager(losses, n_batches):
         assert ran == ["eager"] * fuzz.TIER_SWITCH + ["inductor"] * (fuzz.TIER_ROAM_FROM - fuzz.TIER_SWITCH), ran
         if n_batches > fuzz.TIER_ROAM_FROM:
             assert r.captures >= 2, report   # the roaming batches recaptured
+
+
+@pytest.mark.cpu_only(reason="argument checks: no model is built")
+@pytest.mark.parametrize("argv,said", [(["--tier-switch", "--model", "swin-image"], "text models only"),
+                                       (["--batches", "0"], "at least 1")])
+def test_arguments_no_case_can_run_with_are_refused_before_any_case_runs(argv, said, capsys, monkeypatch):
+    # Refused before the first case: `--tier-switch` over the default models ended a run on its
+    # Swin case minutes in, every earlier case's result lost.
+    monkeypatch.setattr(fuzz, "run_case", lambda *a, **k: pytest.fail("a case ran"))
+    with pytest.raises(SystemExit) as exit:
+        fuzz.main(argv)
+    assert exit.value.code == 2 and said in capsys.readouterr().err
+    assert cli.main(["fuzz", *argv]) == 2 and said in capsys.readouterr().err
+    # Without --model, tier cases take the default models that have text batches.
+    tier = {c.model for c in fuzz.cases([0], tier=True)}
+    assert tier == {m for m, (_, kind, _) in fuzz.MODELS.items() if kind != "image"} and "swin-image" not in tier
+    assert "swin-image" in {c.model for c in fuzz.cases([0])}
