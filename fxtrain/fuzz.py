@@ -67,10 +67,17 @@ MODELS: Dict[str, Tuple[Callable[[], torch.nn.Module], str, int]] = {
 EXTRA_MODELS: Dict[str, Tuple[Callable[[], torch.nn.Module], str, int]] = {
     "longformer-mlm": (lambda: _longformer(), "mlm", 1),
     "llama-clm": (lambda: models.llama_lm(hidden=32, layers=2, heads=4, vocab=VOCAB, kv_heads=2), "clm", 0),
+    # Attention inputs that pass through more than layout ops (docs/sparsity.md): Qwen3's per-head
+    # q/k norm before the head transpose, Phi-3's fused q/k/v and gate/up projections, Mistral's
+    # sliding-window cache.
+    "qwen3-clm": (lambda: _hf_clm("Qwen3"), "clm", 0),
+    "phi3-clm": (lambda: _hf_clm("Phi3"), "clm", 0),
+    "mistral-clm": (lambda: _hf_clm("Mistral"), "clm", 0),
 }
 IMAGE_LABELS = 5
 # Models the passes are checked to fire on (on the capturing batch).
-FIRES = (*(name for name, (_, kind, _) in MODELS.items() if kind != "image"), "llama-clm")
+FIRES = (*(name for name, (_, kind, _) in MODELS.items() if kind != "image"), "llama-clm", "qwen3-clm", "phi3-clm",
+         "mistral-clm")
 LOSSES = ("model", "custom")   # the model's own loss from `labels`, or one given to ModuleWithLoss
 PASSES_FIRING = {"mlm": ("label_sparsity", "padding_elimination"), "clm": ("label_sparsity", "padding_elimination"),
                  "cls": ("upstream_slicing", "padding_elimination"), "image": ()}
@@ -101,6 +108,16 @@ def _longformer() -> torch.nn.Module:
                            intermediate_size=64, attention_window=4, max_position_embeddings=POSITIONS + 2,
                            pad_token_id=1, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     return LongformerForMaskedLM(cfg)
+
+
+def _hf_clm(family: str) -> torch.nn.Module:
+    require("transformers", "the fuzzer's models")
+    import transformers
+    cfg = getattr(transformers, f"{family}Config")(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=POSITIONS, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, attention_dropout=0.0)
+    return getattr(transformers, f"{family}ForCausalLM")(cfg)
 
 
 def _swin() -> torch.nn.Module:

@@ -100,6 +100,57 @@ def test_alone_on_causal_lm_matches_eager():
     assert "attention on real tokens, sequence by sequence: 2 of 2" in _why(tm), _why(tm)  # causal
 
 
+def _hf_causal_lm(family):
+    import transformers
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=64, pad_token_id=0, attention_dropout=0.0)
+    return getattr(transformers, f"{family}ForCausalLM")(config)
+
+
+# Mistral: its sliding-window cache trims keys and values to the window, a whole-tensor slice on a
+# sequence shorter than the window (padding_elimination._whole_slice). Qwen3: a per-head RMSNorm of
+# q and k (varlen.per_position_op) before the head transpose (varlen._chain_above). Phi-3: q, k and
+# v sliced out of one projection's features, the MLP's gate and up halves chunked out of another
+# (rows.features_split). Before, the pass was off for all three ("padding rows reach view",
+# "... getitem").
+@pytest.mark.parametrize("family", ["Mistral", "Qwen3", "Phi3"])
+def test_hf_causal_lms_whose_attention_inputs_pass_through_more_than_layout_ops(family):
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(_hf_causal_lm(family))
+
+    def compare(out, ref_out):
+        _same_logits(out, ref_out)
+        for mine, eager in zip(out.past_key_values.layers, ref_out.past_key_values.layers):
+            torch.testing.assert_close(mine.keys, eager.keys, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(mine.values, eager.values, atol=1e-4, rtol=1e-4)
+
+    train_parity(tm, ref, _batches("clm", 0, 2), lambda out, _: out.loss, compare_outputs=compare,
+                 state_atol=STATE_ATOL)
+    _fired(tm)
+    assert f"{8 if family == 'Phi3' else 14} matmul(s) on real tokens only" in _why(tm), _why(tm)
+    assert "attention on real tokens, sequence by sequence: 2 of 2" in _why(tm), _why(tm)
+
+
+def test_modernbert_mlm_matches_eager_with_its_global_attention_sequence_by_sequence():
+    """ModernBERT: q, k and v unbound from one fused projection viewed as [batch, seq, 3, heads,
+    dim], a GeGLU MLP chunked out of another, and every second layer's sliding-window attention,
+    whose mask is more than padding: that one stays re-padded (exact). Before: off ("padding rows
+    reach view")."""
+    import transformers
+    config = transformers.ModernBertConfig(
+        vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        max_position_embeddings=64, pad_token_id=0, global_attn_every_n_layers=2, local_attention=8)
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(transformers.ModernBertForMaskedLM(config))
+    train_parity(tm, ref, _batches("mlm", 0, 1), lambda out, _: out.loss, compare_outputs=_same_logits,
+                 state_atol=STATE_ATOL)
+    _fired(tm)
+    assert "7 matmul(s) on real tokens only" in _why(tm), _why(tm)
+    assert "sequence by sequence: 1 of 2 (re-padded: " in _why(tm), _why(tm)
+    assert _why(tm).endswith(": its mask is not padding plus causal order)"), _why(tm)
+
+
 def test_left_padded_causal_loss_reads_a_padding_position_so_the_pass_stays_off():
     """With left padding, label shifting makes the last padding position predict the first real
     token: eager's loss reads a padding row, so the pass must not fire and the result is eager's."""

@@ -490,3 +490,29 @@ def test_the_matchers_probes_are_shared_and_a_path_that_writes_into_one_is_refus
     nodes = list(gm.graph.nodes)
     assert ev.run(nodes[0], ev.numbered((8,), torch.device("cpu")), nodes[-2]) is None
     assert torch.equal(ev.numbered((8,), torch.device("cpu")), torch.arange(8, dtype=torch.float64))   # made anew
+
+
+def _qk_norm(q, w, eps: float = 1e-6, power: float = 2.0, dim: int = -1):
+    """A per-head RMSNorm of q ``[batch, seq, heads, dim]`` (HF Qwen3's q_norm), with knobs."""
+    variance = q.pow(power).mean(dim, keepdim=True)
+    return w * (q * torch.rsqrt(variance + eps) if eps else q * torch.rsqrt(variance))
+
+
+@pytest.mark.parametrize("knobs,per_position", [
+    ({}, True),
+    # Each refusal is an inf a re-padded position's zeros would make (then NaN in attention), or a
+    # reduction over more than one position's own features.
+    ({"eps": 0.0}, False), ({"power": -1.0}, False), ({"dim": 1}, False)])
+def test_per_position_ops_take_an_rms_norm_only_in_its_safe_form(knobs, per_position):
+    from fxtrain.passes.varlen import per_position_op
+    q, w = torch.randn(2, 5, 3, 4), torch.randn(4)
+    gm = _traced(lambda q, w: _qk_norm(q, w, **knobs), {"q": q, "w": w})
+    placeholder = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    norm_ops = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+    inside = set()
+    for node in norm_ops:   # every op computed from q is inside, as the padded rows' descendants are
+        if any(a is placeholder or a in inside for a in node.all_input_nodes):
+            inside.add(node)
+    inside_of = lambda a: a is placeholder or a in inside   # noqa: E731
+    verdicts = [per_position_op(n, inside_of) for n in norm_ops if n in inside]
+    assert all(verdicts) is per_position, [(n.name, v) for n, v in zip(norm_ops, verdicts)]

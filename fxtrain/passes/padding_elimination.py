@@ -45,13 +45,13 @@ from .label_sparsity import cross_entropy_args, unsupported_cross_entropy
 from .density import ExampleSource, add_probe, density_reason
 from .row_ops import put_rows, row_selection, take_rows
 from .varlen import attention_on_real_tokens, mask_kind, per_position_op, sdpa_arguments
-from .rows import (Node, _same, _same_shape, ancestors, attention_flops_at_capture, copy_on_rows, descendants,
+from .rows import (Node, _same, _same_shape, features_split, ancestors, attention_flops_at_capture, copy_on_rows, descendants,
                    flops_at_capture, heavy, op_name, row_inputs, run_node, same_shape_guarded, value)
 
 NAME = "padding_elimination"
 _SDPA = {NN_SDPA, F.scaled_dot_product_attention}
 # Ops that only move a tensor's elements around (or add nothing), between a padded tensor and attention.
-_LAYOUT_METHODS = {"view", "reshape", "transpose", "permute", "contiguous", "split", "chunk", "unflatten", "expand"}
+_LAYOUT_METHODS = {"view", "reshape", "transpose", "permute", "contiguous", "split", "chunk", "unbind", "unflatten", "expand"}
 _ASSERT = "fxtrain padding_elimination: a label or a kept row sits on a padding position " \
           "(attention_mask == 0), which this rewrite does not compute; use Options(padding_elimination='off')"
 
@@ -125,7 +125,7 @@ def _layout_to_attention(node: Node, seen: Optional[Set[Node]] = None, chain: Op
             continue
         layout = (user.op == "call_method" and user.target in _LAYOUT_METHODS) or \
             (user.op == "call_function" and user.target is operator.getitem and isinstance(value(node), (tuple, list))) or \
-            _new_axes(user, node) or \
+            _new_axes(user, node) or _whole_slice(user, node) or \
             (user.op == "call_function" and user.target is torch.cat and all(
                 a is node or (isinstance(value(a), torch.Tensor) and value(a).numel() == 0) for a in user.args[0]))
         if not layout and chain is not None and per_position_op(user, chain.inside):
@@ -144,6 +144,21 @@ def _new_axes(user: Node, node: Node) -> bool:
             or not isinstance(user.args[1], tuple):
         return False
     return all(i is None or i is Ellipsis or i == slice(None) for i in user.args[1])
+
+
+def _whole_slice(user: Node, node: Node) -> bool:
+    """``node[:, :, -w:, :]`` that keeps every element: a sliding-window cache's trim of keys and
+    values to the window (HF Mistral's ``DynamicSlidingWindowLayer``, returned as the cache), on a
+    sequence no longer than the window. Shapes compared as the capture sees them: a symbolic
+    sequence is guarded by dynamo to the side of the window it was captured on."""
+    if user.op != "call_function" or user.target is not operator.getitem or user.args[0] is not node \
+            or not isinstance(user.args[1], tuple):
+        return False
+    if not all(i is Ellipsis or (isinstance(i, slice) and i.step in (None, 1)) for i in user.args[1]):
+        return False
+    a, b = value(node), value(user)
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() == b.dim() \
+        and all(_same(x, y) for x, y in zip(a.shape, b.shape))
 
 
 class _Chain:
@@ -225,6 +240,14 @@ def _plan(gm: torch.fx.GraphModule, lead_shape: Sequence[Any], examples: Example
             continue
         inside = [a for a in node.all_input_nodes if a in plan.region]
         if not inside or node.op == "output":
+            continue
+        split = features_split(node)
+        if split is not None and split in plan.region and plan.region[split] < value(split).dim():
+            plan.region[node] = plan.region[split]   # a tuple of row tensors, each taken by getitem
+            continue
+        if node.op == "call_function" and node.target is operator.getitem and features_split(node.args[0]) \
+                is not None and node.args[0] in plan.region and isinstance(node.args[1], int):
+            plan.region[node] = plan.region[node.args[0]]
             continue
         first = inside[0]
         features = value(first).dim() - plan.region[first]

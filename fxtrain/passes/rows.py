@@ -96,6 +96,26 @@ def _is_identity_index(index: Any) -> bool:
                for item in (index if isinstance(index, tuple) else (index,)))
 
 
+def _features_slice(index: Any) -> bool:
+    """``x[..., a:b]``: a slice of the last dim, written so that it means the same on the row form
+    (q, k and v out of one fused projection: HF Phi-3's ``qkv[..., :query_pos]``)."""
+    return isinstance(index, tuple) and len(index) == 2 and index[0] is Ellipsis and isinstance(index[1], slice) \
+        and all(v is None or isinstance(v, int) for v in (index[1].start, index[1].stop, index[1].step))
+
+
+def features_split(node: Node) -> Optional[Node]:
+    """The tensor ``node`` splits along its last dim, written as ``dim=-1`` so that it means the same
+    on the row form (``x.chunk(2, dim=-1)``, ``x.split(n, -1)``: HF Phi-3's gate and up halves of
+    one projection), else None. Its pieces are taken by ``getitem``."""
+    if node.op != "call_method" or node.target not in ("chunk", "split") or not isinstance(node.args[0], Node):
+        return None
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+    x = _tensor(node.args[0])
+    if dim != -1 or x is None or x.dim() < 2 or set(node.kwargs) - {"dim"}:
+        return None
+    return node.args[0]
+
+
 def _feature_dim(dim: Any, ndim: int, lead: int) -> bool:
     return isinstance(dim, int) and (dim % ndim) >= lead if ndim else False
 
@@ -156,7 +176,8 @@ def row_inputs(node: Node, lead: int, broadcast: Optional[Set[Node]] = None) -> 
         return [(args[0], x.dim() - features)]
     if node.op == "call_function" and target is operator.getitem:
         x = _tensor(args[0])
-        if x is None or x.dim() != out.dim() or not _is_identity_index(args[1]):
+        if x is None or x.dim() != out.dim() or not (_is_identity_index(args[1]) or
+                                                    (features and _features_slice(args[1]))):
             return None
         return [(args[0], lead)]
     if (node.op == "call_function" and target in _ELEMENTWISE_FUNCTIONS) or \
@@ -352,7 +373,7 @@ def replay_on_rows(gm: torch.fx.GraphModule, region: Region, select: Select, ins
 def is_regroup(node: Node) -> bool:
     """A region op that is a no-op on flattened rows (a view of the leading dims, an identity index)."""
     return (node.op == "call_method" and node.target in _VIEW_METHODS) or \
-        (node.op == "call_function" and node.target is operator.getitem)
+        (node.op == "call_function" and node.target is operator.getitem and _is_identity_index(node.args[1]))
 
 
 def copy_on_rows(graph: torch.fx.Graph, node: Node, rows: Dict[Node, Node], lead: int) -> Node:

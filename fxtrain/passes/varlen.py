@@ -17,8 +17,9 @@ What makes it exact, and what is checked before relying on it:
   features) and the output ops only merge them back: checked by running those ops on a probe whose
   values name their own position;
 - between that head split and attention, q and k may pass through ops that act on each position
-  alone (rotary position embeddings: ``q * cos + rotate_half(q) * sin``; ``per_position_op`` lists
-  what qualifies, with shape checks). They are re-run on the packed rows, laid out as
+  alone (rotary position embeddings: ``q * cos + rotate_half(q) * sin``; a per-head RMSNorm, also
+  before the head transpose, as HF Qwen3's; ``per_position_op`` lists what qualifies, with shape
+  checks). They are re-run on the packed rows, laid out as
   ``[tokens, heads, 1, dim]``, with each operand computed outside the padded tensors (cos/sin, from
   the positions) gathered at each real token's own ``(row, position)``; on the capturing batch the
   result is checked bit-equal to the dense ops' at the real tokens. Positions are whatever eager
@@ -51,17 +52,50 @@ from .rows import _same, ancestors, descendants, run_node, value
 
 logger = logging.getLogger("fxtrain")
 Node = torch.fx.Node
-_LAYOUT = {"view", "reshape", "transpose", "permute", "contiguous", "split", "chunk", "unflatten", "flatten"}
+_LAYOUT = {"view", "reshape", "transpose", "permute", "contiguous", "split", "chunk", "unbind", "unflatten", "flatten"}
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
 
 
 # Ops that act on each (batch, position) of q or k alone, as rotary position embeddings do between the
 # head split and attention: elementwise arithmetic (operands from outside the padded tensors, such
 # as cos/sin of the positions, may broadcast), casts, and slices or concatenations of the last dim.
+# And the per-head RMSNorm some models apply to q and k before rotary (HF Qwen3's q_norm/k_norm):
+# a positive power, a mean over the last dim kept as a dim, and rsqrt of that plus a positive eps.
 _CHAIN_FUNCTIONS = {operator.mul, operator.add, operator.sub, operator.truediv, operator.neg,
-                    torch.mul, torch.add, torch.sub, torch.div, torch.neg}
-_CHAIN_METHODS = {"mul", "add", "sub", "div", "neg", "to", "float", "half", "bfloat16", "double", "type_as"}
+                    torch.mul, torch.add, torch.sub, torch.div, torch.neg, torch.pow, operator.pow,
+                    torch.rsqrt, torch.mean}
+_CHAIN_METHODS = {"mul", "add", "sub", "div", "neg", "to", "float", "half", "bfloat16", "double", "type_as",
+                  "pow", "rsqrt", "mean"}
 _DIVIDES = {operator.truediv, torch.div, "div"}
+_ADDS = {operator.add, torch.add, "add"}
+
+
+def _norm_op_safe(node: Node, inside: Callable[[Any], bool]) -> bool:
+    """The RMSNorm ops among the chain's, on their safe forms only: they run on the re-padded
+    layout too, whose padding positions are zeros, and an inf there (rsqrt of 0, a negative power
+    of 0) would reach attention as NaN. ``mean`` over the last dim only, kept as a dim (so each
+    position still reads only its own features); ``pow`` by a positive number; ``rsqrt`` of an
+    inside value plus a positive constant."""
+    target, args, kwargs = node.target, node.args, node.kwargs
+    if target in (torch.mean, "mean"):
+        out = value(node)
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        dim = dim[0] if isinstance(dim, (list, tuple)) and len(dim) == 1 else dim
+        keep = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+        return (isinstance(dim, int) and isinstance(out, torch.Tensor) and dim % out.dim() == out.dim() - 1
+                and keep is True and not kwargs.get("dtype"))
+    if target in (torch.pow, operator.pow, "pow"):
+        exponent = args[1] if len(args) > 1 else kwargs.get("exponent")
+        return isinstance(exponent, (int, float)) and not isinstance(exponent, bool) and exponent > 0 \
+            and isinstance(args[0], Node) and inside(args[0])
+    if target in (torch.rsqrt, "rsqrt"):
+        (x,) = args[:1] or (None,)
+        if not (isinstance(x, Node) and x.op in ("call_function", "call_method") and x.target in _ADDS
+                and len(x.args) == 2):
+            return False
+        consts = [a for a in x.args if not isinstance(a, Node)]
+        return len(consts) == 1 and isinstance(consts[0], (int, float)) and consts[0] > 0
+    return True
 
 
 def _last_dim_slice(index: Any, ndim: int) -> bool:
@@ -108,7 +142,7 @@ def per_position_op(node: Node, inside: Callable[[Any], bool]) -> bool:
         return False
     target = node.target
     ins = [a for a in operands if isinstance(a, Node) and inside(a)]
-    if not ins:
+    if not ins or not _norm_op_safe(node, inside):
         return False
     if target in _DIVIDES and len(node.args) > 1 and isinstance(node.args[1], Node) and inside(node.args[1]):
         return False   # a padding position's zeros would divide into inf/NaN values
@@ -172,7 +206,7 @@ def _layout(node: Node) -> bool:
         return node.target in _LAYOUT
     if node.op == "call_function" and node.target is operator.getitem:
         src = node.args[0]
-        return isinstance(src, Node) and src.op == "call_method" and src.target in ("split", "chunk")
+        return isinstance(src, Node) and src.op == "call_method" and src.target in ("split", "chunk", "unbind")
     return node.op == "call_function" and node.target is torch.cat   # a key/value cache that starts empty
 
 
@@ -213,8 +247,10 @@ class _Chain:
     each is laid out over the positions ("tokens": ``[batch, ., seq, .]``, "positions":
     ``[1, ., seq, .]``, "batch": ``[batch, ., 1, .]``, "keep": broadcast over every position)."""
 
-    def __init__(self, entry: Node, nodes: List[Node], out: Node, post: List[Node], sides: Dict[Node, str]) -> None:
+    def __init__(self, entry: Node, nodes: List[Node], out: Node, post: List[Node], sides: Dict[Node, str],
+                 swap: Optional[Node] = None) -> None:
         self.entry, self.nodes, self.out, self.post, self.sides = entry, nodes, out, post, sides
+        self.swap = swap   # the head transpose among ``nodes`` (``entry`` is then [batch, seq, heads, dim])
 
 
 def _below(gm: torch.fx.GraphModule, index: Node) -> Set[Node]:
@@ -241,23 +277,39 @@ def _chain_above(gm: torch.fx.GraphModule, x: Node, index: Node) -> Tuple[Option
     def inside(a: Any) -> bool:
         return isinstance(a, Node) and a in below
 
-    ops: Set[Node] = set()
-    entries: Set[Node] = set()
-    stack = [y]
-    while stack:
-        node = stack.pop()
-        if node in ops or node in entries:
-            continue
-        if inside(node) and per_position_op(node, inside):
-            ops.add(node)
-            stack.extend(a for a in node.all_input_nodes if inside(a))
-        else:
-            entries.add(node)
+    def walk(start: Node) -> Tuple[Set[Node], Set[Node]]:
+        ops: Set[Node] = set()
+        entries: Set[Node] = set()
+        stack = [start]
+        while stack:
+            node = stack.pop()
+            if node in ops or node in entries:
+                continue
+            if inside(node) and per_position_op(node, inside):
+                ops.add(node)
+                stack.extend(a for a in node.all_input_nodes if inside(a))
+            else:
+                entries.add(node)
+        return ops, entries
+
+    ops, entries = walk(y)
     if not ops or len(entries) != 1:
         return None, "is neither a head split of the packed real tokens nor per-position ops on one"
     (entry,) = entries
-    e = value(entry)
-    if not isinstance(e, torch.Tensor) or e.dim() != 4:
+    # Per-position ops before the head transpose too (HF Qwen3 norms q and k per head on
+    # ``[batch, seq, heads, dim]``): the transpose is then part of the chain, an identity on the
+    # packed rows' ``[tokens, heads, 1, dim]``, and the ops above it may only read operands that
+    # broadcast over every position (the norm's weight).
+    swap, above = None, set()
+    if _head_swap(entry) and inside(entry.args[0]) and per_position_op(entry.args[0], inside):
+        above, entries = walk(entry.args[0])
+        if len(entries) != 1:
+            return None, "is neither a head split of the packed real tokens nor per-position ops on one"
+        swap, (entry,) = entry, entries
+        ops |= above | {swap}
+    e = value(swap if swap is not None else entry)
+    if not isinstance(e, torch.Tensor) or e.dim() != 4 or not isinstance(value(entry), torch.Tensor) \
+            or value(entry).dim() != 4:
         return None, "has per-position ops on something other than [batch, heads, seq, dim]"
     sides: Dict[Node, str] = {}
     for node in ops:
@@ -265,6 +317,8 @@ def _chain_above(gm: torch.fx.GraphModule, x: Node, index: Node) -> Tuple[Option
             if inside(a):
                 continue
             v = value(a)
+            if node in above and not (isinstance(v, torch.Tensor) and v.dim() <= 1):
+                return None, f"has a per-position op before the head transpose reading {a.name}, not a broadcast"
             if not isinstance(v, torch.Tensor):
                 return None, f"has a per-position op reading {a.name}, not a tensor"
             if v.dim() <= 1:
@@ -278,7 +332,15 @@ def _chain_above(gm: torch.fx.GraphModule, x: Node, index: Node) -> Tuple[Option
             sides[a] = {(True, True): "tokens", (False, True): "positions", (True, False): "batch",
                         (False, False): "keep"}[(per_b, per_s)]
     nodes = [n for n in gm.graph.nodes if n in ops]
-    return _Chain(entry, nodes, y, post, sides), ""
+    return _Chain(entry, nodes, y, post, sides, swap), ""
+
+
+def _head_swap(node: Node) -> bool:
+    """``x.transpose(1, 2)`` of a 4-d ``x``: ``[batch, seq, heads, dim]`` to ``[batch, heads, seq, dim]``."""
+    v = value(node)
+    return (node.op == "call_method" and node.target == "transpose" and len(node.args) == 3
+            and isinstance(node.args[0], Node) and set(node.args[1:]) == {1, 2} and not node.kwargs
+            and isinstance(v, torch.Tensor) and v.dim() == 4)
 
 
 def _token_positions(call: Callable[..., Any], kind: str, index: Any, seq: Any) -> Any:
@@ -313,7 +375,7 @@ def _chain_exact(chain: _Chain, ev: "_Evaluator", tokens: torch.Tensor, heads: i
     version = drawn._version
     probe = drawn.to(e.dtype)
     idx = tokens.flatten().nonzero().flatten()
-    dense: Dict[Node, Any] = {chain.entry: probe}
+    dense: Dict[Node, Any] = {chain.entry: probe if chain.swap is None else probe.transpose(1, 2).contiguous()}
     packed: Dict[Node, Any] = {chain.entry: probe.transpose(1, 2).reshape(b * s, heads, dim)[idx].unsqueeze(2)}
 
     def call(f: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -328,7 +390,7 @@ def _chain_exact(chain: _Chain, ev: "_Evaluator", tokens: torch.Tensor, heads: i
             packed[side] = _side_rows(call, v, kind, None if kind == "keep" else _token_positions(call, kind, idx, s))
         for node in chain.nodes:
             dense[node] = run_node(node, dense)
-            packed[node] = run_node(node, packed)
+            packed[node] = packed[node.args[0]] if node is chain.swap else run_node(node, packed)
     except Exception:
         return False
     finally:
@@ -483,6 +545,8 @@ def _match(gm: torch.fx.GraphModule, sdpa: Node, index: Node, tokens: torch.Tens
         # device), which a host probe cannot join.
         probe = ev.numbered((b * s, f), tokens.device)
         out = ev.run(put, probe, x)
+        if chain is not None and chain.swap is not None and isinstance(out, torch.Tensor) and out.dim() == 4:
+            out = out.transpose(1, 2)   # the chain's own transpose makes it [batch, heads, seq, dim]
         if not isinstance(out, torch.Tensor) or out.dim() != 4 or out.shape[0] != b or out.shape[2] != s:
             return None, f"its {name} is not [batch, heads, seq, dim] of the re-padded rows"
         heads, dim = out.shape[1], out.shape[3]
@@ -529,6 +593,9 @@ def _chain_on_rows(graph: torch.fx.Graph, chain: _Chain, packed: Node, side_rows
     for side, kind in chain.sides.items():
         env[side] = side_rows(side, kind)
     for node in chain.nodes:
+        if node is chain.swap:   # the packed layout already has heads before positions
+            env[node] = env[node.args[0]]
+            continue
         env[node] = graph.node_copy(node, lambda a: env[a])
         env[node].meta = {}
     return graph.call_function(torch.squeeze, (env[chain.out], 2))
