@@ -43,6 +43,7 @@ from tqdm import tqdm
 from . import models
 from .capture.backend import Plugins
 from .cost.step import loss_of
+from .errors import Error
 from .extras import require
 from .module import TrainModule
 from .module_with_loss import ModuleWithLoss
@@ -554,7 +555,7 @@ def _compare_outputs(out: Any, ref_out: Any, when: str, atol: float = ATOL) -> L
 
 
 # ------------------------------------------------------------------------------------------ driver
-class BadArguments(ValueError):
+class BadArguments(Error, ValueError):
     """Arguments no fuzz case can run with, found before the first case runs."""
 
 
