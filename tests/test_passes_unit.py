@@ -505,7 +505,7 @@ def _qk_norm(q, w, eps: float = 1e-6, power: float = 2.0, dim: int = -1):
     ({"eps": 0.0}, False), ({"power": -1.0}, False), ({"dim": 1}, False)])
 def test_per_position_ops_take_an_rms_norm_only_in_its_safe_form(knobs, per_position):
     from fxtrain.passes.varlen import per_position_op
-    q, w = torch.randn(2, 5, 3, 4), torch.randn(4)
+    q, w = to_device(torch.randn(2, 5, 3, 4)), to_device(torch.randn(4))
     gm = _traced(lambda q, w: _qk_norm(q, w, **knobs), {"q": q, "w": w})
     placeholder = next(n for n in gm.graph.nodes if n.op == "placeholder")
     norm_ops = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
