@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import logging
 import re
 import threading
@@ -1457,25 +1458,77 @@ def default_store() -> Any:
 
 
 # ------------------------------------------------------------------------- graph serialisation
-def pickle_graphs(obj: Any) -> bytes:
+_IMPORTS = b"fxtrain-imports\0"
+
+
+def custom_op_modules(obj: Any) -> List[str]:
+    """The modules that defined the Python custom ops (``torch.library.custom_op``) the GraphModules
+    in ``obj`` call, from ``torch._library.custom_ops.OPDEFS`` (each op's ``_init_fn.__module__``).
+    A graph pickles such an op by name, and a process that has not imported its module has no op
+    of that name: HF's MoE layers call ``transformers::grouped_mm_fallback``, defined in
+    ``transformers.integrations.moe``, and the partition worker answered "'_OpNamespace'
+    'transformers' object has no attribute 'grouped_mm_fallback'". ``__main__`` is left out (another
+    process's ``__main__`` is its own)."""
+    from torch._library.custom_ops import OPDEFS
+    found: List[str] = []
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, (tuple, list)):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, torch.fx.GraphModule):
+            for module in item.modules():
+                if not isinstance(module, torch.fx.GraphModule):
+                    continue
+                for node in module.graph.nodes:
+                    target = node.target
+                    if node.op != "call_function":
+                        continue
+                    if isinstance(target, torch._ops.OpOverload):
+                        name = target._schema.name
+                    elif isinstance(target, torch._ops.OpOverloadPacket):   # dynamo's graphs call these
+                        name = target._qualified_op_name
+                    else:
+                        continue
+                    opdef = OPDEFS.get(name)
+                    defined = getattr(getattr(opdef, "_init_fn", None), "__module__", None)
+                    if isinstance(defined, str) and defined != "__main__" and defined not in found:
+                        found.append(defined)
+    return found
+
+
+def pickle_graphs(obj: Any, for_another_process: bool = False) -> bytes:
     """Pickle an object holding GraphModules with fake-tensor metadata, every op allowed
     (``torch.fx._graph_pickler.GraphPickler.dumps(obj, Options(ops_filter=None))``).
+    ``for_another_process``: prefixed with the modules of the custom ops it calls
+    (:func:`custom_op_modules`), which :func:`unpickle_graphs` imports before loading.
 
     2.12 and later: that call alone. 2.11: inside :func:`_slices_as_pytree_nodes`, as 2.12's
     ``dumps`` itself runs. The pickler maps each node's arguments with pytree to replace the nodes
     in them; 2.11's pytree does not look into a slice, so a node inside one (``x[:, :n]`` with a
     symbolic ``n``) reached pickle raw ("Unexpected raw Node during pickling")."""
     from torch.fx._graph_pickler import GraphPickler, Options
+    head = _IMPORTS + ",".join(custom_op_modules(obj)).encode() + b"\0" if for_another_process else b""
     if torch_at_least(2, 12):
-        return GraphPickler.dumps(obj, Options(ops_filter=None))
+        return head + GraphPickler.dumps(obj, Options(ops_filter=None))
     with _slices_as_pytree_nodes():
-        return GraphPickler.dumps(obj, Options(ops_filter=None))
+        return head + GraphPickler.dumps(obj, Options(ops_filter=None))
 
 
 def unpickle_graphs(payload: bytes, fake_mode: Any) -> Any:
     """Inverse of :func:`pickle_graphs`; fake values are rebuilt in ``fake_mode``. 2.11: inside
     :func:`_slices_as_pytree_nodes`, as 2.12's ``loads`` runs (it maps the nodes back the same way)."""
     from torch.fx._graph_pickler import GraphPickler
+    if payload.startswith(_IMPORTS):
+        names, payload = payload[len(_IMPORTS):].split(b"\0", 1)
+        for name in filter(None, names.decode().split(",")):
+            try:
+                importlib.import_module(name)
+            except Exception as e:   # the load below then names the op it lacks
+                logging.getLogger("fxtrain").debug("could not import %s, which defines a custom op of these "
+                                                   "graphs: %s", name, e)
     if torch_at_least(2, 12):
         return GraphPickler.loads(payload, fake_mode)
     with _slices_as_pytree_nodes():

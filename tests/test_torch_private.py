@@ -630,3 +630,25 @@ def test_size_guard_accessors() -> None:
     assert not check([torch.empty(5, 8), 3]) and not check([torch.empty(4, 5), 3])
     assert _check("size_guard_check", tp.size_guard_check, env, examples, [])([torch.empty(9, 9), 1])
     del mode
+
+
+def test_custom_op_modules_names_the_module_that_defined_each_python_custom_op() -> None:
+    """``torch._library.custom_ops.OPDEFS`` on this torch: a graph's call of a Python custom op, as an
+    overload (aten graphs) or a packet (dynamo's), is traced to its module, which a pickled payload
+    carries to the process that loads it (test_partition_later.py: the worker partitions HF's MoE)."""
+    import transformers.integrations.moe  # noqa: F401  (defines transformers::grouped_mm_fallback)
+    packet = torch.ops.transformers.grouped_mm_fallback
+    for target in (packet, packet.default):
+        graph = torch.fx.Graph()
+        x, w, offs = (graph.placeholder(n) for n in ("x", "w", "offs"))
+        graph.output(graph.call_function(target, (x, w, offs)))
+        gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+        assert tp.custom_op_modules(({"graphs": [gm]},)) == ["transformers.integrations.moe"]
+    # aten ops and fxtrain's own (registered at import) name no module to import; the payload's
+    # header is there only when asked for.
+    graph = torch.fx.Graph()
+    graph.output(graph.call_function(torch.ops.aten.relu.default, (graph.placeholder("x"),)))
+    plain = torch.fx.GraphModule(torch.nn.Module(), graph)
+    assert tp.custom_op_modules(plain) == []
+    assert tp.pickle_graphs(plain, for_another_process=True).startswith(b"fxtrain-imports\0\0")
+    assert not tp.pickle_graphs(plain).startswith(b"fxtrain-imports")

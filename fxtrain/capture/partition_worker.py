@@ -62,7 +62,7 @@ def request(graph: torch.fx.GraphModule, example_inputs: List[Any], executor: st
     autocast = autocast_now(["cpu", *(t.device.type for t in example_inputs)])
     try:
         with lean_meta(graph, keep_values=False):
-            return tp.pickle_graphs((graph, placeholders(example_inputs), executor, autocast))
+            return tp.pickle_graphs((graph, placeholders(example_inputs), executor, autocast), for_another_process=True)
     except Exception as e:
         logger.debug("partitioned at capture: the graph does not pickle (%s)", e)
         return None

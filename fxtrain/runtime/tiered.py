@@ -524,7 +524,8 @@ class Tier:
                 given, made = Path(tmp) / "graphs.in", Path(tmp) / "graphs.out"
                 bw = step.backward_graph if not step.inference else None
                 given.write_bytes(tp.pickle_graphs((_lean(step.forward_graph), _lean(bw) if bw is not None else None,
-                                                    _saved_outputs(step.spec, step.forward_graph))))
+                                                    _saved_outputs(step.spec, step.forward_graph)),
+                                                   for_another_process=True))
                 self._run_worker(given, made, step.inference, timeout - (time.perf_counter() - start), self._alive)
                 payload = made.read_bytes()
             core = self._guarded(*compiled_from(payload, step))

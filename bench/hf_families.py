@@ -1,0 +1,182 @@
+"""HF families the suite does not name, trained against eager, and which sparsity passes fire on each.
+
+Each family is built from a tiny config (random weights, dropout 0) with transformers' Auto classes
+and trains 4 batches of changing shapes (30% padding, labels on the real tokens, half of each causal
+LM's at its end) with AdamW, default ``Options`` but for the sparsity passes, which are ``"on"``: at
+these sizes their ``"auto"`` launch model turns them off, and what is checked is what they compute
+and where they apply. The table says whether loss and every gradient matched eager's, the largest
+gradient difference, and what padding elimination did: this is how Mistral, Qwen3, Phi-3 and
+ModernBERT were found with the pass off (docs/sparsity.md).
+
+    PYTHONPATH=<checkout> python bench/hf_families.py [--families qwen3,phi3] [--speed Qwen3,Phi3]
+
+``--speed``: a small model of each named family (hidden 256, 4 layers, 16 x 128, 50% padding) timed
+against eager with default options, interleaved, medians of 8 steps (docs/benchmarks.md).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import time
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+for _k in [k for k in os.environ if k.startswith("FXTRAIN_")]:   # the defaults users get
+    del os.environ[_k]
+
+import fxtrain  # noqa: E402
+from fxtrain import models  # noqa: E402
+from fxtrain.report import format_table  # noqa: E402
+
+COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+              vocab_size=1000, max_position_embeddings=128)
+# model_type: (Auto class, config overrides). Families without SDPA support run eager attention.
+FAMILIES: Dict[str, Tuple[str, Dict[str, Any]]] = {
+    "qwen2": ("AutoModelForCausalLM", dict(num_key_value_heads=1)),
+    "qwen3": ("AutoModelForCausalLM", dict(num_key_value_heads=1, head_dim=16)),
+    "mistral": ("AutoModelForCausalLM", dict(num_key_value_heads=1)),
+    "gemma": ("AutoModelForCausalLM", dict(num_key_value_heads=1, head_dim=16)),
+    "gemma2": ("AutoModelForCausalLM", dict(num_key_value_heads=1, head_dim=16)),
+    "gemma3_text": ("AutoModelForCausalLM", dict(num_key_value_heads=1, head_dim=16)),
+    "phi3": ("AutoModelForCausalLM", dict(num_key_value_heads=1, pad_token_id=0)),
+    "phi": ("AutoModelForCausalLM", dict()),
+    "gpt_neox": ("AutoModelForCausalLM", dict()),
+    "opt": ("AutoModelForCausalLM", dict(ffn_dim=64, word_embed_proj_dim=32)),
+    "falcon": ("AutoModelForCausalLM", dict()),
+    "bloom": ("AutoModelForCausalLM", dict(n_head=2)),
+    "gptj": ("AutoModelForCausalLM", dict(rotary_dim=8)),
+    "olmo2": ("AutoModelForCausalLM", dict(num_key_value_heads=1)),
+    "stablelm": ("AutoModelForCausalLM", dict(num_key_value_heads=1)),
+    "granite": ("AutoModelForCausalLM", dict(num_key_value_heads=1)),
+    "mixtral": ("AutoModelForCausalLM", dict(num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": ("AutoModelForCausalLM", dict(num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
+                                               moe_intermediate_size=32, shared_expert_intermediate_size=32)),
+    "smollm3": ("AutoModelForCausalLM", dict(num_key_value_heads=1, pad_token_id=0)),
+    "modernbert": ("AutoModelForMaskedLM", dict(pad_token_id=0, global_attn_every_n_layers=2, local_attention=8)),
+    "deberta-v2": ("AutoModelForMaskedLM", dict(pad_token_id=0)),
+    "albert": ("AutoModelForMaskedLM", dict(embedding_size=16, pad_token_id=0)),
+    "xlm-roberta": ("AutoModelForMaskedLM", dict(pad_token_id=1)),
+    "electra": ("AutoModelForMaskedLM", dict(embedding_size=32, pad_token_id=0)),
+    "bart": ("AutoModelForSeq2SeqLM", dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+                                           decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                                           pad_token_id=1)),
+}
+EAGER_ATTENTION = ("gemma2", "bloom", "gptj", "deberta-v2")   # transformers has no SDPA path for them
+PASSES = ("label_sparsity", "padding_elimination", "upstream_slicing", "packed_attention")
+
+
+def build(name: str) -> torch.nn.Module:
+    import transformers
+    auto, extra = FAMILIES[name]
+    cfg = transformers.AutoConfig.for_model(name, **{**COMMON, **extra})
+    for attr, v in list(vars(cfg).items()):
+        if "dropout" in attr or attr.endswith("_pdrop"):
+            if isinstance(v, float):
+                setattr(cfg, attr, 0.0)
+    cfg._attn_implementation = "eager" if name in EAGER_ATTENTION else "sdpa"
+    torch.manual_seed(0)
+    return getattr(transformers, auto).from_config(cfg)
+
+
+def batches(name: str) -> List[Dict[str, torch.Tensor]]:
+    auto, extra = FAMILIES[name]
+    pad = extra.get("pad_token_id", 0)
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for b, s in [(4, 16), (3, 11), (5, 20), (2, 24)]:
+        if auto == "AutoModelForMaskedLM":
+            out.append(models.synthetic_batch("mlm", b, s, 1000, padding=0.3, label_density=0.2, pad_id=pad, generator=g))
+        elif auto == "AutoModelForCausalLM":
+            out.append(models.synthetic_batch("clm", b, s, 1000, padding=0.3, pad_id=pad, labels_at_end=0.5, generator=g))
+        else:
+            enc = models.synthetic_batch("cls", b, s, 1000, padding=0.3, pad_id=pad, generator=g)
+            dec = models.synthetic_batch("clm", b, max(2, s // 2), 1000, padding=0.2, pad_id=pad, generator=g)
+            out.append(dict(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
+                            decoder_input_ids=dec["input_ids"], decoder_attention_mask=dec["attention_mask"],
+                            labels=dec["labels"]))
+    return out
+
+
+def check(name: str) -> List[Any]:
+    """One table row: family, matches eager, worst gradient difference, graphs, breaks, passes on,
+    padding elimination's own words."""
+    model = build(name)
+    ref = copy.deepcopy(model)
+    tm = fxtrain.TrainModule(model, fxtrain.Options(**{name: "on" for name in PASSES}))
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (tm, ref)]
+    worst, matched = 0.0, "yes"
+    for i, batch in enumerate(batches(name)):
+        out, ref_out = tm(**batch), ref(**batch)
+        if not torch.allclose(out.loss, ref_out.loss, atol=1e-5, rtol=1e-4, equal_nan=True):
+            matched = f"loss differs at batch {i}"
+        out.loss.backward()
+        ref_out.loss.backward()
+        for p, q in zip(tm.module.parameters(), ref.parameters()):
+            if (p.grad is None) != (q.grad is None):
+                matched = f"gradient presence differs at batch {i}"
+            elif p.grad is not None:
+                worst = max(worst, (p.grad - q.grad).abs().max().item())
+                if not torch.allclose(p.grad, q.grad, atol=1e-5, rtol=1e-4, equal_nan=True):
+                    matched = f"a gradient differs at batch {i}"
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    info = tm.capture_info()
+    fired = ", ".join(k for k, v in info.optimizations.items() if v.startswith("on"))
+    why = info.optimizations.get("padding_elimination", "")
+    said = why.split("; attention on real tokens, ")[-1] if why.startswith("on") else why
+    return [name, matched if info.fallback_reason is None else f"fell back: {info.fallback_reason}",
+            f"{worst:.1e}", info.graphs, info.graph_breaks, fired, said[:90]]
+
+
+def speed(family: str) -> str:
+    import transformers
+    kw = dict(vocab_size=8000, hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=64, max_position_embeddings=256, pad_token_id=0, attention_dropout=0.0)
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{family}ForCausalLM")(getattr(transformers, f"{family}Config")(**kw))
+    ref = copy.deepcopy(model)
+    tm = fxtrain.TrainModule(model)
+    batch = models.synthetic_batch("clm", 16, 128, 8000, padding=0.5, generator=torch.Generator().manual_seed(0))
+
+    def step(m: torch.nn.Module) -> float:
+        start = time.perf_counter()
+        m(**batch).loss.backward()
+        return time.perf_counter() - start
+
+    for _ in range(3):
+        step(tm)
+        step(ref)
+    eager, mine = [], []
+    for _ in range(8):
+        eager.append(step(ref))
+        mine.append(step(tm))
+    e, f = statistics.median(eager), statistics.median(mine)
+    why = tm.capture_info().optimizations["padding_elimination"]
+    return f"{family}: eager {e * 1e3:.1f} ms, fxtrain {f * 1e3:.1f} ms, {e / f:.2f}x; padding_elimination {why[:70]}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--families", help=f"comma-separated, default all: {','.join(FAMILIES)}")
+    p.add_argument("--speed", help="comma-separated transformers class prefixes (Qwen3,Phi3): time those instead")
+    args = p.parse_args()
+    if args.speed:
+        for family in args.speed.split(","):
+            print(speed(family.strip()), flush=True)
+        return
+    names = [n.strip() for n in args.families.split(",")] if args.families else list(FAMILIES)
+    unknown = sorted(set(names) - set(FAMILIES))
+    if unknown:
+        p.error(f"unknown families {unknown}; known: {', '.join(FAMILIES)}")
+    from tqdm import tqdm
+    rows = [check(n) for n in tqdm(names, desc="families", unit="family")]
+    print(format_table(["family", "matches eager", "worst grad diff", "graphs", "breaks", "passes on",
+                        "padding elimination / attention"], rows))
+
+
+if __name__ == "__main__":
+    main()
