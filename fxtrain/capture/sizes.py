@@ -55,7 +55,8 @@ class SizesPolicy:
         self.expensive: Dict[Hashable, Dims] = {}    # key -> dims whose symbolic reasoning proved expensive
         self.image_sizes: Dict[Hashable, Dict[Tuple[int, int], set]] = {}   # key -> image dim -> sizes captured
         self.broken: set = set()                     # keys whose captures broke the graph
-        self.captured: Dict[Hashable, List[Tuple[Tuple[Any, ...], Dims]]] = {}   # symbolic entry's captures: sizes, symbolic dims
+        # key -> the symbolic entry's captures: their sizes and symbolic dims (``_symbolic_serves``)
+        self.captured: Dict[Hashable, List[Tuple[Tuple[Any, ...], Dims]]] = {}
         self.first_compile_seconds: Optional[float] = None
         # The CPU seconds of the first capture's partition, made later by the worker
         # (runtime/pending.py), once every such partition is back; None while one is out.

@@ -45,13 +45,14 @@ from .label_sparsity import cross_entropy_args, unsupported_cross_entropy
 from .density import ExampleSource, add_probe, density_reason
 from .row_ops import put_rows, row_selection, take_rows
 from .varlen import attention_on_real_tokens, mask_kind, per_position_op, sdpa_arguments
-from .rows import (Node, _same, _same_shape, features_split, ancestors, attention_flops_at_capture, copy_on_rows, descendants,
-                   flops_at_capture, heavy, op_name, row_inputs, run_node, same_shape_guarded, value)
+from .rows import (Node, _same, _same_shape, ancestors, attention_flops_at_capture, copy_on_rows, descendants,
+                   features_split, flops_at_capture, heavy, op_name, row_inputs, run_node, same_shape_guarded, value)
 
 NAME = "padding_elimination"
 _SDPA = {NN_SDPA, F.scaled_dot_product_attention}
 # Ops that only move a tensor's elements around (or add nothing), between a padded tensor and attention.
-_LAYOUT_METHODS = {"view", "reshape", "transpose", "permute", "contiguous", "split", "chunk", "unbind", "unflatten", "expand"}
+_LAYOUT_METHODS = {"view", "reshape", "transpose", "permute", "contiguous", "split", "chunk", "unbind", "unflatten",
+                   "expand"}
 _ASSERT = "fxtrain padding_elimination: a label or a kept row sits on a padding position " \
           "(attention_mask == 0), which this rewrite does not compute; use Options(padding_elimination='off')"
 
