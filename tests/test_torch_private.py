@@ -632,6 +632,7 @@ def test_size_guard_accessors() -> None:
     del mode
 
 
+@pytest.mark.cpu_only(reason="reads graphs built by hand; no tensor is made")
 def test_custom_op_modules_names_the_module_that_defined_each_python_custom_op() -> None:
     """``torch._library.custom_ops.OPDEFS`` on this torch: a graph's call of a Python custom op, as an
     overload (aten graphs) or a packet (dynamo's), is traced to its module, which a pickled payload
