@@ -15,8 +15,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib
+import json
 import logging
 import re
+import sys
 import threading
 import warnings
 
@@ -1461,16 +1463,16 @@ def default_store() -> Any:
 _IMPORTS = b"fxtrain-imports\0"
 
 
-def custom_op_modules(obj: Any) -> List[str]:
-    """The modules that defined the Python custom ops (``torch.library.custom_op``) the GraphModules
-    in ``obj`` call, from ``torch._library.custom_ops.OPDEFS`` (each op's ``_init_fn.__module__``).
-    A graph pickles such an op by name, and a process that has not imported its module has no op
-    of that name: HF's MoE layers call ``transformers::grouped_mm_fallback``, defined in
-    ``transformers.integrations.moe``, and the partition worker answered "'_OpNamespace'
-    'transformers' object has no attribute 'grouped_mm_fallback'". ``__main__`` is left out (another
-    process's ``__main__`` is its own)."""
+def custom_ops(obj: Any) -> Dict[str, str]:
+    """The Python custom ops (``torch.library.custom_op``) the GraphModules in ``obj`` call, each with
+    the module that defined it, from ``torch._library.custom_ops.OPDEFS`` (each op's
+    ``_init_fn.__module__``). A graph pickles such an op by name, and a process that has not
+    imported its module has no op of that name: HF's MoE layers call
+    ``transformers::grouped_mm_fallback``, defined in ``transformers.integrations.moe``, and the
+    partition worker answered "'_OpNamespace' 'transformers' object has no attribute
+    'grouped_mm_fallback'"."""
     from torch._library.custom_ops import OPDEFS
-    found: List[str] = []
+    found: Dict[str, str] = {}
     stack = [obj]
     while stack:
         item = stack.pop()
@@ -1494,23 +1496,54 @@ def custom_op_modules(obj: Any) -> List[str]:
                         continue
                     opdef = OPDEFS.get(name)
                     defined = getattr(getattr(opdef, "_init_fn", None), "__module__", None)
-                    if isinstance(defined, str) and defined != "__main__" and defined not in found:
-                        found.append(defined)
+                    if isinstance(defined, str):
+                        found.setdefault(name, defined)
     return found
+
+
+def custom_op_modules(obj: Any) -> List[str]:
+    """The modules another process imports before it loads ``obj``'s graphs (:func:`custom_ops`),
+    in the order their ops are first met. ``__main__`` is not among them (:func:`only_here`)."""
+    return list(dict.fromkeys(m for m in custom_ops(obj).values() if m != "__main__"))
+
+
+class NotPortable(Error, ValueError):
+    """Graphs another process could not load (:func:`only_here`)."""
+
+
+def only_here(obj: Any) -> str:
+    """Why another process could not load ``obj``'s graphs ('' where it can): custom ops defined in
+    ``__main__``, the user's script or notebook. Another process's ``__main__`` is its own, and
+    running the user's script there to define them would run its training too."""
+    local = sorted(name for name, module in custom_ops(obj).items() if module == "__main__")
+    if not local:
+        return ""
+    return (f"custom op{'s' if len(local) > 1 else ''} {', '.join(local)} defined in __main__, which a "
+            f"worker process cannot import (defined in a module the script imports, it can)")
 
 
 def pickle_graphs(obj: Any, for_another_process: bool = False) -> bytes:
     """Pickle an object holding GraphModules with fake-tensor metadata, every op allowed
     (``torch.fx._graph_pickler.GraphPickler.dumps(obj, Options(ops_filter=None))``).
     ``for_another_process``: prefixed with the modules of the custom ops it calls
-    (:func:`custom_op_modules`), which :func:`unpickle_graphs` imports before loading.
+    (:func:`custom_op_modules`), which :func:`unpickle_graphs` imports before loading, and this
+    process's ``sys.path`` to find them: ``python scripts/train.py`` puts ``scripts/`` on the path of
+    that process only, so ops defined in ``scripts/my_ops.py`` did not import in the worker (whose
+    path, once started, is also older than a path the script extends later). NotPortable where
+    another process could not load it (:func:`only_here`).
 
     2.12 and later: that call alone. 2.11: inside :func:`_slices_as_pytree_nodes`, as 2.12's
     ``dumps`` itself runs. The pickler maps each node's arguments with pytree to replace the nodes
     in them; 2.11's pytree does not look into a slice, so a node inside one (``x[:, :n]`` with a
     symbolic ``n``) reached pickle raw ("Unexpected raw Node during pickling")."""
     from torch.fx._graph_pickler import GraphPickler, Options
-    head = _IMPORTS + ",".join(custom_op_modules(obj)).encode() + b"\0" if for_another_process else b""
+    if for_another_process and only_here(obj):
+        raise NotPortable(only_here(obj))
+    head = b""
+    if for_another_process:
+        modules = custom_op_modules(obj)
+        path = [p for p in sys.path if isinstance(p, str)] if modules else []
+        head = _IMPORTS + json.dumps({"modules": modules, "path": path}).encode() + b"\0"
     if torch_at_least(2, 12):
         return head + GraphPickler.dumps(obj, Options(ops_filter=None))
     with _slices_as_pytree_nodes():
@@ -1522,13 +1555,15 @@ def unpickle_graphs(payload: bytes, fake_mode: Any) -> Any:
     :func:`_slices_as_pytree_nodes`, as 2.12's ``loads`` runs (it maps the nodes back the same way)."""
     from torch.fx._graph_pickler import GraphPickler
     if payload.startswith(_IMPORTS):
-        names, payload = payload[len(_IMPORTS):].split(b"\0", 1)
-        for name in filter(None, names.decode().split(",")):
+        head, payload = payload[len(_IMPORTS):].split(b"\0", 1)
+        imports = json.loads(head)
+        sys.path.extend(p for p in imports["path"] if p not in sys.path)   # after its own: they shadow nothing
+        for name in imports["modules"]:
             try:
                 importlib.import_module(name)
-            except Exception as e:   # the load below then names the op it lacks
-                logging.getLogger("fxtrain").debug("could not import %s, which defines a custom op of these "
-                                                   "graphs: %s", name, e)
+            except Exception as e:   # the load would fail on the op it lacks, saying less
+                raise NotPortable(f"could not import {name}, which defines custom ops these graphs call "
+                                  f"({type(e).__name__}: {e})") from e
     if torch_at_least(2, 12):
         return GraphPickler.loads(payload, fake_mode)
     with _slices_as_pytree_nodes():

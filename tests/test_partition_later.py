@@ -238,3 +238,90 @@ def test_the_first_size_change_captures_without_waiting_for_the_workers_partitio
     assert tm._sizes.later_partitions() == pytest.approx(tm._info.records[0].pending.cpu_seconds)
     assert tm._info.records[0].pending.cpu_seconds > 0 and not tm._info.records[0].pending.error
     assert_state_equal(tm.module, ref, atol=1e-5)
+
+
+_OPS_MODULE = '''
+import torch
+
+@torch.library.custom_op("{ns}::scale", mutates_args=())
+def scale(x: torch.Tensor, s: float) -> torch.Tensor:
+    return x * s
+
+@scale.register_fake
+def _(x, s):
+    return torch.empty_like(x)
+
+def _backward(ctx, grad):
+    return grad * ctx.s, None
+
+def _setup(ctx, inputs, output):
+    ctx.s = inputs[1]
+
+scale.register_autograd(_backward, setup_context=_setup)
+'''
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self, namespace):
+        super().__init__()
+        self.namespace = namespace   # the op by name: a module holding the op itself does not deepcopy
+        self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        scale = getattr(torch.ops, self.namespace).scale
+        return self.b(torch.relu(scale(self.a(x), 2.0))).square().mean()
+
+
+def _train_scaled(namespace, steps=3, wait_after=0):
+    torch.manual_seed(0)
+    model = to_device(_Scaled(namespace))
+    ref = copy.deepcopy(model)
+    tm = fxtrain.TrainModule(model)
+    for step in range(steps):
+        x = to_device(torch.randn(8, 16))
+        loss, ref_loss = tm(x), ref(x)
+        torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=1e-5)
+        loss.backward(); ref_loss.backward()
+        assert_grads_equal(tm.module, ref)
+        if step == wait_after:
+            assert tm.capture_info().wait_for_partitions(300), "the partition did not come back"
+    return tm
+
+
+def test_a_custom_op_from_a_module_beside_the_script_is_partitioned_by_the_worker(tmp_path, monkeypatch):
+    """``python scripts/train.py`` puts ``scripts/`` on the path of that process only: a custom op
+    defined in ``scripts/my_ops.py`` did not import in the worker, whose partition failed
+    ("'_OpNamespace' ... has no attribute 'scale'"), and the capture kept the autograd mode. The
+    workers now start with this process's ``sys.path`` (runtime/threads.worker_command)."""
+    name = f"fxtrain_beside_{os.getpid()}"
+    (tmp_path / f"{name}.py").write_text(_OPS_MODULE.format(ns=name))
+    monkeypatch.syspath_prepend(str(tmp_path))   # this process's path, not PYTHONPATH
+    assert str(tmp_path) not in os.environ.get("PYTHONPATH", "")
+    __import__(name)
+    tm = _train_scaled(name)
+    (record,) = tm.capture_info().records
+    assert tp.custom_op_modules(record.dynamo_graph) == [name]
+    assert record.pending is not None and record.pending.seconds is not None, str(record.pending)
+    assert not record.pending.error, str(record.pending)
+    assert record.step.forward_graph is not None   # the worker's aten graphs
+
+
+def test_a_custom_op_defined_in_main_partitions_at_capture_and_says_why_it_stays_eager():
+    """A custom op defined in the user's script (``__main__``) cannot be imported by a worker:
+    another process's ``__main__`` is its own. The capture partitions in this process instead of
+    failing in the worker, and the compiled tier says why it keeps the eager executor."""
+    def scale(x: torch.Tensor, s: float) -> torch.Tensor:
+        return x * s
+    scale.__module__ = "__main__"   # what a definition at a script's top level has
+    ns = f"fxtrain_main_{os.getpid()}"
+    op = torch.library.custom_op(f"{ns}::scale", scale, mutates_args=())
+    op.register_fake(lambda x, s: torch.empty_like(x))
+    op.register_autograd(lambda ctx, grad: (grad * ctx.s, None),
+                         setup_context=lambda ctx, inputs, output: setattr(ctx, "s", inputs[1]))
+    tm = _train_scaled(ns, wait_after=None)
+    (record,) = tm.capture_info().records
+    assert record.pending is None and record.step.forward_graph is not None   # partitioned at capture
+    (tier,) = tm.capture_info().tiers
+    assert f"custom op {ns}::scale defined in __main__" in tier, tier
+    with pytest.raises(tp.NotPortable, match="defined in __main__"):
+        tp.pickle_graphs(record.step.forward_graph, for_another_process=True)

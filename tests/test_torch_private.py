@@ -651,5 +651,5 @@ def test_custom_op_modules_names_the_module_that_defined_each_python_custom_op()
     graph.output(graph.call_function(torch.ops.aten.relu.default, (graph.placeholder("x"),)))
     plain = torch.fx.GraphModule(torch.nn.Module(), graph)
     assert tp.custom_op_modules(plain) == []
-    assert tp.pickle_graphs(plain, for_another_process=True).startswith(b"fxtrain-imports\0\0")
+    assert tp.pickle_graphs(plain, for_another_process=True).startswith(b'fxtrain-imports\0{"modules": [], "path": []}\0')
     assert not tp.pickle_graphs(plain).startswith(b"fxtrain-imports")

@@ -58,13 +58,14 @@ def autocast_now(device_types: List[str]) -> Autocast:
 
 def request(graph: torch.fx.GraphModule, example_inputs: List[Any], executor: str) -> Optional[bytes]:
     """What the worker is to partition, or None where the graph does not pickle (an object of the
-    user's among its constants): the capture then partitions in this process."""
+    user's among its constants) or the worker could not load it (a custom op defined in
+    ``__main__``: ``torch_private.only_here``): the capture then partitions in this process."""
     autocast = autocast_now(["cpu", *(t.device.type for t in example_inputs)])
     try:
         with lean_meta(graph, keep_values=False):
             return tp.pickle_graphs((graph, placeholders(example_inputs), executor, autocast), for_another_process=True)
     except Exception as e:
-        logger.debug("partitioned at capture: the graph does not pickle (%s)", e)
+        logger.debug("partitioned at capture: the worker could not load the graph (%s)", e)
         return None
 
 

@@ -33,7 +33,8 @@ what is lost against executor="inductor" is the min-cut partition's recomputatio
 A capture stays on the eager executor, with the reason in ``capture_info()``, when the compiled
 graphs could not give eager's numbers or cannot be made ahead: random ops other than a chain of
 dropouts (inductor's own random code draws other numbers; dropout runs eager's kernel, under
-``fallback_random``, and a chain keeps eager's order of draws), custom autograd Functions (PythonOps: each becomes an opaque call inductor cannot fuse),
+``fallback_random``, and a chain keeps eager's order of draws), custom autograd Functions (PythonOps: each becomes an opaque call inductor cannot fuse), custom ops
+defined in ``__main__`` (the worker cannot import them: ``torch_private.only_here``),
 a memory budget's plan, graphs the replay does not run; and when the compile fails or outlives
 ``Options.compile_timeout`` (logged once).
 
@@ -143,6 +144,9 @@ def stays_eager(step: Any) -> str:
     if step.forward_graph is None or (step.backward_graph is None and not step.inference):
         return "no aten graphs"
     graphs = [g for g in (step.forward_graph, step.backward_graph) if g is not None]
+    only_here = tp.only_here(graphs)
+    if only_here:   # the compile is a worker's
+        return only_here
     for gm in graphs:
         for node in gm.graph.nodes:
             if node.op != "call_function":
