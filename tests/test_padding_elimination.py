@@ -102,9 +102,11 @@ def test_alone_on_causal_lm_matches_eager():
 
 def _hf_causal_lm(family):
     import transformers
-    config = getattr(transformers, f"{family}Config")(
+    extra = dict(vocab_size_per_layer_input=1000, hidden_size_per_layer_input=16) if family == "Gemma4" else {}
+    config = getattr(transformers, {"Gemma4": "Gemma4TextConfig"}.get(family, f"{family}Config"))(
         vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, max_position_embeddings=64, pad_token_id=0, attention_dropout=0.0)
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=64, pad_token_id=0, attention_dropout=0.0,
+        **extra)
     return getattr(transformers, f"{family}ForCausalLM")(config)
 
 
@@ -129,6 +131,36 @@ def test_hf_causal_lms_whose_attention_inputs_pass_through_more_than_layout_ops(
                  state_atol=STATE_ATOL)
     _fired(tm)
     assert f"{8 if family == 'Phi3' else 14} matmul(s) on real tokens only" in _why(tm), _why(tm)
+    assert "attention on real tokens, sequence by sequence: 2 of 2" in _why(tm), _why(tm)
+
+
+# Gemma 4 (text): per-layer inputs, one embedding viewed as [batch, seq, layers, dim] and indexed
+# per layer; q/k norms and the rotary embedding's rotate_half (a cat of feature slices) before the
+# heads' transpose, so the padded region reaches [tokens, heads, dim] rows (varlen: rows of more
+# than one feature dim); ``hidden_states *= layer_scalar`` in place. Nemotron: squared ReLU.
+# Apertus: xIELU (gt, where, expm1, torch.min of two tensors, softplus). Before, the pass was off
+# for all three ("padding rows reach reshape", "... square", "... gt").
+@pytest.mark.parametrize("family", ["Gemma4", "Nemotron", "Apertus"])
+def test_hf_causal_lms_with_feature_views_and_other_activations(family):
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(_hf_causal_lm(family))
+    # Each step from eager's weights: on Gemma 4, AdamW moves two copies' weights apart by rounding
+    # noise (STATE_ATOL), after which its gradients differed by up to 1.5e-4 (embeddings, third step).
+    # From equal weights every gradient is within 1e-5 + 1e-4 of eager's, and as close to a float64
+    # eager's as eager's own (bench/hf_families.py's oracle).
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    for batch in _batches("clm", 0, 2):
+        out, ref_out = tm(**batch), ref(**batch)
+        torch.testing.assert_close(out.loss, ref_out.loss, atol=1e-5, rtol=1e-4)
+        _same_logits(out, ref_out)
+        out.loss.backward(); ref_out.loss.backward()
+        assert_grads_equal(tm.module, ref)
+        opt.step(); opt.zero_grad()
+        with torch.no_grad():
+            for p, q in zip(tm.module.parameters(), ref.parameters()):
+                p.copy_(q)
+                p.grad = None
+    _fired(tm)
     assert "attention on real tokens, sequence by sequence: 2 of 2" in _why(tm), _why(tm)
 
 

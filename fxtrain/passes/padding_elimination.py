@@ -251,19 +251,23 @@ def _plan(gm: torch.fx.GraphModule, lead_shape: Sequence[Any], examples: Example
             plan.region[node] = plan.region[node.args[0]]
             continue
         first = inside[0]
-        features = value(first).dim() - plan.region[first]
         out = value(node)
-        lead = out.dim() - features if isinstance(out, torch.Tensor) else 0
-        broadcast: Set[Node] = set()
-        rows = row_inputs(node, lead, broadcast) if lead >= 1 else None
-        ok = rows is not None and (lead == 1 and _same_shape([out.shape[0]], [flat])
-                                   or _same_shape(out.shape[:lead], lead_shape))
-        if ok:
-            listed = dict(rows)
-            ok = all(listed.get(a) == plan.region[a] for a in inside)
-        if not ok:
+        if not isinstance(out, torch.Tensor):
             continue
-        plan.add(node, lead, rows, broadcast)
+        # The node's rows: as many leading dims as its features leave (an elementwise op, a flatten
+        # of the rows), or its input's (a view or an index of the features alone: Gemma 4's
+        # per-layer inputs, [B, S, L * D] -> [B, S, L, D] -> [B, S, D] at layer l).
+        for lead in dict.fromkeys([out.dim() - (value(first).dim() - plan.region[first]), plan.region[first]]):
+            broadcast: Set[Node] = set()
+            rows = row_inputs(node, lead, broadcast) if 1 <= lead <= out.dim() else None
+            ok = rows is not None and (lead == 1 and _same_shape([out.shape[0]], [flat])
+                                       or _same_shape(out.shape[:lead], lead_shape))
+            if ok:
+                listed = dict(rows)
+                ok = all(listed.get(a) == plan.region[a] for a in inside)
+            if ok:
+                plan.add(node, lead, rows, broadcast)
+                break
     _grow_upstream(plan, lead_shape)
     output = next(n for n in gm.graph.nodes if n.op == "output")
     for node in plan.region:

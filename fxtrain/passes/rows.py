@@ -27,18 +27,55 @@ from .row_ops import take_rows
 
 Node = torch.fx.Node
 
-# Ops that act on each element, or broadcast an operand that has no leading dims.
+# Ops that act on each element, or broadcast an operand that has no leading dims. Activations of
+# current families among them: Nemotron's squared ReLU (square), Apertus's xIELU (gt, where, expm1,
+# clamp, softplus), besides GELU/SiLU/tanh.
 _ELEMENTWISE_FUNCTIONS = {
-    operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow,
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow, operator.abs,
+    operator.gt, operator.ge, operator.lt, operator.le, operator.eq, operator.ne,
     torch.add, torch.sub, torch.mul, torch.div, torch.neg, torch.pow, torch.tanh, torch.sigmoid,
-    torch.relu, torch.rsqrt, torch.exp, torch.erf, torch.where,
-    F.relu, F.gelu, F.silu, F.tanh, F.sigmoid, F.dropout, NN_GELU, NN_SILU,
+    torch.relu, torch.rsqrt, torch.sqrt, torch.exp, torch.expm1, torch.log, torch.log1p, torch.erf,
+    torch.where, torch.square, torch.abs, torch.sign, torch.clamp, torch.clip, torch.minimum, torch.maximum,
+    torch.gt, torch.ge, torch.lt, torch.le, torch.eq, torch.ne, torch.sin, torch.cos, torch.reciprocal,
+    F.relu, F.gelu, F.silu, F.tanh, F.sigmoid, F.dropout, F.softplus, F.elu, F.leaky_relu, F.mish,
+    F.hardswish, F.hardsigmoid, F.relu6, NN_GELU, NN_SILU,
 }
 _ELEMENTWISE_METHODS = {
-    "add", "sub", "mul", "div", "neg", "pow", "tanh", "sigmoid", "relu", "rsqrt", "exp", "erf",
+    "add", "sub", "mul", "div", "neg", "pow", "tanh", "sigmoid", "relu", "rsqrt", "sqrt", "exp", "expm1",
+    "log", "log1p", "erf", "square", "abs", "sign", "clamp", "clip", "minimum", "maximum", "reciprocal",
+    "gt", "ge", "lt", "le", "eq", "ne", "sin", "cos",
     "float", "half", "bfloat16", "double", "to", "type_as", "contiguous", "clone",
 }
+# torch.min/max of two tensors (xIELU's ``torch.min(x, eps)``); of one, or over a dim, they reduce.
+_BINARY_FUNCTIONS = {torch.min, torch.max}
+_BINARY_METHODS = {"min", "max"}
+
+
+# In-place arithmetic (Gemma 4's ``hidden_states *= self.layer_scalar``) on a tensor of its own
+# that nothing else reads: the same as its out-of-place op, which the row form runs instead.
+_IN_PLACE = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
+             operator.itruediv: operator.truediv}
+
+
+def _out_of_place(node: Node) -> bool:
+    if node.op != "call_function" or node.target not in _IN_PLACE or node.kwargs or len(node.args) != 2:
+        return False
+    x = node.args[0]
+    return isinstance(x, Node) and len(x.users) == 1 and x.op == "call_function" and \
+        x.target in (_ELEMENTWISE_FUNCTIONS | _LINEAR_FUNCTIONS) - {F.dropout}   # these allocate their output
+
+
+def _elementwise(node: Node) -> bool:
+    if node.op == "call_function" and node.target in _ELEMENTWISE_FUNCTIONS or \
+            node.op == "call_method" and node.target in _ELEMENTWISE_METHODS or _out_of_place(node):
+        return True
+    return (node.op == "call_function" and node.target in _BINARY_FUNCTIONS or
+            node.op == "call_method" and node.target in _BINARY_METHODS) and \
+        len(node.args) == 2 and not node.kwargs and _tensor(node.args[1]) is not None
+
+
 _LINEAR_FUNCTIONS = {NN_LINEAR, F.linear}
+_CAT_FUNCTIONS = {torch.cat, torch.concat}
 _MATMUL_FUNCTIONS = {torch.matmul, operator.matmul}
 _SOFTMAX_FUNCTIONS = {F.softmax, F.log_softmax, torch.softmax, torch.log_softmax}
 _SOFTMAX_METHODS = {"softmax", "log_softmax"}
@@ -96,11 +133,23 @@ def _is_identity_index(index: Any) -> bool:
                for item in (index if isinstance(index, tuple) else (index,)))
 
 
-def _features_slice(index: Any) -> bool:
-    """``x[..., a:b]``: a slice of the last dim, written so that it means the same on the row form
-    (q, k and v out of one fused projection: HF Phi-3's ``qkv[..., :query_pos]``)."""
-    return isinstance(index, tuple) and len(index) == 2 and index[0] is Ellipsis and isinstance(index[1], slice) \
-        and all(v is None or isinstance(v, int) for v in (index[1].start, index[1].stop, index[1].step))
+def _features_index(index: Any, ndim: int, lead: int) -> Optional[Tuple[Any, ...]]:
+    """The row form's index for ``x[index]`` when it indexes the features alone (``ndim`` dims, the
+    first ``lead`` of them rows) with ints and int-bounded slices, else None. Written after an
+    ellipsis it is the same index (q, k and v out of one fused projection: HF Phi-3's
+    ``qkv[..., :query_pos]``); after ``lead`` full slices, those become one (Gemma 4's
+    ``per_layer_inputs[:, :, l, :]``)."""
+    if not isinstance(index, tuple):
+        return None
+    plain = lambda item: isinstance(item, int) and not isinstance(item, bool) or isinstance(item, slice) and \
+        all(v is None or isinstance(v, int) for v in (item.start, item.stop, item.step))   # noqa: E731
+    if index and index[0] is Ellipsis and 0 < len(index) - 1 <= ndim - lead and all(plain(i) for i in index[1:]):
+        return index
+    whole = slice(None)
+    if len(index) > lead and all(i == whole for i in index[:lead]) and len(index) <= ndim and \
+            all(plain(i) for i in index[lead:]):
+        return (whole, *index[lead:])
+    return None
 
 
 def features_split(node: Node) -> Optional[Node]:
@@ -172,16 +221,35 @@ def row_inputs(node: Node, lead: int, broadcast: Optional[Set[Node]] = None) -> 
         if x is None or x.dim() - features < 1:
             return None
         if features and not _same_shape(x.shape[x.dim() - features:], out.shape[lead:]):
+            # A view of the features alone (Gemma 4's per-layer inputs, [B, S, L * D] -> [B, S, L, D]).
+            if x.dim() > lead and _same_shape(x.shape[:lead], out.shape[:lead]) and \
+                    all(isinstance(d, int) for d in out.shape[lead:]):
+                return [(args[0], lead)]
             return None
         return [(args[0], x.dim() - features)]
+    if node.op == "call_function" and target in _CAT_FUNCTIONS:
+        # Along a feature dim (rotary embedding's rotate_half, ``cat((-x2, x1), dim=-1)``, where a
+        # family applies it before the heads' transpose: Gemma 4).
+        parts = args[0] if args else kwargs.get("tensors")
+        if not _feature_dim(args[1] if len(args) > 1 else kwargs.get("dim", 0), out.dim(), lead) or \
+                not isinstance(parts, (tuple, list)):
+            return None
+        shapes = [_tensor(a) for a in parts]
+        if not all(isinstance(a, Node) and t is not None and t.dim() == out.dim() and
+                   _same_shape(t.shape[:lead], out.shape[:lead]) for a, t in zip(parts, shapes)):
+            return None
+        return [(a, lead) for a in parts]
     if node.op == "call_function" and target is operator.getitem:
         x = _tensor(args[0])
-        if x is None or x.dim() != out.dim() or not (_is_identity_index(args[1]) or
-                                                    (features and _features_slice(args[1]))):
+        if x is None:
             return None
-        return [(args[0], lead)]
-    if (node.op == "call_function" and target in _ELEMENTWISE_FUNCTIONS) or \
-            (node.op == "call_method" and target in _ELEMENTWISE_METHODS):
+        if x.dim() == out.dim() and _is_identity_index(args[1]):
+            return [(args[0], lead)]
+        if features and _features_index(args[1], x.dim(), lead) is not None and x.dim() > lead and \
+                _same_shape(x.shape[:lead], out.shape[:lead]):
+            return [(args[0], lead)]
+        return None
+    if _elementwise(node):
         found: List[Tuple[Node, int]] = []
         for a in list(args) + list(kwargs.values()):
             t = _tensor(a)
@@ -370,18 +438,35 @@ def replay_on_rows(gm: torch.fx.GraphModule, region: Region, select: Select, ins
     return rows
 
 
-def is_regroup(node: Node) -> bool:
-    """A region op that is a no-op on flattened rows (a view of the leading dims, an identity index)."""
-    return (node.op == "call_method" and node.target in _VIEW_METHODS) or \
-        (node.op == "call_function" and node.target is operator.getitem and _is_identity_index(node.args[1]))
+def is_regroup(node: Node, lead: int) -> bool:
+    """A region op that is a no-op on flattened rows (a view of the leading dims, an identity index),
+    ``node``'s first ``lead`` dims being rows."""
+    if node.op == "call_method" and node.target in _VIEW_METHODS:
+        features = _tensor(node).shape[lead:]
+        x = _tensor(node.args[0])
+        return _same_shape(x.shape[x.dim() - len(features):], features)
+    return node.op == "call_function" and node.target is operator.getitem and _is_identity_index(node.args[1])
 
 
 def copy_on_rows(graph: torch.fx.Graph, node: Node, rows: Dict[Node, Node], lead: int) -> Node:
     """``node`` applied to the row forms of its inputs (dims it names are re-based on the rows); a
-    regroup is its input's row form itself."""
-    if is_regroup(node):
+    regroup is its input's row form itself; a view of the features alone is the same view of the
+    row form's features."""
+    if is_regroup(node, lead):
         return rows[node.args[0]]
+    if node.op == "call_method" and node.target in _VIEW_METHODS:
+        return graph.call_method(node.target, (rows[node.args[0]], -1, *_tensor(node).shape[lead:]))
+    if node.op == "call_function" and node.target in _CAT_FUNCTIONS:   # its dim, counted from the end
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        dim = dim - _tensor(node).dim() if dim >= 0 else dim
+        return graph.call_function(node.target, ([rows[a] for a in (node.args[0] if node.args else node.kwargs["tensors"])],
+                                                 dim))
+    if node.op == "call_function" and node.target is operator.getitem and _tensor(node.args[0]) is not None:
+        index = _features_index(node.args[1], _tensor(node.args[0]).dim(), lead)
+        return graph.call_function(operator.getitem, (rows[node.args[0]], index))
     new = graph.node_copy(node, lambda n: rows.get(n, n))
+    if _out_of_place(node):
+        new.target = _IN_PLACE[node.target]
     new.args = _shift_dims(node, new.args, lead)
     if "dim" in new.kwargs:
         new.kwargs = {**new.kwargs, "dim": _shift_dim(new.kwargs["dim"], node, lead)}
@@ -432,8 +517,8 @@ def _pure_helper(node: Node) -> bool:
     if isinstance(v, (torch.SymInt, int, torch.Size, tuple)):
         return True
     return isinstance(v, torch.Tensor) and node.op in ("call_function", "call_method") and \
-        (node.target in _ELEMENTWISE_FUNCTIONS | _LINEAR_FUNCTIONS | {operator.getitem, F.layer_norm}
-         or (node.op == "call_method" and node.target in _ELEMENTWISE_METHODS | _VIEW_METHODS))
+        (_elementwise(node) and node.target not in _IN_PLACE or node.target in _LINEAR_FUNCTIONS | {operator.getitem, F.layer_norm}
+         or (node.op == "call_method" and node.target in _VIEW_METHODS))
 
 
 def copy_subgraph(gm: torch.fx.GraphModule, roots: Sequence[Node], region: Set[Node]) -> Tuple[torch.fx.GraphModule, List[Node]]:

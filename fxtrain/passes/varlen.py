@@ -192,10 +192,11 @@ def mask_kind(attn_mask: Any, tokens: torch.Tensor) -> Optional[bool]:
 
 class _Match:
     def __init__(self) -> None:
-        # q, k, v: (packed rows, first feature, row width, per-position chain, heads, repeats of each head)
-        self.inputs: List[Tuple[Node, int, int, Optional[_Chain], int, int]] = []
+        # q, k, v: (packed rows, their feature dims, first feature, row width, per-position chain, heads, repeats of each head)
+        self.inputs: List[Tuple[Node, int, int, int, Optional[_Chain], int, int]] = []
         self.heads = 0
         self.dim = 0
+        self.merged = True   # the gathered output is [tokens, heads * dim], not [tokens, heads, dim]
         self.gather: Optional[Node] = None
         self.gather_index: Optional[Node] = None   # the real tokens' flat positions, or some of them
         self.dead: List[Node] = []                 # what the rewrite leaves unused (erased if so)
@@ -537,14 +538,17 @@ def _match(gm: torch.fx.GraphModule, sdpa: Node, index: Node, tokens: torch.Tens
             x = chain.entry
         zeros = put.args[0]
         features = zeros.args[1][1:] if isinstance(zeros.args[1], (tuple, list)) else ()
-        if len(features) != 1 or not isinstance(features[0], int):
-            return None, f"its {name} rows are not vectors"
-        f = features[0]
+        if not features or not all(isinstance(d, int) for d in features):
+            return None, f"its {name} rows are not of constant features"
+        # Rows of [heads, dim] where the padded region reaches past the head split (Gemma 4's q/k
+        # norms and rotary embedding before the heads' transpose): flattened, they are the vectors
+        # a head split of the projection would re-pad.
+        f = math.prod(features)
         # The probe's values number each (row, feature); on the graph's device: the path may meet
         # outside values there (HF's DynamicLayer cats onto an empty cache tensor made on the keys'
         # device), which a host probe cannot join.
         probe = ev.numbered((b * s, f), tokens.device)
-        out = ev.run(put, probe, x)
+        out = ev.run(put, probe.view(b * s, *features), x)
         if chain is not None and chain.swap is not None and isinstance(out, torch.Tensor) and out.dim() == 4:
             out = out.transpose(1, 2)   # the chain's own transpose makes it [batch, heads, seq, dim]
         if not isinstance(out, torch.Tensor) or out.dim() != 4 or out.shape[0] != b or out.shape[2] != s:
@@ -559,7 +563,7 @@ def _match(gm: torch.fx.GraphModule, sdpa: Node, index: Node, tokens: torch.Tens
         match.heads, match.dim = heads * rep, dim
         if chain is not None and not _chain_exact(chain, ev, tokens, heads, dim):
             return None, f"its {name}'s per-position ops differ when run on the packed real tokens"
-        match.inputs.append((put.args[3], first, f, chain, heads, rep))
+        match.inputs.append((put.args[3], len(features), first, f, chain, heads, rep))
         match.dead += repeat + path + [put, zeros]
         if chain is not None:
             match.dead += chain.post + chain.nodes[::-1]
@@ -579,8 +583,10 @@ def _match(gm: torch.fx.GraphModule, sdpa: Node, index: Node, tokens: torch.Tens
         node = user
     probe = ev.numbered((b, match.heads, s, match.dim), tokens.device)
     out = ev.run(sdpa, probe, node)
-    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (b * s, match.heads * match.dim) \
-            or not torch.equal(out.unflatten(1, (match.heads, match.dim)).unflatten(0, (b, s)), probe.transpose(1, 2)):
+    # [tokens, heads * dim], or [tokens, heads, dim] where the region starts before the heads' merge
+    match.merged = isinstance(out, torch.Tensor) and tuple(out.shape) == (b * s, match.heads * match.dim)
+    if not isinstance(out, torch.Tensor) or not match.merged and tuple(out.shape) != (b * s, match.heads, match.dim) \
+            or not torch.equal(out.reshape(b, s, match.heads, match.dim), probe.transpose(1, 2)):
         return None, "its output is not merged back head after head"
     match.dead += [match.gather] + path[::-1] + [sdpa]
     return match, ""
@@ -706,7 +712,9 @@ def attention_on_real_tokens(gm: torch.fx.GraphModule, plans: Plans, kinds: Dict
         scale = float(scale) if scale is not None else match.dim ** -0.5
         with graph.inserting_before(sdpa):
             packed = []
-            for rows, first, width, chain, heads, rep in match.inputs:
+            for rows, feature_dims, first, width, chain, heads, rep in match.inputs:
+                if feature_dims > 1:
+                    rows = graph.call_method("flatten", (rows, 1))
                 if first or width != heads * match.dim:   # q, k or v is a part of each row (GPT-2's fused c_attn)
                     rows = graph.call_method("narrow", (rows, 1, first, heads * match.dim))
                 x = graph.call_method("unflatten", (rows, 1, (heads, match.dim)))
@@ -716,11 +724,17 @@ def attention_on_real_tokens(gm: torch.fx.GraphModule, plans: Plans, kinds: Dict
                     x = graph.call_function(torch.repeat_interleave, (x, rep), {"dim": 1})
                 packed.append(x)
             both = graph.call_function(VARLEN_ATTENTION, (*packed, lengths, scale, bool(causal)))
-            out = graph.call_method("flatten", (graph.call_function(operator.getitem, (both, 0)), 1))
+            out = graph.call_function(operator.getitem, (both, 0))
+            if match.merged:
+                out = graph.call_method("flatten", (out, 1))
         if match.gather_index is not index:   # some real rows (labelled ones): at their packed rows
             with graph.inserting_before(match.gather):
                 at = graph.call_function(torch.index_select, (packed_row(), 0, match.gather_index))
-                out = graph.call_function(F.embedding, (at, out))
+                if match.merged:
+                    out = graph.call_function(F.embedding, (at, out))
+                else:
+                    out = graph.call_method("unflatten", (graph.call_function(F.embedding, (at, graph.call_method(
+                        "flatten", (out, 1)))), 1, (match.heads, match.dim)))
         match.gather.replace_all_uses_with(out)
         erase_replaced(graph, match.dead)
         done += 1
