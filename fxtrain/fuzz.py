@@ -70,15 +70,18 @@ EXTRA_MODELS: Dict[str, Tuple[Callable[[], torch.nn.Module], str, int]] = {
     "llama-clm": (lambda: models.llama_lm(hidden=32, layers=2, heads=4, vocab=VOCAB, kv_heads=2), "clm", 0),
     # Attention inputs that pass through more than layout ops (docs/sparsity.md): Qwen3's per-head
     # q/k norm before the head transpose, Phi-3's fused q/k/v and gate/up projections, Mistral's
-    # sliding-window cache.
+    # sliding-window cache, GLM-4's interleaved rotary embedding. Not Gemma 4: its gradients are
+    # large (scaled embeddings), and varlen attention's float noise on them (2.5x eager's own against
+    # float64) passes ATOL now and then (1.6e-5 on one embedding element in 16 batches of seed 301).
     "qwen3-clm": (lambda: _hf_clm("Qwen3"), "clm", 0),
     "phi3-clm": (lambda: _hf_clm("Phi3"), "clm", 0),
     "mistral-clm": (lambda: _hf_clm("Mistral"), "clm", 0),
+    "glm4-clm": (lambda: _hf_clm("Glm4"), "clm", 0),
 }
 IMAGE_LABELS = 5
 # Models the passes are checked to fire on (on the capturing batch).
 FIRES = (*(name for name, (_, kind, _) in MODELS.items() if kind != "image"), "llama-clm", "qwen3-clm", "phi3-clm",
-         "mistral-clm")
+         "mistral-clm", "glm4-clm")
 LOSSES = ("model", "custom")   # the model's own loss from `labels`, or one given to ModuleWithLoss
 PASSES_FIRING = {"mlm": ("label_sparsity", "padding_elimination"), "clm": ("label_sparsity", "padding_elimination"),
                  "cls": ("upstream_slicing", "padding_elimination"), "image": ()}
@@ -355,7 +358,24 @@ def _tensors(out: Any, prefix: str = "out") -> Dict[str, torch.Tensor]:
     return found
 
 
-def _differs(a: Any, b: Any, atol: float = ATOL) -> Optional[str]:
+def _adam_slack(opt: torch.optim.Optimizer, p: torch.Tensor, gap: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """How far apart AdamW's step may put two equal weights whose gradients differ by ``gap`` (within
+    the gradient tolerance, already checked): the step ``lr * m_hat / (sqrt(v_hat) + eps)`` moves by
+    at most ``2 * lr * (1 - beta1) / bias1 / (sqrt(v_hat) + eps)`` per unit of gradient (the first
+    term of its derivative, bounded twice over for the second, through v). A gradient near eps makes
+    that large: HF Gemma 4's last layer has q/k projection gradients of ~1e-6, where float noise of
+    2e-8 moved weights 2e-5 apart after one step. Read after ``opt.step()``."""
+    state = opt.state.get(p, {})
+    if gap is None or "exp_avg_sq" not in state:
+        return None
+    group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
+    (beta1, beta2), step = group["betas"], float(state["step"])
+    v_hat = state["exp_avg_sq"] / (1 - beta2 ** step)
+    return 2 * group["lr"] * (1 - beta1) / (1 - beta1 ** step) * gap / (v_hat.sqrt() + group["eps"])
+
+
+def _differs(a: Any, b: Any, atol: float = ATOL, slack: Optional[torch.Tensor] = None) -> Optional[str]:
+    """``slack``: per element, added to the tolerance (:func:`_adam_slack`)."""
     if (a is None) != (b is None):
         return f"present {a is not None} vs eager {b is not None}"
     if a is None:
@@ -364,6 +384,8 @@ def _differs(a: Any, b: Any, atol: float = ATOL) -> Optional[str]:
     b = b.detach() if isinstance(b, torch.Tensor) else b
     if tuple(a.shape) != tuple(b.shape):
         return f"shape {tuple(a.shape)} vs eager {tuple(b.shape)}"
+    if slack is not None and bool(((a - b).abs() <= atol + RTOL * b.abs() + slack).all()):
+        return None
     try:
         torch.testing.assert_close(a, b, atol=atol, rtol=RTOL, equal_nan=True)
     except AssertionError as e:
@@ -521,16 +543,19 @@ def _one_batch(pair: _Pair, batch: Dict[str, torch.Tensor], index: int, read_bef
                       f"{pair.tm.capture_info().graphs - captures} capture(s)"))
     seen.add(signature)
     mine = dict(pair.tm.named_parameters())
+    grad_gap: Dict[str, torch.Tensor] = {}
     for name, rp in pair.ref.named_parameters():
         problem = _differs(mine[name].grad, rp.grad, tol)
         if problem:
             found.append((f"gradient of {name} differs", problem))
+        elif rp.grad is not None:
+            grad_gap[name] = (mine[name].grad - rp.grad).abs().nan_to_num()
     pair.opt.step()
     pair.ref_opt.step()
     if not read_before_step:
         found.extend(_compare_outputs(out, ref_out, "after the step", tol))
     for name, rp in pair.ref.named_parameters():
-        problem = _differs(mine[name], rp, tol)
+        problem = _differs(mine[name], rp, tol, _adam_slack(pair.ref_opt, rp, grad_gap.get(name)))
         if problem:
             found.append((f"{name} after the optimizer step differs", problem))
     pair.opt.zero_grad(set_to_none=True)

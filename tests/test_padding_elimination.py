@@ -138,10 +138,11 @@ def test_hf_causal_lms_whose_attention_inputs_pass_through_more_than_layout_ops(
 # per layer; q/k norms and the rotary embedding's rotate_half (a cat of feature slices) before the
 # heads' transpose, so the padded region reaches [tokens, heads, dim] rows (varlen: rows of more
 # than one feature dim); ``hidden_states *= layer_scalar`` in place. Nemotron: squared ReLU.
-# Apertus: xIELU (gt, where, expm1, torch.min of two tensors, softplus). Before, the pass was off
-# for all three ("padding rows reach reshape", "... square", "... gt").
-@pytest.mark.parametrize("family", ["Gemma4", "Nemotron", "Apertus"])
-def test_hf_causal_lms_with_feature_views_and_other_activations(family):
+# Apertus: xIELU (gt, where, expm1, torch.min of two tensors, softplus). GLM-4: an interleaved
+# rotary embedding (``x[..., ::2]``, ``stack(..., dim=-1).flatten(-2)``). Before, the pass was off
+# for all four ("padding rows reach reshape", "... square", "... gt", "... view").
+@pytest.mark.parametrize("family", ["Gemma4", "Nemotron", "Apertus", "Glm4"])
+def test_hf_causal_lms_with_feature_views_interleaved_rotary_and_other_activations(family):
     torch.manual_seed(0)
     tm, ref = wrap_pair(_hf_causal_lm(family))
     # Each step from eager's weights: on Gemma 4, AdamW moves two copies' weights apart by rounding

@@ -60,9 +60,10 @@ _IN_PLACE = {operator.iadd: operator.add, operator.isub: operator.sub, operator.
 def _out_of_place(node: Node) -> bool:
     if node.op != "call_function" or node.target not in _IN_PLACE or node.kwargs or len(node.args) != 2:
         return False
-    x = node.args[0]
+    x = node.args[0]   # made by an op that allocates its output (not F.relu(..., inplace=True): an alias)
     return isinstance(x, Node) and len(x.users) == 1 and x.op == "call_function" and \
-        x.target in (_ELEMENTWISE_FUNCTIONS | _LINEAR_FUNCTIONS) - {F.dropout}   # these allocate their output
+        x.target in (_ELEMENTWISE_FUNCTIONS | _LINEAR_FUNCTIONS) - {F.dropout} and \
+        True not in x.args[1:] and not x.kwargs.get("inplace")
 
 
 def _elementwise(node: Node) -> bool:
@@ -454,13 +455,14 @@ def copy_on_rows(graph: torch.fx.Graph, node: Node, rows: Dict[Node, Node], lead
     row form's features."""
     if is_regroup(node, lead):
         return rows[node.args[0]]
-    if node.op == "call_method" and node.target in _VIEW_METHODS:
-        return graph.call_method(node.target, (rows[node.args[0]], -1, *_tensor(node).shape[lead:]))
+    if node.op == "call_method" and node.target in _VIEW_METHODS:   # sized, not -1: there may be no rows
+        x = rows[node.args[0]]
+        return graph.call_method(node.target, (x, graph.call_method("size", (x, 0)), *_tensor(node).shape[lead:]))
     if node.op == "call_function" and node.target in _CAT_FUNCTIONS:   # its dim, counted from the end
         dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
         dim = dim - _tensor(node).dim() if dim >= 0 else dim
-        return graph.call_function(node.target, ([rows[a] for a in (node.args[0] if node.args else node.kwargs["tensors"])],
-                                                 dim))
+        parts = node.args[0] if node.args else node.kwargs["tensors"]
+        return graph.call_function(node.target, ([rows[a] for a in parts], dim))
     if node.op == "call_function" and node.target is operator.getitem and _tensor(node.args[0]) is not None:
         index = _features_index(node.args[1], _tensor(node.args[0]).dim(), lead)
         return graph.call_function(operator.getitem, (rows[node.args[0]], index))
@@ -517,7 +519,8 @@ def _pure_helper(node: Node) -> bool:
     if isinstance(v, (torch.SymInt, int, torch.Size, tuple)):
         return True
     return isinstance(v, torch.Tensor) and node.op in ("call_function", "call_method") and \
-        (_elementwise(node) and node.target not in _IN_PLACE or node.target in _LINEAR_FUNCTIONS | {operator.getitem, F.layer_norm}
+        (_elementwise(node) and node.target not in _IN_PLACE
+         or node.target in _LINEAR_FUNCTIONS | {operator.getitem, F.layer_norm}
          or (node.op == "call_method" and node.target in _VIEW_METHODS))
 
 

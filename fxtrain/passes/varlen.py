@@ -122,6 +122,9 @@ def per_position_op(node: Node, inside: Callable[[Any], bool]) -> bool:
     if not isinstance(out, torch.Tensor) or out.dim() < 2:
         return False
     operands = [a for a in list(node.args) + list(node.kwargs.values())]
+    interleaved = _interleave_op(node, out, inside)
+    if interleaved is not None:
+        return interleaved
     if node.op == "call_function" and node.target is torch.cat:
         parts = node.args[0] if node.args else node.kwargs.get("tensors")
         dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
@@ -160,6 +163,31 @@ def per_position_op(node: Node, inside: Callable[[Any], bool]) -> bool:
     return True
 
 
+def _interleave_op(node: Node, out: torch.Tensor, inside: Callable[[Any], bool]) -> Optional[bool]:
+    """An interleaved rotary embedding's ``rotate_half`` (GLM-4, Cohere 2, Helium): its halves are
+    ``x[..., ::2]`` and ``x[..., 1::2]`` (last-dim slices, taken above), then
+    ``torch.stack((-x2, x1), dim=-1).flatten(-2)``. The stack pairs each feature with the same one
+    of the other operand at the same position, and the flatten merges the last two dims back: both
+    act on each position alone. None where ``node`` is neither; else whether it qualifies."""
+    if node.op == "call_function" and node.target is torch.stack:
+        parts = node.args[0] if node.args else node.kwargs.get("tensors")
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        if not isinstance(parts, (list, tuple)) or not isinstance(dim, int) or dim % out.dim() != out.dim() - 1:
+            return False
+        values = [value(p) for p in parts]
+        return bool(parts) and all(isinstance(p, Node) and inside(p) and isinstance(v, torch.Tensor)
+                                   and tuple(v.shape) == tuple(out.shape[:-1]) for p, v in zip(parts, values))
+    if node.op == "call_method" and node.target == "flatten":
+        x = value(node.args[0])
+        start = node.args[1] if len(node.args) > 1 else node.kwargs.get("start_dim", 0)
+        end = node.args[2] if len(node.args) > 2 else node.kwargs.get("end_dim", -1)
+        if not isinstance(x, torch.Tensor) or not isinstance(node.args[0], Node) or not inside(node.args[0]):
+            return False
+        return isinstance(start, int) and isinstance(end, int) and x.dim() >= 3 and \
+            start % x.dim() == x.dim() - 2 and end % x.dim() == x.dim() - 1
+    return None
+
+
 def sdpa_arguments(node: Node) -> Dict[str, Any]:
     """The SDPA call's arguments by name (defaults filled in)."""
     bound: Dict[str, Any] = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None,
@@ -192,7 +220,8 @@ def mask_kind(attn_mask: Any, tokens: torch.Tensor) -> Optional[bool]:
 
 class _Match:
     def __init__(self) -> None:
-        # q, k, v: (packed rows, their feature dims, first feature, row width, per-position chain, heads, repeats of each head)
+        # q, k, v: (packed rows, their feature dims, first feature, row width, per-position chain,
+        # heads, repeats of each head)
         self.inputs: List[Tuple[Node, int, int, int, Optional[_Chain], int, int]] = []
         self.heads = 0
         self.dim = 0
