@@ -3,7 +3,7 @@
 # the checks in priority order, each bounded by its own timeout, the report written as it goes so
 # that a run cut short still returns what it finished.
 #   bash bench/gpu_report.sh [OUT]      (OUT defaults to $OUT, then ./out)
-#   SECTIONS="cuda bench breakdown worker varlen cpu" (the default: all, in this order) picks sections;
+#   SECTIONS="cuda bench breakdown worker varlen hf cpu" (the default: all, in this order) picks sections;
 #   WORKLOADS="demo gpu-bert-base-mlm ..." the bench's workloads, AUTOCASTS="none bf16" its dtypes,
 #   MODES the bench's modes (default: eager, torch.compile and fxtrain's three executors; the demo adds
 #   torch.compile's CUDA-graph mode, compile:reduce-overhead).
@@ -32,7 +32,7 @@ if [ ! -e "$BIN/fxtrain" ]; then
 fi
 pack() { cp "$REPORT" "$OUT/report.md"; tar czf "$OUT/gpu_report.tgz" -C "$WORK" .; }
 
-wanted() { [[ " ${SECTIONS:-cuda bench breakdown worker varlen cpu} " == *" $1 "* ]]; }
+wanted() { [[ " ${SECTIONS:-cuda bench breakdown worker varlen hf cpu} " == *" $1 "* ]]; }
 section() { [ -e "$REPORT" ] && pack; printf '\n## %s (%s)\n\n' "$1" "$(date -u +%H:%M:%S)" >> "$REPORT"; echo "=== $1"; }
 tail_of() { printf '```\n%s\n```\n' "$(tail -n "${2:-15}" "$1")" >> "$REPORT"; }
 # Suites run with -v: each test's outcome is a line of the log as it ends, so a run the timeout cuts
@@ -125,7 +125,17 @@ if wanted varlen; then
     tail_of "$WORK/varlen_cuda.log" 4
 fi
 
-# 6. The suite on this image's torch, CPU device (issue 16: the oldest release, Python 3.12); last, as
+# 6. Current HF families that padding elimination reaches (bench/hf_families.py --speed, float32,
+#    16 x 128 at 50% padding): on the CPU 2.1-2.4x eager; whether the GPU keeps any of it.
+if wanted hf; then
+    section "HF families, bench/hf_families.py --speed --device cuda"
+    timeout "${HF_S:-120}" $PY bench/hf_families.py --speed "${HF_FAMILIES:-Qwen3,Gemma4,Glm4}" --device cuda \
+        > "$WORK/hf_speed.log" 2>&1
+    echo "exit $?" >> "$WORK/hf_speed.log"
+    grep -E "eager|exit|Error" "$WORK/hf_speed.log" | cut -c1-200 >> "$REPORT"
+fi
+
+# 7. The suite on this image's torch, CPU device (issue 16: the oldest release, Python 3.12); last, as
 #    CI runs the oldest release on the CPU too.
 if wanted cpu; then
     section "make test's selection, CPU device"

@@ -10,7 +10,7 @@ the largest gradient difference from eager's float32, and what padding eliminati
 Mistral, Qwen3, Phi-3, ModernBERT, Gemma 4, Nemotron and Apertus were found with the pass off
 (docs/sparsity.md).
 
-    PYTHONPATH=<checkout> python bench/hf_families.py [--families qwen3,phi3] [--speed Qwen3,Phi3]
+    PYTHONPATH=<checkout> python bench/hf_families.py [--families qwen3,phi3] [--speed Qwen3,Phi3 [--device D]]
 
 ``--speed``: a small model of each named family (hidden 256, 4 layers, 16 x 128, 50% padding) timed
 against eager with default options, interleaved, medians of 8 steps (docs/benchmarks.md).
@@ -188,7 +188,9 @@ def check(name: str) -> List[Any]:
             f"{worst:.1e}", info.graphs, info.graph_breaks, fired, said[:90]]
 
 
-def speed(family: str) -> str:
+def speed(family: str, device: str = "cpu") -> str:
+    """One family's steps against eager on ``device``, float32, interleaved (the GPU report's "hf"
+    section runs it with ``--device cuda``)."""
     import transformers
     kw = dict(vocab_size=8000, hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, head_dim=64, max_position_embeddings=256, pad_token_id=0, attention_dropout=0.0)
@@ -196,14 +198,19 @@ def speed(family: str) -> str:
         kw.update(vocab_size_per_layer_input=8000, hidden_size_per_layer_input=64)
     config = getattr(transformers, {"Gemma4": "Gemma4TextConfig"}.get(family, f"{family}Config"))(**kw)
     torch.manual_seed(0)
-    model = getattr(transformers, f"{family}ForCausalLM")(config)
+    model = getattr(transformers, f"{family}ForCausalLM")(config).to(device)
     ref = copy.deepcopy(model)
     tm = fxtrain.TrainModule(model)
-    batch = models.synthetic_batch("clm", 16, 128, 8000, padding=0.5, generator=torch.Generator().manual_seed(0))
+    batch = models.synthetic_batch("clm", 16, 128, 8000, padding=0.5, generator=torch.Generator().manual_seed(0),
+                                   device=torch.device(device))
+    module = getattr(torch, torch.device(device).type, None)
+    sync = getattr(module, "synchronize", lambda: None)   # an accelerator's queue, drained around each step
 
     def step(m: torch.nn.Module) -> float:
+        sync()
         start = time.perf_counter()
         m(**batch).loss.backward()
+        sync()
         return time.perf_counter() - start
 
     for _ in range(3):
@@ -222,10 +229,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--families", help=f"comma-separated, default all: {','.join(FAMILIES)}")
     p.add_argument("--speed", help="comma-separated transformers class prefixes (Qwen3,Phi3): time those instead")
+    p.add_argument("--device", default="cpu", help="where --speed runs (default cpu)")
     args = p.parse_args()
     if args.speed:
         for family in args.speed.split(","):
-            print(speed(family.strip()), flush=True)
+            print(speed(family.strip(), args.device), flush=True)
         return
     names = [n.strip() for n in args.families.split(",")] if args.families else list(FAMILIES)
     unknown = sorted(set(names) - set(FAMILIES))

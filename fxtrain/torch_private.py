@@ -1537,10 +1537,11 @@ def pickle_graphs(obj: Any, for_another_process: bool = False) -> bytes:
     in them; 2.11's pytree does not look into a slice, so a node inside one (``x[:, :n]`` with a
     symbolic ``n``) reached pickle raw ("Unexpected raw Node during pickling")."""
     from torch.fx._graph_pickler import GraphPickler, Options
-    if for_another_process and only_here(obj):
-        raise NotPortable(only_here(obj))
     head = b""
     if for_another_process:
+        why = only_here(obj)
+        if why:
+            raise NotPortable(why)
         modules = custom_op_modules(obj)
         path = [p for p in sys.path if isinstance(p, str)] if modules else []
         head = _IMPORTS + json.dumps({"modules": modules, "path": path}).encode() + b"\0"

@@ -292,7 +292,8 @@ def test_a_custom_op_from_a_module_beside_the_script_is_partitioned_by_the_worke
     """``python scripts/train.py`` puts ``scripts/`` on the path of that process only: a custom op
     defined in ``scripts/my_ops.py`` did not import in the worker, whose partition failed
     ("'_OpNamespace' ... has no attribute 'scale'"), and the capture kept the autograd mode. The
-    workers now start with this process's ``sys.path`` (runtime/threads.worker_command)."""
+    payload now carries this process's ``sys.path`` (torch_private.pickle_graphs); the worker here
+    may have been started by an earlier test, with the path of that time."""
     name = f"fxtrain_beside_{os.getpid()}"
     (tmp_path / f"{name}.py").write_text(_OPS_MODULE.format(ns=name))
     monkeypatch.syspath_prepend(str(tmp_path))   # this process's path, not PYTHONPATH

@@ -33,10 +33,11 @@ what is lost against executor="inductor" is the min-cut partition's recomputatio
 A capture stays on the eager executor, with the reason in ``capture_info()``, when the compiled
 graphs could not give eager's numbers or cannot be made ahead: random ops other than a chain of
 dropouts (inductor's own random code draws other numbers; dropout runs eager's kernel, under
-``fallback_random``, and a chain keeps eager's order of draws), custom autograd Functions (PythonOps: each becomes an opaque call inductor cannot fuse), custom ops
-defined in ``__main__`` (the worker cannot import them: ``torch_private.only_here``),
-a memory budget's plan, graphs the replay does not run; and when the compile fails or outlives
-``Options.compile_timeout`` (logged once).
+``fallback_random``, and a chain keeps eager's order of draws), custom autograd Functions
+(PythonOps: each becomes an opaque call inductor cannot fuse), custom ops defined in ``__main__``
+(the worker cannot import them: ``torch_private.only_here``), a memory budget's plan, graphs the
+replay does not run; and when the compile fails or outlives ``Options.compile_timeout`` (logged
+once).
 
 Symbolic sizes (a capture made dynamic by a change of batch or sequence size, and the row counts of
 the sparsity passes, which are data-dependent) compile as they are: inductor's code takes the sizes
