@@ -259,7 +259,7 @@ def _plan(gm: torch.fx.GraphModule, lead_shape: Sequence[Any], examples: Example
         # per-layer inputs, [B, S, L * D] -> [B, S, L, D] -> [B, S, D] at layer l).
         for lead in dict.fromkeys([out.dim() - (value(first).dim() - plan.region[first]), plan.region[first]]):
             broadcast: Set[Node] = set()
-            rows = row_inputs(node, lead, broadcast) if 1 <= lead <= out.dim() else None
+            rows = row_inputs(node, lead, broadcast, token_rows=True) if 1 <= lead <= out.dim() else None
             ok = rows is not None and (lead == 1 and _same_shape([out.shape[0]], [flat])
                                        or _same_shape(out.shape[:lead], lead_shape))
             if ok:
@@ -298,7 +298,7 @@ def _grow_upstream(plan: _Plan, lead_shape: Sequence[Any]) -> None:
             if want is None or not _same_shape(out.shape[:f_lead], want):
                 continue
             broadcast: Set[Node] = set()
-            rows = row_inputs(f, f_lead, broadcast)
+            rows = row_inputs(f, f_lead, broadcast, token_rows=True)
             if rows is None or not all(isinstance(value(a), torch.Tensor) for a, _ in rows):
                 continue
             del plan.frontier[f]

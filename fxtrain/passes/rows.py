@@ -170,8 +170,17 @@ def _feature_dim(dim: Any, ndim: int, lead: int) -> bool:
     return isinstance(dim, int) and (dim % ndim) >= lead if ndim else False
 
 
-def row_inputs(node: Node, lead: int, broadcast: Optional[Set[Node]] = None) -> Optional[List[Tuple[Node, int]]]:
+def row_inputs(node: Node, lead: int, broadcast: Optional[Set[Node]] = None,
+               token_rows: bool = False) -> Optional[List[Tuple[Node, int]]]:
     """The inputs of ``node`` that must be row-selected when ``node``'s first ``lead`` dims are rows.
+
+    ``token_rows``: the rows are tokens (padding elimination's ``[batch, seq]``), and a view or an
+    int index of the dims after them (Gemma 4's per-layer inputs) is taken as a row op. Not for
+    label sparsity and upstream slicing, which grow regions upstream from a selection whose rows may
+    be whole sequences: there ``h[:, 0, :]`` at one row dim, taken as a row op, let label sparsity
+    on RoBERTa's classification logits grow into the encoder, and a later symbolic capture failed
+    ("Expected target size [u0, 3], got [u0]": the fuzzer's roberta-cls, custom loss, seed 1, batch
+    25). An index written after an ellipsis (Phi-3's ``qkv[..., :n]``) is a row op for every pass.
 
     Returns a list of (input, its number of leading dims), or None when ``node`` mixes rows (or is
     an op this analysis does not know), so that it has to be computed in full. An elementwise
@@ -223,7 +232,7 @@ def row_inputs(node: Node, lead: int, broadcast: Optional[Set[Node]] = None) -> 
             return None
         if features and not _same_shape(x.shape[x.dim() - features:], out.shape[lead:]):
             # A view of the features alone (Gemma 4's per-layer inputs, [B, S, L * D] -> [B, S, L, D]).
-            if x.dim() > lead and _same_shape(x.shape[:lead], out.shape[:lead]) and \
+            if token_rows and x.dim() > lead and _same_shape(x.shape[:lead], out.shape[:lead]) and \
                     all(isinstance(d, int) for d in out.shape[lead:]):
                 return [(args[0], lead)]
             return None
@@ -246,9 +255,10 @@ def row_inputs(node: Node, lead: int, broadcast: Optional[Set[Node]] = None) -> 
             return None
         if x.dim() == out.dim() and _is_identity_index(args[1]):
             return [(args[0], lead)]
-        if features and _features_index(args[1], x.dim(), lead) is not None and x.dim() > lead and \
+        index = _features_index(args[1], x.dim(), lead)
+        if features and index is not None and (token_rows or index is args[1]) and x.dim() > lead and \
                 _same_shape(x.shape[:lead], out.shape[:lead]):
-            return [(args[0], lead)]
+            return [(args[0], lead)]   # without token_rows, only an index after an ellipsis
         return None
     if _elementwise(node):
         found: List[Tuple[Node, int]] = []
