@@ -326,3 +326,18 @@ def test_a_custom_op_defined_in_main_partitions_at_capture_and_says_why_it_stays
     assert f"custom op {ns}::scale defined in __main__" in tier, tier
     with pytest.raises(tp.NotPortable, match="defined in __main__"):
         tp.pickle_graphs(record.step.forward_graph, for_another_process=True)
+
+
+@pytest.mark.cpu_only(reason="starts a worker process that makes no tensor")
+def test_a_worker_imports_this_process_fxtrain_whatever_its_current_directory(tmp_path, monkeypatch):
+    """``python -c`` puts the current directory first on a worker's path: started from another
+    checkout's root, the worker imported that checkout's fxtrain (an A/B run of bench/overhead.py
+    failed every partition with "JSONDecodeError", the other checkout's payload format)."""
+    from fxtrain.runtime import threads
+    (tmp_path / "fxtrain").mkdir()
+    (tmp_path / "fxtrain" / "__init__.py").write_text("raise ImportError('the other checkout')\n")
+    (tmp_path / "fxtrain_which_probe.py").write_text("import fxtrain\nprint('imported', fxtrain.__file__)\n")
+    monkeypatch.chdir(tmp_path)
+    done = subprocess.run(threads.worker_command("fxtrain_which_probe"), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"imported {Path(fxtrain.__file__)}" in done.stdout, done.stdout

@@ -11,6 +11,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable, List, Optional, Set
 
 exiting = threading.Event()   # set at exit: what a thread fails at from then on is nobody's problem
@@ -44,8 +45,12 @@ def worker_command(module: str, *args: str, owned: Optional[str] = None) -> List
     with ``os.getppid()`` as it starts: a parent killed before that (the worker starts at nice 19,
     slowly on a busy machine) would leave the worker reading its new parent's pid, never orphaned,
     and the directory behind once its compile ended (two make test-long runs on 2026-11-29 found it).
-    ``sys.argv[1:]`` are ``args``, as with ``-m``."""
-    start = (f"import os, runpy, shutil, threading, time\nif hasattr(os, 'nice'):\n    os.nice(19)\n"
+    ``sys.argv[1:]`` are ``args``, as with ``-m``. The worker imports this process's fxtrain: its
+    folder goes first on the path, before the current directory that ``-c`` puts there (started
+    from another checkout's root, a worker imported that checkout's fxtrain, whose payload format
+    differed: "JSONDecodeError" in an A/B run of bench/overhead.py)."""
+    start = (f"import os, runpy, shutil, sys, threading, time\nif hasattr(os, 'nice'):\n    os.nice(19)\n"
+             f"sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})\n"
              f"parent = {os.getpid()}\n"
              f"def _orphaned():\n"
              f"    if os.getppid() == parent:\n        return False\n"
