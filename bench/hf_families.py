@@ -1,4 +1,4 @@
-"""HF families the suite does not name (47), trained against eager, and which sparsity passes fire on each.
+"""HF families the suite does not name (49), trained against eager, and which sparsity passes fire on each.
 
 Each family is built from a tiny config (random weights, dropout 0) with transformers' Auto classes
 and trains 4 batches of changing shapes (30% padding, labels on the real tokens, half of each causal
@@ -72,6 +72,14 @@ FAMILIES: Dict[str, Tuple[str, Dict[str, Any]]] = {
     "phimoe": ("AutoModelForCausalLM", dict(num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2)),
     "gpt_oss": ("AutoModelForCausalLM", dict(num_key_value_heads=1, head_dim=16, num_local_experts=4,
                                              num_experts_per_tok=2)),
+    "deepseek_v3": ("AutoModelForCausalLM", dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                 n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+                                                 kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+                                                 qk_nope_head_dim=8, v_head_dim=16)),
+    "qwen3_5_text": ("AutoModelForCausalLM", dict(num_key_value_heads=1, head_dim=16, pad_token_id=0,
+                                                  layer_types=["linear_attention", "full_attention"],
+                                                  linear_num_key_heads=2, linear_num_value_heads=2,
+                                                  linear_key_head_dim=8, linear_value_head_dim=8)),
     "glm4": ("AutoModelForCausalLM", dict(num_key_value_heads=1, head_dim=16, pad_token_id=0)),
     "cohere2": ("AutoModelForCausalLM", dict(num_key_value_heads=1)),
     "helium": ("AutoModelForCausalLM", dict(num_key_value_heads=1, head_dim=16)),

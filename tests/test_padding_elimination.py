@@ -149,8 +149,29 @@ def test_hf_causal_lms_with_feature_views_interleaved_rotary_and_other_activatio
     # noise (STATE_ATOL), after which its gradients differed by up to 1.5e-4 (embeddings, third step).
     # From equal weights every gradient is within 1e-5 + 1e-4 of eager's, and as close to a float64
     # eager's as eager's own (bench/hf_families.py's oracle).
+    _train_from_eager_weights(tm, ref, _batches("clm", 0, 2))
+    _fired(tm)
+    assert "attention on real tokens, sequence by sequence: 2 of 2" in _why(tm), _why(tm)
+
+
+def _hf_moe(family, **extra):
+    import transformers
+    experts = dict(num_local_experts=4) if family == "Mixtral" else dict(num_experts=4, moe_intermediate_size=32)
+    if family == "Qwen2Moe":
+        experts.update(shared_expert_intermediate_size=32)
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=64, pad_token_id=0, attention_dropout=0.0,
+        num_experts_per_tok=2, **experts, **extra)
+    torch.manual_seed(0)
+    return getattr(transformers, f"{family}ForCausalLM")(config)
+
+
+def _train_from_eager_weights(tm, ref, batches):
+    """Loss, logits and gradients equal eager's at every step, each step from eager's weights (so
+    that AdamW cannot turn rounding noise into weight differences: see the Gemma 4 test)."""
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    for batch in _batches("clm", 0, 2):
+    for batch in batches:
         out, ref_out = tm(**batch), ref(**batch)
         torch.testing.assert_close(out.loss, ref_out.loss, atol=1e-5, rtol=1e-4)
         _same_logits(out, ref_out)
@@ -161,8 +182,74 @@ def test_hf_causal_lms_with_feature_views_interleaved_rotary_and_other_activatio
             for p, q in zip(tm.module.parameters(), ref.parameters()):
                 p.copy_(q)
                 p.grad = None
+
+
+# Mixtures of experts (transformers' grouped experts: sort the (token, slot) pairs by expert, one
+# grouped matmul per projection, back in pair order, sum the slots): the block is one row op
+# (passes/expert_blocks.py), and the router's top-k and Mixtral's in-place ``w /= w.sum()`` are
+# row ops. Before, the pass was off ("padding rows reach getitem (selected_hidden_states_g)"),
+# and eager's padding tokens went through two experts each.
+@pytest.mark.parametrize("family", ["Mixtral", "Qwen3Moe", "Qwen2Moe"])
+def test_hf_mixtures_of_experts_route_only_real_tokens(family):
+    tm, ref = wrap_pair(_hf_moe(family))
+    _train_from_eager_weights(tm, ref, _batches("clm", 0, 2))
     _fired(tm)
+    # Per layer q/k/v/o and the router, two grouped matmuls; Qwen2-MoE's shared expert and its gate: 4 more.
+    assert f"{2 * (7 + 4 * (family == 'Qwen2Moe'))} matmul(s) on real tokens only" in _why(tm), _why(tm)
     assert "attention on real tokens, sequence by sequence: 2 of 2" in _why(tm), _why(tm)
+
+
+class _CappedExperts(nn.Module):
+    """transformers' grouped experts written out, where each expert takes at most ``capacity`` of the
+    sorted pairs (``None``: all of them) and the pairs beyond add nothing (Switch Transformers' expert
+    capacity). Which pairs fit then depends on every token's routing, padding tokens' included, so
+    the block is no row op."""
+
+    def __init__(self, experts, capacity):
+        super().__init__()
+        self.gate_up_proj, self.down_proj, self.capacity = experts.gate_up_proj, experts.down_proj, capacity
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        from transformers.integrations import moe   # noqa: F401  (registers its grouped matmul for the CPU)
+        grouped_mm = torch.ops.transformers.grouped_mm_fallback
+        k, n_experts = top_k_index.size(-1), self.gate_up_proj.size(0)
+        ids, perm = torch.sort(top_k_index.reshape(-1))
+        x = hidden[perm // k]
+        weights = top_k_weights.reshape(-1)[perm]
+        counts = torch.histc(ids.float(), bins=n_experts, min=0, max=n_experts - 1)
+        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        if self.capacity is not None:
+            first = (offs - counts.int())[ids]   # each sorted pair's place among its expert's
+            weights = weights * (torch.arange(ids.size(0), device=ids.device) - first < self.capacity)
+        gate, up = grouped_mm(x, self.gate_up_proj.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+        y = grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=offs) * weights.unsqueeze(-1)
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.size(0), device=perm.device)
+        return y[inv].view(hidden.size(0), k, hidden.size(-1)).sum(dim=1)
+
+
+@pytest.mark.parametrize("capacity", [None, 6], ids=["every-pair", "capacity"])
+def test_experts_whose_pairs_depend_on_other_tokens_keep_the_padding(capacity):
+    """The expert block is a row op only in the forms passes/expert_blocks.py proves: the same block
+    with an expert capacity (an index into the offsets by each pair's expert) keeps every token,
+    and trains as eager does; without it the pass fires, as on transformers' own experts."""
+    model = _hf_moe("Qwen3Moe")
+    for layer in model.model.layers:
+        layer.mlp.experts = _CappedExperts(layer.mlp.experts, capacity)
+    tm, ref = wrap_pair(model)
+    batches = _batches("clm", 0, 2)
+    # The capacity binds: other ids at the padding positions change the real tokens' logits.
+    other = dict(batches[0], input_ids=batches[0]["input_ids"].masked_fill(batches[0]["attention_mask"] == 0, 7))
+    real = batches[0]["attention_mask"].bool()
+    with torch.no_grad():
+        moved = (ref(**batches[0]).logits[real] - ref(**other).logits[real]).abs().max().item()
+    assert (moved > 1e-3) == (capacity is not None), moved
+    _train_from_eager_weights(tm, ref, batches)
+    if capacity is None:
+        _fired(tm)
+        assert "14 matmul(s) on real tokens only" in _why(tm), _why(tm)
+    else:
+        assert _why(tm).startswith("off: padding rows reach "), _why(tm)
 
 
 def test_modernbert_mlm_matches_eager_with_its_global_attention_sequence_by_sequence():

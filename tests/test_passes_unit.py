@@ -181,28 +181,31 @@ def test_padding_elimination_runs_token_wise_ops_on_real_tokens_only():
         _same_step(gm, original, batch, ENCODER_WEIGHTS)
 
 
-def _in_place(read_before):
+def _in_place(read):
     def fn(input_ids, attention_mask, labels, emb, wq, wk, wv, wo, ln_w, ln_b, decoder):
         y = F.linear(F.embedding(input_ids, emb, 0), wq)
-        before = y * 0.5 if read_before else 0.0
-        y *= 2.0   # Gemma 4's ``hidden_states *= self.layer_scalar``
-        logits = F.linear(F.gelu(y + before), decoder)
+        alias = y
+        before = y * 0.5 if read == "read-before" else 0.0
+        y *= 2.0   # Gemma 4's ``hidden_states *= self.layer_scalar``; Mixtral's ``w /= w.sum(-1, keepdim=True)``
+        after = alias * 0.5 if read == "read-after" else 0.0   # sees the mutation: y's new value
+        logits = F.linear(F.gelu(y + before + after), decoder)
         return (F.cross_entropy(logits.view(-1, V), labels.view(-1), ignore_index=-100),)
     return fn
 
 
-@pytest.mark.parametrize("read_before", [False, True], ids=["alone", "read-before"])
-def test_padding_elimination_runs_in_place_arithmetic_out_of_place_only_where_nothing_else_reads_it(read_before):
-    """``y *= s`` on rows nothing else reads is ``y * s`` on the real tokens' rows; where another op
-    reads ``y`` too, the mutation is for that op to see or not, so the region stops there."""
+@pytest.mark.parametrize("read", ["alone", "read-before", "read-after"])
+def test_padding_elimination_runs_in_place_arithmetic_out_of_place_only_where_nothing_reads_it_after(read):
+    """``y *= s`` on rows that no op reads after it is ``y * s`` on the real tokens' rows: an op
+    before it reads what both leave in ``y``. An op after it that reads ``y`` through another name
+    sees the mutation, which the out-of-place op would not make, so the region stops there."""
     inputs = _encoder_inputs()
-    gm = _traced(_in_place(read_before), inputs)
+    gm = _traced(_in_place(read), inputs)
     (scaled,) = [n for n in gm.graph.nodes if n.target is operator.mul and n.args[1] == 2.0]
     scaled.target = operator.imul   # as dynamo records ``y *= 2.0`` (FX's tracer records a mul)
     gm.recompile()
     original = copy.deepcopy(gm)
     report, _ = _run(padding_elimination, gm, ExampleSource(_batch(inputs)))
-    if read_before:
+    if read == "read-after":
         assert not report.applied and report.reason.startswith("padding rows reach imul"), report
     else:
         assert report.applied, report

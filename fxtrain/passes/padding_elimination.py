@@ -46,7 +46,9 @@ from .density import ExampleSource, add_probe, density_reason
 from .row_ops import put_rows, row_selection, take_rows
 from .varlen import attention_on_real_tokens, mask_kind, per_position_op, sdpa_arguments
 from .rows import (Node, _same, _same_shape, ancestors, attention_flops_at_capture, copy_on_rows, descendants,
-                   features_split, flops_at_capture, heavy, op_name, row_inputs, run_node, same_shape_guarded, value)
+                   features_split, flops_at_capture, heavy, op_name, row_inputs, run_node, same_shape_guarded,
+                   topk_rows, value)
+from . import expert_blocks
 
 NAME = "padding_elimination"
 _SDPA = {NN_SDPA, F.scaled_dot_product_attention}
@@ -215,6 +217,7 @@ class _Plan:
         self.consumers: List[Tuple[Node, Node, str]] = []   # (region node, consumer, kind)
         self.flat: Any = None                                # batch * seq
         self.row_cuts: List[Node] = []  # row gathers (row_ops) of padded values: real rows asserted
+        self.blocks: Dict[Node, expert_blocks.ExpertBlock] = {}   # a block's node -> its block
 
     def reached(self) -> Set[Node]:
         """Every node computed from the region (made once the region is final)."""
@@ -234,20 +237,30 @@ class _Plan:
 def _plan(gm: torch.fx.GraphModule, lead_shape: Sequence[Any], examples: ExampleSource) -> Tuple[Optional[_Plan], str]:
     plan = _Plan(gm, examples)
     plan.flat = flat = math.prod(lead_shape)
+    ends = {}
+    for block in expert_blocks.find(gm):
+        ends[block.out] = block
+        plan.blocks.update((n, block) for n in block.nodes)
     for node in gm.graph.nodes:
         if _is_embedding_start(node, lead_shape):
             plan.region[node] = len(lead_shape)
             plan.frontier[node.args[0]] = len(lead_shape)
             continue
-        inside = [a for a in node.all_input_nodes if a in plan.region]
-        if not inside or node.op == "output":
+        if node in ends:   # a mixture of experts, one row op when every input it reads is token rows
+            block = ends[node]
+            if all(plan.region.get(i) == 1 and _same_shape(value(i).shape[:1], [flat]) for i in block.inputs):
+                plan.region.update((n, 1) for n in block.nodes)
             continue
-        split = features_split(node)
+        inside = [a for a in node.all_input_nodes if a in plan.region]
+        if not inside or node.op == "output" or node in plan.blocks:
+            continue
+        split = features_split(node) or topk_rows(node)
         if split is not None and split in plan.region and plan.region[split] < value(split).dim():
             plan.region[node] = plan.region[split]   # a tuple of row tensors, each taken by getitem
             continue
-        if node.op == "call_function" and node.target is operator.getitem and features_split(node.args[0]) \
-                is not None and node.args[0] in plan.region and isinstance(node.args[1], int):
+        if node.op == "call_function" and node.target is operator.getitem and \
+                (features_split(node.args[0]) is not None or topk_rows(node.args[0]) is not None) \
+                and node.args[0] in plan.region and isinstance(node.args[1], int):
             plan.region[node] = plan.region[node.args[0]]
             continue
         first = inside[0]
@@ -432,8 +445,8 @@ def padding_elimination(gm: torch.fx.GraphModule, examples: ExampleSource, optio
 def _erase_unused(gm: torch.fx.GraphModule, nodes: Set[Node]) -> None:
     """Drop what only fed the outputs ``defer_dense`` took out (a returned key/value cache, say)."""
     for node in reversed(list(gm.graph.nodes)):
-        if node in nodes and not node.users and node.op in ("call_function", "call_method") \
-                and not str(getattr(node.target, "__name__", node.target)).endswith("_"):
+        if node in nodes and not node.users and node.op in ("call_function", "call_method") and not node.is_impure() \
+                and not str(getattr(node.target, "__name__", node.target)).endswith("_"):   # a setitem: a MoE's inverse permutation
             gm.graph.erase_node(node)
 
 
@@ -449,7 +462,7 @@ def _padded_values(plan: _Plan) -> Set[Node]:
         node = stack.pop()
         if node in seen or node in cuts:
             continue
-        if _selects_token_rows(node, plan.flat) and row_selection(node)[0] in seen:
+        if node not in plan.region and _selects_token_rows(node, plan.flat) and row_selection(node)[0] in seen:
             if node not in plan.row_cuts:
                 plan.row_cuts.append(node)
             continue
@@ -546,7 +559,8 @@ def _rewrite(gm: torch.fx.GraphModule, plan: _Plan, mask_node: Node, pad_id: Opt
             for a in node.all_input_nodes:
                 if a in plan.frontier and a not in plan.region:
                     gathered(a, plan.frontier[a])
-            rows[node] = copy_on_rows(graph, node, rows, lead)
+            block = plan.blocks.get(node)
+            rows[node] = block.copy(graph, node, rows) if block else copy_on_rows(graph, node, rows, lead)
     cut_index = {sel: row_selection(sel)[1] for sel in plan.row_cuts}
     moved: Dict[Node, Node] = {}   # a row selection of padded values -> the same rows taken from the packed layout
     repadded: Dict[Node, Node] = {}

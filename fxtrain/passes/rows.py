@@ -61,9 +61,23 @@ def _out_of_place(node: Node) -> bool:
     if node.op != "call_function" or node.target not in _IN_PLACE or node.kwargs or len(node.args) != 2:
         return False
     x = node.args[0]   # made by an op that allocates its output (not F.relu(..., inplace=True): an alias)
-    return isinstance(x, Node) and len(x.users) == 1 and x.op == "call_function" and \
-        x.target in (_ELEMENTWISE_FUNCTIONS | _LINEAR_FUNCTIONS) - {F.dropout} and \
-        True not in x.args[1:] and not x.kwargs.get("inplace")
+    if not isinstance(x, Node) or x.op != "call_function":
+        return False
+    fresh = x.target in (_ELEMENTWISE_FUNCTIONS | _LINEAR_FUNCTIONS) - {F.dropout} and True not in x.args[1:] \
+        and not x.kwargs.get("inplace") or x.target is operator.getitem and topk_rows(x.args[0]) is not None
+    return fresh and _read_before(x, node)
+
+
+def _read_before(x: Node, node: Node) -> bool:
+    """Every other reader of ``x`` runs before ``node`` mutates it, so that it reads what the out-of-place
+    op leaves in ``x`` too (Mixtral's ``w /= w.sum(-1, keepdim=True)``). A reader after ``node`` would
+    see the mutation (an alias read later), which the out-of-place op would not make."""
+    others = set(x.users) - {node}
+    at = x.next
+    while others and at is not node and at.op != "root":
+        others.discard(at)
+        at = at.next
+    return not others
 
 
 def _elementwise(node: Node) -> bool:
@@ -166,6 +180,19 @@ def features_split(node: Node) -> Optional[Node]:
     return node.args[0]
 
 
+def topk_rows(node: Any) -> Optional[Node]:
+    """The tensor whose last dim ``node`` takes the top k of (a mixture of experts' router: HF
+    Mixtral, Qwen3-MoE), else None. Its values and indices are taken by ``getitem``."""
+    if not isinstance(node, Node) or not (node.op == "call_function" and node.target is torch.topk or
+                                          node.op == "call_method" and node.target == "topk"):
+        return None
+    dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else -1)
+    x = _tensor(node.args[0])
+    if dim != -1 or len(node.args) > 3 or set(node.kwargs) - {"dim", "largest", "sorted"} or x is None or x.dim() < 2:
+        return None
+    return node.args[0]
+
+
 def _feature_dim(dim: Any, ndim: int, lead: int) -> bool:
     return isinstance(dim, int) and (dim % ndim) >= lead if ndim else False
 
@@ -223,8 +250,8 @@ def row_inputs(node: Node, lead: int, broadcast: Optional[Set[Node]] = None,
         dims = args[1] if len(args) > 1 else kwargs.get("dim")
         dims = dims if isinstance(dims, (tuple, list)) else (dims,)
         keep = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
-        if x is None or not keep or not dims or not all(_feature_dim(d, x.dim(), lead) for d in dims):
-            return None
+        if x is None or not (keep or token_rows) or not dims or not all(_feature_dim(d, x.dim(), lead) for d in dims):
+            return None   # without keepdim only where rows are tokens (a sum over a MoE's k slots)
         return [(args[0], lead)] if _rows_of(args[0], out.shape[:lead], lead) else None
     if node.op == "call_method" and target in _VIEW_METHODS:
         x = _tensor(args[0])
@@ -301,7 +328,16 @@ class Region:
 def heavy(node: Node) -> bool:
     """An op whose cost scales with the rows times a weight: where skipping rows pays."""
     return node.op == "call_function" and (node.target in _LINEAR_FUNCTIONS or node.target is torch.addmm
-                                           or node.target in _MATMUL_FUNCTIONS)
+                                           or node.target in _MATMUL_FUNCTIONS) or is_grouped_mm(node)
+
+
+# The grouped matmul of a mixture of experts under its names: torch's own (``torch._grouped_mm``,
+# ``F.grouped_mm``) and the custom op transformers registers where those have no kernel (the CPU).
+_GROUPED_MM_NAMES = {"_grouped_mm", "grouped_mm", "grouped_mm_fallback"}
+
+
+def is_grouped_mm(node: Node) -> bool:
+    return node.op == "call_function" and getattr(node.target, "__name__", None) in _GROUPED_MM_NAMES
 
 
 def _numel(t: Any) -> int:
@@ -315,7 +351,7 @@ def flops_at_capture(node: Node) -> int:
     out = _tensor(node)
     if out is None or node.op != "call_function":
         return 0
-    if node.target in _LINEAR_FUNCTIONS or node.target in _MATMUL_FUNCTIONS:
+    if node.target in _LINEAR_FUNCTIONS or node.target in _MATMUL_FUNCTIONS or is_grouped_mm(node):
         a = _tensor(node.args[0])
         return 2 * _numel(out) * size_hint(a.shape[-1]) if a is not None and a.dim() else 0
     if node.target is torch.addmm:
@@ -543,13 +579,19 @@ def copy_subgraph(gm: torch.fx.GraphModule, roots: Sequence[Node], region: Set[N
     """
     needed: Set[Node] = set()
     stack = list(roots)
-    while stack:
-        n = stack.pop()
-        if n in needed:
-            continue
-        needed.add(n)
-        if n in region or not _is_input(n):
-            stack.extend(n.all_input_nodes)
+    while True:
+        while stack:
+            n = stack.pop()
+            if n in needed:
+                continue
+            needed.add(n)
+            if n in region or not _is_input(n):
+                stack.extend(n.all_input_nodes)
+        # What writes into a needed tensor in place (a MoE's ``inv[perm] = arange(n)``) is needed too.
+        stack = [n for n in gm.graph.nodes if n not in needed and n.args and n.args[0] in needed
+                 and (n.target is operator.setitem or n.op == "call_method" and str(n.target).endswith("_"))]
+        if not stack:
+            break
     graph = torch.fx.Graph()
     env: Dict[Node, Node] = {}
     inputs: List[Node] = []
