@@ -167,14 +167,17 @@ def _hf_moe(family, **extra):
     return getattr(transformers, f"{family}ForCausalLM")(config)
 
 
-def _train_from_eager_weights(tm, ref, batches):
+def _train_from_eager_weights(tm, ref, batches, logits=True):
     """Loss, logits and gradients equal eager's at every step, each step from eager's weights (so
     that AdamW cannot turn rounding noise into weight differences: see the Gemma 4 test)."""
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     for batch in batches:
         out, ref_out = tm(**batch), ref(**batch)
         torch.testing.assert_close(out.loss, ref_out.loss, atol=1e-5, rtol=1e-4)
-        _same_logits(out, ref_out)
+        if logits:
+            _same_logits(out, ref_out)
+        else:
+            torch.testing.assert_close(out.logits, ref_out.logits, atol=1e-4, rtol=1e-4)
         out.loss.backward(); ref_out.loss.backward()
         assert_grads_equal(tm.module, ref)
         opt.step(); opt.zero_grad()
@@ -189,9 +192,22 @@ def _train_from_eager_weights(tm, ref, batches):
 # (passes/expert_blocks.py), and the router's top-k and Mixtral's in-place ``w /= w.sum()`` are
 # row ops. Before, the pass was off ("padding rows reach getitem (selected_hidden_states_g)"),
 # and eager's padding tokens went through two experts each.
+def _traceable_experts():
+    """Whether transformers' grouped experts can be traced for training. Before transformers 5.2x
+    (5.17 is the GPU image's, tested with torch 2.11) the backward of its CPU grouped matmul loops
+    over ``offs.tolist()`` in Python: dynamo breaks the graph at every MoE layer, under plain
+    ``torch.compile`` too (GuardOnDataDependentSymNode), and no pass sees a whole layer."""
+    from transformers.integrations import moe   # noqa: F401  (registers the ops)
+    return hasattr(torch.ops.transformers, "grouped_mm_fallback_backward")
+
+
 @pytest.mark.parametrize("family", ["Mixtral", "Qwen3Moe", "Qwen2Moe"])
 def test_hf_mixtures_of_experts_route_only_real_tokens(family):
     tm, ref = wrap_pair(_hf_moe(family))
+    if not _traceable_experts():   # what fxtrain does there: eager's numbers, across the breaks
+        _train_from_eager_weights(tm, ref, _batches("clm", 0, 2), logits=False)
+        assert tm.capture_info().graph_breaks > 0 and not _why(tm).startswith("on"), tm.capture_info()
+        return
     _train_from_eager_weights(tm, ref, _batches("clm", 0, 2))
     _fired(tm)
     # Per layer q/k/v/o and the router, two grouped matmuls; Qwen2-MoE's shared expert and its gate: 4 more.
@@ -244,8 +260,10 @@ def test_experts_whose_pairs_depend_on_other_tokens_keep_the_padding(capacity):
     with torch.no_grad():
         moved = (ref(**batches[0]).logits[real] - ref(**other).logits[real]).abs().max().item()
     assert (moved > 1e-3) == (capacity is not None), moved
-    _train_from_eager_weights(tm, ref, batches)
-    if capacity is None:
+    _train_from_eager_weights(tm, ref, batches, logits=_traceable_experts())
+    if not _traceable_experts():
+        assert tm.capture_info().graph_breaks > 0 and not _why(tm).startswith("on"), tm.capture_info()
+    elif capacity is None:
         _fired(tm)
         assert "14 matmul(s) on real tokens only" in _why(tm), _why(tm)
     else:
