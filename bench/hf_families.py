@@ -7,8 +7,8 @@ LM's at its end) with AdamW (fxtrain's copy given eager's weights before each st
 model turns them off, and what is checked is what they compute and where they apply. The table says
 whether loss and every gradient matched eager's (judged against eager in float64: :func:`check`),
 the largest gradient difference from eager's float32, and what padding elimination did: this is how
-Mistral, Qwen3, Phi-3, ModernBERT, Gemma 4, Nemotron and Apertus were found with the pass off
-(docs/sparsity.md).
+Mistral, Qwen3, Phi-3, ModernBERT, Gemma 4, Nemotron, Apertus and the mixtures of experts were
+found with the pass off (docs/sparsity.md).
 
     PYTHONPATH=<checkout> python bench/hf_families.py [--families qwen3,phi3] [--speed Qwen3,Phi3 [--device D]]
 
