@@ -173,6 +173,22 @@ class _DocumentsAndPadding(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
+def test_packed_documents_under_bf16_autocast():
+    """Llama's rotary embedding leaves q and k in float32 under bf16 autocast, beside a bf16 v:
+    attention per document gets them cast as autocast casts SDPA's (before, the CPU kernel refused
+    the mix and the capture fell back to eager)."""
+    tm, ref = wrap_pair(_model("llama"), dynamic=None, fallback="raise")
+    for i, rows in enumerate(LAYOUTS[:2]):
+        batch = to_device(_packed(_documents(rows, seed=i)))
+        with torch.autocast(batch["input_ids"].device.type, dtype=torch.bfloat16):
+            loss, ref_loss = tm(**batch).loss, ref(**batch).loss
+        torch.testing.assert_close(loss, ref_loss, atol=2e-2, rtol=2e-2)
+        loss.backward(); ref_loss.backward()
+        assert_grads_equal(tm.module, ref, atol=2e-2, rtol=2e-2)
+        tm.zero_grad(); ref.zero_grad()
+    assert tm.capture_info().optimizations["packed_attention"].startswith("on"), tm.capture_info().optimizations
+
+
 def test_a_batch_whose_mask_is_no_document_mask_runs_dense(tmp_path):
     """The batch guard checks the mask on every batch: one that also masks keys (here a padding
     mask) takes the dense route, with eager's numbers; a document mask again runs per document.

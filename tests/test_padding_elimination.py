@@ -154,6 +154,27 @@ def test_hf_causal_lms_with_feature_views_interleaved_rotary_and_other_activatio
     assert "attention on real tokens, sequence by sequence: 2 of 2" in _why(tm), _why(tm)
 
 
+@pytest.mark.parametrize("family", ["Qwen3", "Mixtral"])
+def test_rotary_models_under_bf16_autocast_run_attention_on_real_tokens(family):
+    """Under bf16 autocast a Llama-style rotary embedding leaves q and k in float32 (its cos and sin
+    are) beside a bf16 v: eager's SDPA casts all three to bf16, as autocast does for it, and so must
+    attention on real tokens (``varlen_attention.as_sdpa_sees_it``). Before, the CPU kernel refused
+    the mix and the capture fell back to eager ("expected scalar type Float but found BFloat16")."""
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(_hf_causal_lm(family) if family == "Qwen3" else _hf_moe(family), fallback="raise")
+    for batch in _batches("clm", 0, 2):
+        with torch.autocast(current_device().type, dtype=torch.bfloat16):
+            out, ref_out = tm(**batch), ref(**batch)
+        torch.testing.assert_close(out.loss, ref_out.loss, atol=2e-2, rtol=2e-2)
+        out.loss.backward(); ref_out.loss.backward()
+        assert_grads_equal(tm.module, ref, atol=2e-2, rtol=2e-2)
+        tm.zero_grad(); ref.zero_grad()
+    if family == "Mixtral" and not _traceable_experts():
+        return   # transformers 5.17: every MoE layer a graph break (see below)
+    _fired(tm)
+    assert "attention on real tokens, sequence by sequence: 2 of 2" in _why(tm), _why(tm)
+
+
 def _hf_moe(family, **extra):
     import transformers
     experts = dict(num_local_experts=4) if family == "Mixtral" else dict(num_experts=4, moe_intermediate_size=32)

@@ -43,7 +43,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from ..options import Options
-from ..runtime.varlen_attention import VARLEN_ATTENTION, kernel_calls
+from ..runtime.varlen_attention import VARLEN_ATTENTION, as_sdpa_sees_it, kernel_calls
 from ..torch_private import NN_SDPA, size_hint
 from ..runtime.step import PassReport, Plans
 from ..runtime.host_counts import HOST_DOCUMENT_LENGTHS
@@ -285,8 +285,8 @@ def packed_attention(gm: torch.fx.GraphModule, examples: ExampleSource, options:
                     x = graph.call_method("repeat_interleave", (x, h // kh), {"dim": 1})
                 tokens_first = graph.call_method("transpose", (x, 1, 2))          # [b, s, heads, dim]
                 rows.append((tokens_first, graph.call_method("flatten", (tokens_first, 0, 1))))
-            both = graph.call_function(VARLEN_ATTENTION, (*(r for _, r in rows), lengths_of[pos], scale,
-                                                          bool(causal)))
+            both = graph.call_function(VARLEN_ATTENTION, (*(graph.call_function(as_sdpa_sees_it, (r,)) for _, r in rows),
+                                                          lengths_of[pos], scale, bool(causal)))
             out = graph.call_function(operator.getitem, (both, 0))
             out = graph.call_method("transpose", (graph.call_method("view_as", (out, rows[0][0])), 1, 2))
         saved += round(attention_flops_at_capture(sdpa) * (1 - work / whole))

@@ -43,7 +43,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from ..runtime.varlen_attention import VARLEN_ATTENTION
+from ..runtime.varlen_attention import VARLEN_ATTENTION, as_sdpa_sees_it
 from ..runtime.host_counts import HOST_ROW_LENGTHS
 from .batch_guard import GuardBuilder, host_numbers
 from ..runtime.step import Plans
@@ -752,6 +752,7 @@ def attention_on_real_tokens(gm: torch.fx.GraphModule, plans: Plans, kinds: Dict
                 if rep > 1:   # grouped-query attention: each key/value head serves rep query heads
                     x = graph.call_function(torch.repeat_interleave, (x, rep), {"dim": 1})
                 packed.append(x)
+            packed = [graph.call_function(as_sdpa_sees_it, (x,)) for x in packed]
             both = graph.call_function(VARLEN_ATTENTION, (*packed, lengths, scale, bool(causal)))
             out = graph.call_function(operator.getitem, (both, 0))
             if match.merged:
