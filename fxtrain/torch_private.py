@@ -1026,6 +1026,10 @@ NN_PAD = torch._C._nn.pad
 NN_SDPA = torch._C._nn.scaled_dot_product_attention
 #: ``torch._assert_async``: an op asserting a boolean tensor without a host synchronisation.
 ASSERT_ASYNC = torch._assert_async
+#: How dynamo records a model's own ``with torch.autocast(device_type, dtype, enabled, cache)``:
+#: ``ctx = _enter_autocast(*those args)`` ... ``_exit_autocast(ctx)`` (2.11 to 2.14.1).
+AUTOCAST_ENTER = torch.amp.autocast_mode._enter_autocast
+AUTOCAST_EXIT = torch.amp.autocast_mode._exit_autocast
 
 
 # ---------------------------------------------------------------- activation checkpointing

@@ -158,7 +158,7 @@ def test_hf_causal_lms_with_feature_views_interleaved_rotary_and_other_activatio
 def test_rotary_models_under_bf16_autocast_run_attention_on_real_tokens(family):
     """Under bf16 autocast a Llama-style rotary embedding leaves q and k in float32 (its cos and sin
     are) beside a bf16 v: eager's SDPA casts all three to bf16, as autocast does for it, and so must
-    attention on real tokens (``varlen_attention.as_sdpa_sees_it``). Before, the CPU kernel refused
+    attention on real tokens (``varlen.as_sdpa_sees_them``). Before, the CPU kernel refused
     the mix and the capture fell back to eager ("expected scalar type Float but found BFloat16")."""
     torch.manual_seed(0)
     tm, ref = wrap_pair(_hf_causal_lm(family) if family == "Qwen3" else _hf_moe(family), fallback="raise")

@@ -23,7 +23,7 @@ from fxtrain.passes.batch_guard import GuardBuilder, counted_index
 from fxtrain.passes.label_sparsity import label_sparsity
 from fxtrain.passes.padding_elimination import padding_elimination
 from fxtrain.passes.row_ops import row_selection
-from fxtrain.passes.varlen import _Evaluator
+from fxtrain.passes.varlen import _Evaluator, autocast_dtype_at
 from fxtrain.runtime import varlen_attention as va
 from utils import current_device, to_device
 
@@ -211,6 +211,32 @@ def test_padding_elimination_runs_in_place_arithmetic_out_of_place_only_where_no
         assert report.applied, report
         assert operator.imul not in _targets(gm) and operator.mul in _targets(gm)
     _same_step(gm, original, inputs, ("emb", "wq", "decoder"))
+
+
+def test_attention_on_real_tokens_is_cast_as_autocast_casts_each_sdpa():
+    """The dtype q, k and v get in place of an SDPA is the one autocast gives that SDPA: the capture's
+    autocast, then the model's own ``torch.autocast`` blocks around it (recorded by dynamo as
+    enter/exit calls). Eager's output dtypes are the oracle."""
+    device = current_device().type
+
+    def attend(q, v):
+        a = F.scaled_dot_product_attention(q, q, v)
+        with torch.autocast(device, enabled=False):
+            b = F.scaled_dot_product_attention(q, q, v)
+        with torch.autocast(device, dtype=torch.float16):
+            c = F.scaled_dot_product_attention(q, q, v)
+        return a, b, c
+
+    q, v = to_device((torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)))
+    graphs = []
+    torch.compile(attend, backend=lambda gm, _: graphs.append(gm) or gm, fullgraph=True)(q, v)
+    sdpas = [n for n in graphs[0].graph.nodes if "scaled_dot_product_attention" in str(n.target)]
+    assert len(sdpas) == 3
+    for ambient in (None, torch.bfloat16):
+        with torch.autocast(device, dtype=ambient or torch.bfloat16, enabled=ambient is not None):
+            eager = [o.dtype for o in attend(q, v)]
+            got = [autocast_dtype_at(n, device) or torch.float32 for n in sdpas]
+        assert got == eager == [ambient or torch.float32, torch.float32, torch.float16], (got, eager)
 
 
 def test_padding_elimination_checks_the_capturing_batch_it_is_given():

@@ -43,14 +43,14 @@ import torch.fx
 import torch.nn.functional as F
 
 from ..options import Options
-from ..runtime.varlen_attention import VARLEN_ATTENTION, as_sdpa_sees_it, kernel_calls
+from ..runtime.varlen_attention import VARLEN_ATTENTION, kernel_calls
 from ..torch_private import NN_SDPA, size_hint
 from ..runtime.step import PassReport, Plans
 from ..runtime.host_counts import HOST_DOCUMENT_LENGTHS
 from .batch_guard import GuardBuilder, host_numbers
 from .density import ExampleSource, density_reason
 from .rows import ancestors, attention_flops_at_capture, value
-from .varlen import erase_replaced, sdpa_arguments
+from .varlen import as_sdpa_sees_them, erase_replaced, sdpa_arguments
 
 logger = logging.getLogger("fxtrain")
 Node = torch.fx.Node
@@ -285,7 +285,7 @@ def packed_attention(gm: torch.fx.GraphModule, examples: ExampleSource, options:
                     x = graph.call_method("repeat_interleave", (x, h // kh), {"dim": 1})
                 tokens_first = graph.call_method("transpose", (x, 1, 2))          # [b, s, heads, dim]
                 rows.append((tokens_first, graph.call_method("flatten", (tokens_first, 0, 1))))
-            both = graph.call_function(VARLEN_ATTENTION, (*(graph.call_function(as_sdpa_sees_it, (r,)) for _, r in rows),
+            both = graph.call_function(VARLEN_ATTENTION, (*as_sdpa_sees_them(graph, sdpa, [r for _, r in rows]),
                                                           lengths_of[pos], scale, bool(causal)))
             out = graph.call_function(operator.getitem, (both, 0))
             out = graph.call_method("transpose", (graph.call_method("view_as", (out, rows[0][0])), 1, 2))

@@ -23,7 +23,6 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ..graph_walk import ancestors, descendants, run_node  # noqa: F401  (the passes import them from here)
 from ..torch_private import NN_GELU, NN_LINEAR, NN_SDPA, NN_SILU, size_hint
 from ..runtime.host_counts import HOST_COUNT, HOST_DOCUMENT_LENGTHS, HOST_ROW_LENGTHS
-from ..runtime.varlen_attention import as_sdpa_sees_it
 from .row_ops import take_rows
 
 Node = torch.fx.Node
@@ -413,8 +412,8 @@ def kernel_ops(gm: torch.fx.GraphModule) -> int:
 
 def _host_only(node: Node) -> bool:
     """A host read of the batch guard's numbers, or arithmetic on sizes (no tensor argument)."""
-    if node.target in (HOST_COUNT, HOST_ROW_LENGTHS, HOST_DOCUMENT_LENGTHS, as_sdpa_sees_it):
-        return True   # as_sdpa_sees_it: nothing without autocast; under it, the cast eager's SDPA makes too
+    if node.target in (HOST_COUNT, HOST_ROW_LENGTHS, HOST_DOCUMENT_LENGTHS):
+        return True
     if getattr(node.target, "__module__", None) in ("_operator", "operator"):
         return not any(isinstance(_tensor(a), torch.Tensor) or (isinstance(a, Node) and "example_value" not in a.meta)
                        for a in node.all_input_nodes)

@@ -43,7 +43,8 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from ..runtime.varlen_attention import VARLEN_ATTENTION, as_sdpa_sees_it
+from ..runtime.varlen_attention import VARLEN_ATTENTION
+from ..torch_private import AUTOCAST_ENTER, AUTOCAST_EXIT
 from ..runtime.host_counts import HOST_ROW_LENGTHS
 from .batch_guard import GuardBuilder, host_numbers
 from ..runtime.step import Plans
@@ -186,6 +187,44 @@ def _interleave_op(node: Node, out: torch.Tensor, inside: Callable[[Any], bool])
         return isinstance(start, int) and isinstance(end, int) and x.dim() >= 3 and \
             start % x.dim() == x.dim() - 2 and end % x.dim() == x.dim() - 1
     return None
+
+
+def autocast_dtype_at(node: Node, device_type: str) -> Optional[torch.dtype]:
+    """The dtype autocast casts SDPA's inputs to at ``node`` on ``device_type`` (its lower precision),
+    or None where it is off: the autocast the capture runs under (dynamo guards on it, so the graph
+    never runs under another), then the model's own ``torch.autocast`` blocks entered before
+    ``node`` in the graph and not yet left."""
+    try:
+        on = torch.is_autocast_enabled(device_type)
+        state: List[Optional[torch.dtype]] = [torch.get_autocast_dtype(device_type) if on else None]
+    except (RuntimeError, ValueError):   # a device type without autocast
+        return None
+    entered: Dict[Node, int] = {}
+    for n in node.graph.nodes:
+        if n is node:
+            break
+        if n.op == "call_function" and n.target is AUTOCAST_ENTER and n.args and n.args[0] == device_type:
+            args = dict(zip(("device_type", "dtype", "enabled", "cache_enabled"), n.args), **n.kwargs)
+            dtype = args.get("dtype") or torch.get_autocast_dtype(device_type)
+            entered[n] = len(state)
+            state.append(dtype if args.get("enabled") in (True, None) else None)
+        elif n.op == "call_function" and n.target is AUTOCAST_EXIT and n.args and n.args[0] in entered:
+            del state[entered.pop(n.args[0]):]
+    return state[-1]
+
+
+def as_sdpa_sees_them(graph: torch.fx.Graph, sdpa: Node, tensors: List[Node]) -> List[Node]:
+    """q, k and v for ``varlen_attention`` in place of ``sdpa``, cast as autocast would cast
+    SDPA's (inserted at the graph's insert point). The custom op is on no autocast list, and under
+    bf16 autocast a Llama-style rotary embedding leaves q and k in float32 (its cos and sin are)
+    beside a bf16 v: eager's SDPA casts all three; the CPU flash kernel refused the mix ("expected
+    scalar type Float but found BFloat16") and every such capture fell back to eager."""
+    q = sdpa_arguments(sdpa)["query"]
+    device = value(q).device.type if isinstance(value(q), torch.Tensor) else None
+    dtype = autocast_dtype_at(sdpa, device) if device is not None else None
+    if dtype is None:
+        return tensors
+    return [graph.call_method("to", (x, dtype)) for x in tensors]
 
 
 def sdpa_arguments(node: Node) -> Dict[str, Any]:
@@ -752,7 +791,7 @@ def attention_on_real_tokens(gm: torch.fx.GraphModule, plans: Plans, kinds: Dict
                 if rep > 1:   # grouped-query attention: each key/value head serves rep query heads
                     x = graph.call_function(torch.repeat_interleave, (x, rep), {"dim": 1})
                 packed.append(x)
-            packed = [graph.call_function(as_sdpa_sees_it, (x,)) for x in packed]
+            packed = as_sdpa_sees_them(graph, sdpa, packed)
             both = graph.call_function(VARLEN_ATTENTION, (*packed, lengths, scale, bool(causal)))
             out = graph.call_function(operator.getitem, (both, 0))
             if match.merged:

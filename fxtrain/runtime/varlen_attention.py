@@ -362,19 +362,6 @@ varlen_attention.register_autograd(_backward, setup_context=_setup_context)
 VARLEN_ATTENTION = torch.ops.fxtrain.varlen_attention.default
 
 
-def as_sdpa_sees_it(x: Tensor) -> Tensor:
-    """``x`` cast as autocast casts SDPA's inputs where it is on for ``x``'s device: to its lower
-    precision. ``varlen_attention`` is not on autocast's op lists, and under bfloat16 autocast a
-    Llama-style rotary embedding leaves q and k in float32 (its cos and sin are) beside a bfloat16 v:
-    eager's SDPA casts all three, the CPU flash kernel refused the mix ("expected scalar type Float
-    but found BFloat16") and the capture fell back to eager. The passes put one before each of the
-    op's q, k and v; read when the graph runs or is traced, so a model's own ``torch.autocast``
-    blocks count as they do for eager."""
-    device = x.device.type
-    if x.is_floating_point() and torch.is_autocast_enabled(device):
-        return x.to(torch.get_autocast_dtype(device))
-    return x
-
 
 def reference(q: Tensor, k: Tensor, v: Tensor, lengths: List[int], scale: float, causal: bool) -> Tensor:
     """The same attention through padding and a mask, on the padded layout (for tests and docs)."""
