@@ -10,7 +10,7 @@ the largest gradient difference from eager's float32, and what padding eliminati
 Mistral, Qwen3, Phi-3, ModernBERT, Gemma 4, Nemotron, Apertus and the mixtures of experts were
 found with the pass off (docs/sparsity.md).
 
-    PYTHONPATH=<checkout> python bench/hf_families.py [--families qwen3,phi3] [--speed Qwen3,Phi3 [--device D]]
+    PYTHONPATH=<checkout> python bench/hf_families.py [--families qwen3,phi3] [--speed Qwen3,Phi3 [--device D] [--autocast bf16]]
 
 ``--speed``: a small model of each named family (hidden 256, 4 layers, 16 x 128, 50% padding) timed
 against eager with default options, interleaved, medians of 8 steps (docs/benchmarks.md).
@@ -22,7 +22,7 @@ import copy
 import os
 import statistics
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -196,9 +196,10 @@ def check(name: str) -> List[Any]:
             f"{worst:.1e}", info.graphs, info.graph_breaks, fired, said[:90]]
 
 
-def speed(family: str, device: str = "cpu") -> str:
-    """One family's steps against eager on ``device``, float32, interleaved (the GPU report's "hf"
-    section runs it with ``--device cuda``)."""
+def speed(family: str, device: str = "cpu", autocast: Optional[str] = None) -> str:
+    """One family's steps against eager on ``device``, interleaved, in float32 or under
+    ``autocast`` ("bf16", "fp16": each forward in ``torch.autocast``; the GPU report's "hf" section
+    runs it with ``--device cuda``)."""
     import transformers
     kw = dict(vocab_size=8000, hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, head_dim=64, max_position_embeddings=256, pad_token_id=0, attention_dropout=0.0)
@@ -214,10 +215,14 @@ def speed(family: str, device: str = "cpu") -> str:
     module = getattr(torch, torch.device(device).type, None)
     sync = getattr(module, "synchronize", lambda: None)   # an accelerator's queue, drained around each step
 
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(autocast or "")
+
     def step(m: torch.nn.Module) -> float:
         sync()
         start = time.perf_counter()
-        m(**batch).loss.backward()
+        with torch.autocast(torch.device(device).type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            loss = m(**batch).loss
+        loss.backward()
         sync()
         return time.perf_counter() - start
 
@@ -229,8 +234,11 @@ def speed(family: str, device: str = "cpu") -> str:
         eager.append(step(ref))
         mine.append(step(tm))
     e, f = statistics.median(eager), statistics.median(mine)
-    why = tm.capture_info().optimizations["padding_elimination"]
-    return f"{family}: eager {e * 1e3:.1f} ms, fxtrain {f * 1e3:.1f} ms, {e / f:.2f}x; padding_elimination {why[:70]}"
+    info = tm.capture_info()
+    why = info.optimizations.get("padding_elimination", "")
+    fell = f"; fell back to eager: {info.fallback_reason}" if info.fallback_reason else ""
+    return f"{family}{' under ' + autocast + ' autocast' if autocast else ''}: eager {e * 1e3:.1f} ms, " \
+        f"fxtrain {f * 1e3:.1f} ms, {e / f:.2f}x; padding_elimination {why[:70]}{fell}"
 
 
 def main() -> None:
@@ -238,10 +246,11 @@ def main() -> None:
     p.add_argument("--families", help=f"comma-separated, default all: {','.join(FAMILIES)}")
     p.add_argument("--speed", help="comma-separated transformers class prefixes (Qwen3,Phi3): time those instead")
     p.add_argument("--device", default="cpu", help="where --speed runs (default cpu)")
+    p.add_argument("--autocast", choices=("bf16", "fp16"), help="--speed under torch.autocast (default float32)")
     args = p.parse_args()
     if args.speed:
         for family in args.speed.split(","):
-            print(speed(family.strip(), args.device), flush=True)
+            print(speed(family.strip(), args.device, args.autocast), flush=True)
         return
     names = [n.strip() for n in args.families.split(",")] if args.families else list(FAMILIES)
     unknown = sorted(set(names) - set(FAMILIES))
