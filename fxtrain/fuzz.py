@@ -77,11 +77,13 @@ EXTRA_MODELS: Dict[str, Tuple[Callable[[], torch.nn.Module], str, int]] = {
     "phi3-clm": (lambda: _hf_clm("Phi3"), "clm", 0),
     "mistral-clm": (lambda: _hf_clm("Mistral"), "clm", 0),
     "glm4-clm": (lambda: _hf_clm("Glm4"), "clm", 0),
+    # A mixture of experts: its expert block as one row op for padding elimination (passes/expert_blocks.py).
+    "mixtral-clm": (lambda: _hf_clm("Mixtral", num_local_experts=4, num_experts_per_tok=2), "clm", 0),
 }
 IMAGE_LABELS = 5
 # Models the passes are checked to fire on (on the capturing batch).
 FIRES = (*(name for name, (_, kind, _) in MODELS.items() if kind != "image"), "llama-clm", "qwen3-clm", "phi3-clm",
-         "mistral-clm", "glm4-clm")
+         "mistral-clm", "glm4-clm", "mixtral-clm")
 LOSSES = ("model", "custom")   # the model's own loss from `labels`, or one given to ModuleWithLoss
 PASSES_FIRING = {"mlm": ("label_sparsity", "padding_elimination"), "clm": ("label_sparsity", "padding_elimination"),
                  "cls": ("upstream_slicing", "padding_elimination"), "image": ()}
@@ -114,13 +116,13 @@ def _longformer() -> torch.nn.Module:
     return LongformerForMaskedLM(cfg)
 
 
-def _hf_clm(family: str) -> torch.nn.Module:
+def _hf_clm(family: str, **extra: Any) -> torch.nn.Module:
     require("transformers", "the fuzzer's models")
     import transformers
     cfg = getattr(transformers, f"{family}Config")(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, max_position_embeddings=POSITIONS, pad_token_id=0, bos_token_id=1,
-        eos_token_id=2, attention_dropout=0.0)
+        eos_token_id=2, attention_dropout=0.0, **extra)
     return getattr(transformers, f"{family}ForCausalLM")(cfg)
 
 
