@@ -59,9 +59,10 @@ class ExpertBlock:
         if node in self._arange:
             n = graph.call_method("size", (rows[self._arange[node]], 0))
             return graph.call_function(torch.arange, (n,), dict(node.kwargs))
-        if node is self.out:
+        if node is self.out:   # its sizes after the tokens as the model wrote them (ints or size nodes)
             n = graph.call_method("size", (rows[self.tokens], 0))
-            return graph.call_method("view", (rows[node.args[0]], n, *_tensor(node).shape[1:]))
+            sizes = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (tuple, list)) else node.args[1:]
+            return graph.call_method(node.target, (rows[node.args[0]], n, *(rows.get(a, a) for a in sizes[1:])))
         return graph.node_copy(node, lambda a: rows.get(a, a))
 
 
@@ -154,7 +155,7 @@ def _match(gm: torch.fx.GraphModule, sort: Node) -> Optional[ExpertBlock]:
             continue
         if out is not None:
             return None   # something reads the block's inside after its output
-        got = _step(gm, node, kind, block, rowed_sources, filled, experts, tokens_n, k)
+        got = _step(node, kind, block, rowed_sources, filled, experts, tokens_n, k)
         if got is None:
             return None
         kind[node] = got
@@ -173,8 +174,8 @@ def _match(gm: torch.fx.GraphModule, sort: Node) -> Optional[ExpertBlock]:
     return block
 
 
-def _step(gm: torch.fx.GraphModule, node: Node, kind: Dict[Node, str], block: ExpertBlock,
-          rowed: Set[Node], filled: Set[Node], experts: int, tokens_n: object, k: int) -> Optional[str]:
+def _step(node: Node, kind: Dict[Node, str], block: ExpertBlock, rowed: Set[Node], filled: Set[Node],
+          experts: int, tokens_n: object, k: int) -> Optional[str]:
     """The kind of ``node``, one of whose inputs is in the block, or None when it fits no form."""
     tgt, args, kwargs = node.target, node.args, node.kwargs
     of = lambda a: kind.get(a) if isinstance(a, Node) else None   # noqa: E731

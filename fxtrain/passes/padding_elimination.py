@@ -444,9 +444,9 @@ def padding_elimination(gm: torch.fx.GraphModule, examples: ExampleSource, optio
 
 def _erase_unused(gm: torch.fx.GraphModule, nodes: Set[Node]) -> None:
     """Drop what only fed the outputs ``defer_dense`` took out (a returned key/value cache, say)."""
-    for node in reversed(list(gm.graph.nodes)):
+    for node in reversed(list(gm.graph.nodes)):   # not what writes in place (a MoE's ``inv[perm] = arange(n)``)
         if node in nodes and not node.users and node.op in ("call_function", "call_method") and not node.is_impure() \
-                and not str(getattr(node.target, "__name__", node.target)).endswith("_"):   # a setitem: a MoE's inverse permutation
+                and not str(getattr(node.target, "__name__", node.target)).endswith("_"):
             gm.graph.erase_node(node)
 
 
