@@ -100,9 +100,10 @@ def test_alone_on_causal_lm_matches_eager():
     assert "attention on real tokens, sequence by sequence: 2 of 2" in _why(tm), _why(tm)  # causal
 
 
-def _hf_causal_lm(family):
+def _hf_causal_lm(family, **extra):
     import transformers
-    extra = dict(vocab_size_per_layer_input=1000, hidden_size_per_layer_input=16) if family == "Gemma4" else {}
+    if family == "Gemma4":
+        extra.update(vocab_size_per_layer_input=1000, hidden_size_per_layer_input=16)
     config = getattr(transformers, {"Gemma4": "Gemma4TextConfig"}.get(family, f"{family}Config"))(
         vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=1, head_dim=16, max_position_embeddings=64, pad_token_id=0, attention_dropout=0.0,
@@ -175,17 +176,12 @@ def test_rotary_models_under_bf16_autocast_run_attention_on_real_tokens(family):
     assert "attention on real tokens, sequence by sequence: 2 of 2" in _why(tm), _why(tm)
 
 
-def _hf_moe(family, **extra):
-    import transformers
+def _hf_moe(family):
     experts = dict(num_local_experts=4) if family == "Mixtral" else dict(num_experts=4, moe_intermediate_size=32)
     if family == "Qwen2Moe":
         experts.update(shared_expert_intermediate_size=32)
-    config = getattr(transformers, f"{family}Config")(
-        vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, max_position_embeddings=64, pad_token_id=0, attention_dropout=0.0,
-        num_experts_per_tok=2, **experts, **extra)
     torch.manual_seed(0)
-    return getattr(transformers, f"{family}ForCausalLM")(config)
+    return _hf_causal_lm(family, num_experts_per_tok=2, **experts)
 
 
 def _train_from_eager_weights(tm, ref, batches, logits=True):
