@@ -205,6 +205,8 @@ def speed(family: str, device: str = "cpu", autocast: Optional[str] = None) -> s
               num_key_value_heads=2, head_dim=64, max_position_embeddings=256, pad_token_id=0, attention_dropout=0.0)
     if family == "Gemma4":   # its text config; per-layer inputs from a table the size of the vocabulary
         kw.update(vocab_size_per_layer_input=8000, hidden_size_per_layer_input=64)
+    if family == "GptOss":   # Mixtral's defaults: 8 experts, 2 per token (gpt-oss's own are 128 and 4)
+        kw.update(num_local_experts=8, num_experts_per_tok=2)
     config = getattr(transformers, {"Gemma4": "Gemma4TextConfig"}.get(family, f"{family}Config"))(**kw)
     torch.manual_seed(0)
     model = getattr(transformers, f"{family}ForCausalLM")(config).to(device)

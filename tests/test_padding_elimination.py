@@ -135,6 +135,33 @@ def test_hf_causal_lms_whose_attention_inputs_pass_through_more_than_layout_ops(
     assert "attention on real tokens, sequence by sequence: 2 of 2" in _why(tm), _why(tm)
 
 
+def test_a_sliding_window_cache_trimmed_below_the_sequence_is_returned_not_attended():
+    """Mistral with a window of 8 on sequences of 11 to 20: its cache keeps the last 7 positions of
+    keys and values (a slice along the sequence), returned and never attended in the step, so it is
+    computed on first read like any returned tensor that holds padding. Before, the pass was off
+    there ("padding rows reach transpose (key_states)"): gpt-oss's window is 128 tokens."""
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(_hf_causal_lm("Mistral", sliding_window=8))
+    batches = _batches("clm", 0, 2, shapes=[(4, 16), (3, 12), (5, 20)])
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    for batch in batches:
+        out, ref_out = tm(**batch), ref(**batch)
+        torch.testing.assert_close(out.loss, ref_out.loss, atol=1e-5, rtol=1e-4)
+        for mine, eager in zip(out.past_key_values.layers, ref_out.past_key_values.layers):
+            assert mine.keys.shape[2] == 7
+            torch.testing.assert_close(mine.keys, eager.keys, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(mine.values, eager.values, atol=1e-4, rtol=1e-4)
+        out.loss.backward(); ref_out.loss.backward()
+        assert_grads_equal(tm.module, ref)
+        opt.step(); opt.zero_grad()
+        with torch.no_grad():
+            for p, q in zip(tm.module.parameters(), ref.parameters()):
+                p.copy_(q)
+                p.grad = None
+    _fired(tm)
+    assert "14 matmul(s) on real tokens only" in _why(tm), _why(tm)
+
+
 # Gemma 4 (text): per-layer inputs, one embedding viewed as [batch, seq, layers, dim] and indexed
 # per layer; q/k norms and the rotary embedding's rotate_half (a cat of feature slices) before the
 # heads' transpose, so the padded region reaches [tokens, heads, dim] rows (varlen: rows of more
@@ -285,6 +312,82 @@ def test_experts_whose_pairs_depend_on_other_tokens_keep_the_padding(capacity):
         assert "14 matmul(s) on real tokens only" in _why(tm), _why(tm)
     else:
         assert _why(tm).startswith("off: padding rows reach "), _why(tm)
+
+
+# Attention written out in eager ops (transformers' eager_attention_forward): Gemma 2, whose logit
+# softcapping transformers runs in eager ops only, a Llama set to attn_implementation="eager", and
+# gpt-oss (a sink logit per head as an extra softmax column; its experts add their biases in place
+# and split gate and up as ``x[..., ::2]``). q, k and v are re-padded around it, as around an SDPA
+# that cannot run sequence by sequence, and every projection runs on the real tokens. Before, the
+# pass was off ("padding rows reach transpose"; gpt-oss: "no attention mask ... marks the padding").
+@pytest.mark.parametrize("family", ["Gemma2", "Llama", "GptOss"])
+def test_hf_attention_in_eager_ops_keeps_the_padded_layout_between_real_token_projections(family):
+    torch.manual_seed(0)
+    model = _hf_causal_lm(family, **(dict(num_local_experts=4, num_experts_per_tok=2) if family == "GptOss" else {}))
+    model.config._attn_implementation = "eager"
+    tm, ref = wrap_pair(model)
+    if family == "GptOss" and not _traceable_experts():   # transformers 5.17: its MoE layers break the graph
+        _train_from_eager_weights(tm, ref, _batches("clm", 0, 2), logits=False)
+        assert not _why(tm).startswith("on"), _why(tm)
+        return
+    _train_from_eager_weights(tm, ref, _batches("clm", 0, 2))
+    _fired(tm)
+    # Per layer q, k, v, o and three more: the MLP's projections, or gpt-oss's router and two grouped matmuls.
+    assert "14 matmul(s) on real tokens only" in _why(tm), _why(tm)
+    assert "sequence by sequence: 0 of 2 (re-padded: attn_output: attention in eager ops" in _why(tm), _why(tm)
+
+
+def _softcapped_attention(cap_after_mask):
+    """Gemma 2's eager attention written out, with its softcap before the mask (as Gemma 2) or after
+    it: then a padding key's score is capped to ``-1`` instead of staying at the mask's lowest
+    value, and it gets a weight (a cap of 1: Gemma 2's 50 would give it ``exp(-50)``, too little to
+    see in float32)."""
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        b, kv, s, d = key.shape
+        rep = query.shape[1] // kv
+        key = key[:, :, None].expand(b, kv, rep, s, d).reshape(b, kv * rep, s, d)
+        value = value[:, :, None].expand(b, kv, rep, s, d).reshape(b, kv * rep, s, d)
+        scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+        if not cap_after_mask:
+            scores = torch.tanh(scores)
+        scores = scores + attention_mask
+        if cap_after_mask:
+            scores = torch.tanh(scores)
+        weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+    return attention
+
+
+@pytest.mark.parametrize("cap_after_mask", [False, True], ids=["cap-then-mask", "mask-then-cap"])
+def test_attention_in_eager_ops_that_gives_padding_keys_weight_keeps_the_padding(cap_after_mask):
+    """passes/eager_attention.py accepts only a mask added last before the softmax: the same block
+    with the cap after the mask (registered through transformers' attention interface, in a BERT
+    MLM, whose real tokens would see padding keys but for the mask) reads the padding tokens, keeps
+    the pass off and trains as eager; with the cap first the pass fires."""
+    import transformers
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+    name = f"fxtrain_test_softcap_{'after' if cap_after_mask else 'before'}_mask"
+    transformers.AttentionInterface.register(name, _softcapped_attention(cap_after_mask))
+    AttentionMaskInterface.register(name, eager_mask)
+    torch.manual_seed(0)
+    model = transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=1000, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    model.config._attn_implementation = name
+    tm, ref = wrap_pair(model)
+    batches = _batches("mlm", 0, 2)
+    # Mask then cap reads the padding: other ids there change the real tokens' logits.
+    other = dict(batches[0], input_ids=batches[0]["input_ids"].masked_fill(batches[0]["attention_mask"] == 0, 7))
+    real = batches[0]["attention_mask"].bool()
+    with torch.no_grad():
+        moved = (ref(**batches[0]).logits[real] - ref(**other).logits[real]).abs().max().item()
+    assert (moved > 1e-4) == cap_after_mask, moved
+    _train_from_eager_weights(tm, ref, batches)
+    if cap_after_mask:
+        assert _why(tm).startswith("off: padding rows reach "), _why(tm)
+    else:
+        _fired(tm)
+        assert "0 of 2 (re-padded: " in _why(tm) and "attention in eager ops" in _why(tm), _why(tm)
 
 
 def test_modernbert_mlm_matches_eager_with_its_global_attention_sequence_by_sequence():

@@ -575,3 +575,29 @@ def test_per_position_ops_take_an_rms_norm_only_in_its_safe_form(knobs, per_posi
     inside_of = lambda a: a is placeholder or a in inside   # noqa: E731
     verdicts = [per_position_op(n, inside_of) for n in norm_ops if n in inside]
     assert all(verdicts) is per_position, [(n.name, v) for n, v in zip(norm_ops, verdicts)]
+
+
+@pytest.mark.cpu_only(reason="reads masks built on the host; no model runs")
+def test_additive_masks_hide_keys_only_at_their_lowest_value():
+    """A float mask hides a key where it is ``-inf`` or its dtype's lowest value (``exp`` is then
+    exactly 0: transformers' eager masks); a finite bias such as ``-1e4`` or ``-0.5`` leaves the key
+    a weight, so it neither hides padding nor makes the mask causal for the per-sequence kernel."""
+    from fxtrain.passes.padding_elimination import _masks_padding_keys
+    from fxtrain.passes.varlen import mask_kind
+    tokens = torch.tensor([[True, True, True, False]])
+    low = torch.finfo(torch.float32).min
+    causal = torch.ones(4, 4).tril().bool()
+
+    def additive(hidden_value, bias_at=None):
+        m = torch.zeros(1, 1, 4, 4)
+        m[..., ~(causal & tokens[0][None, :])] = hidden_value
+        if bias_at is not None:
+            m[(0, 0) + bias_at] = -0.5
+        return m
+
+    for hidden in (float("-inf"), low):
+        assert _masks_padding_keys(additive(hidden), tokens)
+        assert mask_kind(additive(hidden), tokens) is True
+        assert mask_kind(additive(hidden, bias_at=(0, 1)), tokens) is None   # a future key, biased not hidden
+    assert not _masks_padding_keys(additive(-1e4), tokens)
+    assert mask_kind(causal[None, None] & tokens[:, None, None, :], tokens) is True

@@ -20,7 +20,10 @@ pairs does not match, and the pass stops there as before.
 - ``x[perm // k]`` for a ``[tokens, ...]`` tensor, ``y.reshape(-1)[perm]`` for a ``[tokens, k]``
   one, ``w[ids]`` for a tensor computed from no token (a per-expert bias): rows in sorted order;
 - ops on rows in sorted order alone: elementwise (with operands that depend on no token), casts,
-  ``unsqueeze(-1)``, ``chunk``/``split`` of the last dim;
+  ``unsqueeze(-1)``, ``chunk``/``split`` of the last dim, slices of the features after an ellipsis
+  (``x[..., ::2]``), and in-place arithmetic of such rows by
+  such rows or tokenless operands (gpt-oss's ``out.add_(bias[ids])`` after a grouped matmul: the
+  block is replayed node by node, so the mutation comes where it came);
 - ``cumsum(histc(ids.float(), bins=E, min=0, max=E-1))``: the group offsets, read only by
   grouped matmuls of sorted rows by weights that depend on no token;
 - ``inv = empty_like(perm); inv[perm] = arange(n); rows[inv]``: back in pair order;
@@ -35,9 +38,10 @@ from typing import Dict, List, Optional, Set
 import torch
 import torch.fx
 
-from .rows import Node, _elementwise, _same, _tensor, features_split, is_grouped_mm, value
+from .rows import Node, _elementwise, _features_index, _same, _tensor, features_split, is_grouped_mm, value
 
 _CASTS = {"float", "to", "int", "long", "contiguous", "type_as"}
+_IN_PLACE = {"add_", "sub_", "mul_", "div_"}
 
 
 @dataclass
@@ -207,6 +211,9 @@ def _step(node: Node, kind: Dict[Node, str], block: ExpertBlock, rowed: Set[Node
         return None
     if fn and tgt is operator.getitem and of(args[0]) == "tuple" and isinstance(args[1], int):
         return "rows"
+    if fn and tgt is operator.getitem and of(args[0]) == "rows" and _tensor(args[0]) is not None \
+            and _features_index(args[1], _tensor(args[0]).dim(), 1) == args[1]:
+        return "rows"   # x[..., ::2]: gpt-oss's interleaved gate and up halves
     if node.op == "call_method" and tgt in _CASTS and of(args[0]) in ("rows", "ids") and \
             all(not isinstance(a, Node) for a in list(args[1:]) + list(kwargs.values())):
         return of(args[0])
@@ -244,6 +251,9 @@ def _step(node: Node, kind: Dict[Node, str], block: ExpertBlock, rowed: Set[Node
         if t is not None and t.dim() >= 2 and _same(t.shape[0], tokens_n) and t.shape[1] == k:
             return "out"
         return None
+    if node.op == "call_method" and tgt in _IN_PLACE and of(args[0]) == "rows" and len(args) == 2 and not kwargs \
+            and (of(args[1]) == "rows" or of(args[1]) is None and _tokenless(args[1], rowed)):
+        return "rows"
     if _elementwise(node) and any(of(a) == "rows" for a in args):
         others = [a for a in list(args) + list(kwargs.values()) if of(a) != "rows"]
         if all(_tokenless(a, rowed) for a in others):

@@ -48,7 +48,7 @@ from .varlen import attention_on_real_tokens, mask_kind, per_position_op, sdpa_a
 from .rows import (Node, _same, _same_shape, ancestors, attention_flops_at_capture, copy_on_rows, descendants,
                    features_split, flops_at_capture, heavy, op_name, row_inputs, run_node, same_shape_guarded,
                    topk_rows, value)
-from . import expert_blocks
+from . import eager_attention, expert_blocks
 
 NAME = "padding_elimination"
 _SDPA = {NN_SDPA, F.scaled_dot_product_attention}
@@ -60,7 +60,8 @@ _ASSERT = "fxtrain padding_elimination: a label or a kept row sits on a padding 
 
 
 def _masks_padding_keys(attn_mask: Any, tokens: torch.Tensor) -> bool:
-    """Every real query gives weight 0 to every padding key (bool False or -inf)."""
+    """Every real query gives weight 0 to every padding key: bool False, or an additive ``-inf`` or
+    the dtype's lowest value (transformers' eager masks), after which ``exp`` is exactly 0."""
     if not isinstance(attn_mask, torch.Tensor) or attn_mask.dim() != 4:
         return False
     b, s = tokens.shape
@@ -68,18 +69,19 @@ def _masks_padding_keys(attn_mask: Any, tokens: torch.Tensor) -> bool:
         m = attn_mask.expand(b, attn_mask.shape[1], s, s)
     except RuntimeError:
         return False
-    allowed = m if m.dtype == torch.bool else m != float("-inf")
+    allowed = m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min
     real_q = tokens[:, None, :, None]
     pad_k = ~tokens[:, None, None, :]
     return not bool((allowed & real_q & pad_k).any())
 
 
-def _token_mask(sdpas: List[Node], embeddings: List[Node],
+def _token_mask(sdpas: List[Node], eager: List[eager_attention.EagerAttention], embeddings: List[Node],
                 examples: ExampleSource) -> Tuple[Optional[Node], Optional[Any], str]:
     """The placeholder that marks real tokens, and how to read it: ``(node, padding_idx or None, why)``."""
     id_shapes = [value(e.args[0]).shape for e in embeddings]
-    if sdpas:
-        masks = [n.kwargs.get("attn_mask", n.args[3] if len(n.args) > 3 else None) for n in sdpas]
+    if sdpas or eager:
+        masks = [n.kwargs.get("attn_mask", n.args[3] if len(n.args) > 3 else None) for n in sdpas] + \
+            [block.mask for block in eager]
         if any(m is None for m in masks):
             return None, None, ("an attention has no mask: nothing marks padding tokens (each token attends "
                                 "every token, or every earlier one, of its row)")
@@ -112,23 +114,27 @@ def _is_embedding_start(node: Node, lead_shape: Sequence[Any]) -> bool:
     return isinstance(ids, torch.Tensor) and _same_shape(ids.shape, lead_shape)
 
 
-def _layout_to_attention(node: Node, seen: Optional[Set[Node]] = None, chain: Optional["_Chain"] = None) -> bool:
+def _layout_to_attention(node: Node, entries: Dict[Node, Tuple[int, ...]], seen: Optional[Set[Node]] = None,
+                         chain: Optional["_Chain"] = None) -> bool:
     """``node``'s every use, through layout-only ops (and, given ``chain``, ops that act on each
-    position alone: rotary embeddings), ends as attention's query, key or value."""
+    position alone: rotary embeddings), ends as attention's query, key or value: an argument of
+    ``entries`` (attention node -> the positions of its q, k and v)."""
     seen = seen if seen is not None else set()
     for user in node.users:
         if user in seen:
             continue
         seen.add(user)
-        if user.op == "output":
+        if user.op == "output" or _returned_slice(user, node):
             continue  # a returned key/value cache: padding positions not computed, as for every output
-        if user.op == "call_function" and user.target in _SDPA:
-            if node not in user.args[:3]:
+        if user in entries:
+            if not any(i < len(user.args) and user.args[i] is node for i in entries[user]) \
+                    or any(a is node for i, a in enumerate(user.args) if i not in entries[user]) \
+                    or node in user.kwargs.values():
                 return False
             continue
         layout = (user.op == "call_method" and user.target in _LAYOUT_METHODS) or \
             (user.op == "call_function" and user.target is operator.getitem and isinstance(value(node), (tuple, list))) or \
-            _new_axes(user, node) or _whole_slice(user, node) or \
+            _new_axes(user, node) or _whole_slice(user, node) or _last_dim_chunks(user, node) or \
             (user.op == "call_function" and user.target is torch.cat and all(
                 a is node or (isinstance(value(a), torch.Tensor) and value(a).numel() == 0) for a in user.args[0]))
         if not layout and chain is not None and per_position_op(user, chain.inside):
@@ -136,9 +142,32 @@ def _layout_to_attention(node: Node, seen: Optional[Set[Node]] = None, chain: Op
                 chain.entries.add(node)
             chain.ops.add(user)
             layout = True
-        if not layout or not _layout_to_attention(user, seen, chain):
+        if not layout or not _layout_to_attention(user, entries, seen, chain):
             return False
     return True
+
+
+def _last_dim_chunks(user: Node, node: Node) -> bool:
+    """``torch.chunk(x, n, dim=-1)`` or ``torch.split`` of the last dim (gpt-oss's rotary halves):
+    each position's features stay at that position."""
+    if user.op != "call_function" or user.target not in (torch.chunk, torch.split, torch.functional.split) \
+            or not user.args or user.args[0] is not node:
+        return False
+    x = value(node)
+    dim = user.kwargs.get("dim", user.args[2] if len(user.args) > 2 else 0)
+    return isinstance(x, torch.Tensor) and isinstance(dim, int) and x.dim() > 0 and dim % x.dim() == x.dim() - 1
+
+
+def _returned_slice(user: Node, node: Node) -> bool:
+    """``node[:, :, -w:, :]`` read only by the graph's output: a sliding-window cache trimmed to its
+    window on a sequence longer than it (gpt-oss's, Mistral's), returned and never attended here.
+    Computed on first use from the dense graph, as every returned tensor that holds padding."""
+    if user.op != "call_function" or user.target is not operator.getitem or user.args[0] is not node \
+            or not isinstance(user.args[1], tuple):
+        return False
+    plain = all(i is Ellipsis or isinstance(i, slice) and all(v is None or isinstance(v, int)
+                                                             for v in (i.start, i.stop, i.step)) for i in user.args[1])
+    return plain and all(u.op == "output" for u in user.users)
 
 
 def _new_axes(user: Node, node: Node) -> bool:
@@ -218,6 +247,7 @@ class _Plan:
         self.flat: Any = None                                # batch * seq
         self.row_cuts: List[Node] = []  # row gathers (row_ops) of padded values: real rows asserted
         self.blocks: Dict[Node, expert_blocks.ExpertBlock] = {}   # a block's node -> its block
+        self.attention_inputs: Dict[Node, Tuple[int, ...]] = {}    # SDPA or eager attention -> q/k/v positions
 
     def reached(self) -> Set[Node]:
         """Every node computed from the region (made once the region is final)."""
@@ -234,8 +264,10 @@ class _Plan:
         self.broadcast |= broadcast
 
 
-def _plan(gm: torch.fx.GraphModule, lead_shape: Sequence[Any], examples: ExampleSource) -> Tuple[Optional[_Plan], str]:
+def _plan(gm: torch.fx.GraphModule, lead_shape: Sequence[Any], examples: ExampleSource,
+          attention_inputs: Dict[Node, Tuple[int, ...]]) -> Tuple[Optional[_Plan], str]:
     plan = _Plan(gm, examples)
+    plan.attention_inputs = attention_inputs
     plan.flat = flat = math.prod(lead_shape)
     ends = {}
     for block in expert_blocks.find(gm):
@@ -356,13 +388,13 @@ def _loss_on_rows(node: Node, user: Node) -> bool:
 
 
 def _layout_to_attention_from(node: Node, user: Node, plan: "_Plan") -> bool:
-    if user.op == "call_function" and user.target in _SDPA:
-        return node in user.args[:3]
+    if user in plan.attention_inputs:
+        return any(i < len(user.args) and user.args[i] is node for i in plan.attention_inputs[user])
     layout = (user.op == "call_method" and user.target in _LAYOUT_METHODS)
     if not layout:
         return False
     chain = _Chain(plan.reached())
-    if not _layout_to_attention(user, None, chain):
+    if not _layout_to_attention(user, plan.attention_inputs, None, chain):
         return False
     return not chain.entries or _features_last(plan.gm, node, plan.region[node], chain.entries, plan.examples)
 
@@ -377,7 +409,8 @@ def padding_elimination(gm: torch.fx.GraphModule, examples: ExampleSource, optio
     if not embeddings:
         return PassReport(NAME, False, "no [batch, seq] embedding lookup")
     sdpas = [n for n in graph.nodes if n.op == "call_function" and n.target in _SDPA]
-    mask_node, pad_id, why = _token_mask(sdpas, embeddings, examples)
+    eager = eager_attention.find(gm)
+    mask_node, pad_id, why = _token_mask(sdpas, eager, embeddings, examples)
     if mask_node is None:
         return PassReport(NAME, False, why)
     real = examples.value(mask_node)
@@ -402,8 +435,16 @@ def padding_elimination(gm: torch.fx.GraphModule, examples: ExampleSource, optio
         hides_padding, kinds[sdpa] = read[attn_mask]
         if not hides_padding:
             return PassReport(NAME, False, f"the mask of {sdpa.name} lets real tokens attend to padding")
+    for block in eager:   # attention in eager ops: re-padded around, as an SDPA kept on the padded layout
+        if block.mask not in read:
+            read[block.mask] = (_masks_padding_keys(examples.evaluate(gm, block.mask), tokens), None)
+        if not read[block.mask][0]:
+            return PassReport(NAME, False, f"the mask of {block.out.name} lets real tokens attend to padding")
     lead_shape = value(mask_node).shape
-    plan, why = _plan(gm, lead_shape, examples)
+    inputs = {n: (0, 1, 2) for n in sdpas}
+    for block in eager:
+        inputs.update(block.inputs())
+    plan, why = _plan(gm, lead_shape, examples, inputs)
     if plan is None:
         return PassReport(NAME, False, why)
     matmuls = sum(1 for n in plan.region if heavy(n))
@@ -434,8 +475,10 @@ def padding_elimination(gm: torch.fx.GraphModule, examples: ExampleSource, optio
                                             pad_id or 0, tokens, examples.evaluate)
     saved += round(sum(f for n, f in attention.items() if n not in gm.graph.nodes) * (1 - within))
     note = f"; {deferred} returned tensor(s) that hold padding positions are computed on first use" if deferred else ""
-    if kinds:
-        note += f"; attention on real tokens, sequence by sequence: {varlen} of {len(kinds)}"
+    kept += [f"{b.out.name}: attention in eager ops (matmul, softmax, matmul) runs on the padded layout"
+             for b in eager]
+    if kinds or eager:
+        note += f"; attention on real tokens, sequence by sequence: {varlen} of {len(kinds) + len(eager)}"
         note += f" (re-padded: {kept[0]})" if kept else ""
     return PassReport(NAME, True, f"{reason}: {matmuls} matmul(s) on real tokens only{note}", saved_flops=saved,
                       attention_calls=varlen, attention_runs=sum(kernel_calls(*qv, lengths) for n, qv in heads.items()

@@ -276,6 +276,26 @@ def row_inputs(node: Node, lead: int, broadcast: Optional[Set[Node]] = None,
                    _same_shape(t.shape[:lead], out.shape[:lead]) for a, t in zip(parts, shapes)):
             return None
         return [(a, lead) for a in parts]
+    if node.op == "call_method" and target == "flatten" and token_rows and not kwargs:
+        # Of feature dims only (the interleaved rotary embedding's ``.flatten(-2)``); for padding
+        # elimination only, as the feature views above.
+        x = _tensor(args[0])
+        start = args[1] if len(args) > 1 else 0
+        end = args[2] if len(args) > 2 else -1
+        if x is None or not (_feature_dim(start, x.dim(), lead) and _feature_dim(end, x.dim(), lead)):
+            return None
+        return [(args[0], lead)] if _same_shape(x.shape[:lead], out.shape[:lead]) else None
+    if node.op == "call_function" and target is torch.stack:
+        # Along a new feature dim (GPT-J's interleaved rotary embedding before the heads' transpose:
+        # ``stack((-x2, x1), dim=-1).flatten(-2)``).
+        parts = args[0] if args else kwargs.get("tensors")
+        if not _feature_dim(args[1] if len(args) > 1 else kwargs.get("dim", 0), out.dim(), lead) or \
+                not isinstance(parts, (tuple, list)):
+            return None
+        if not all(isinstance(a, Node) and _tensor(a) is not None and _tensor(a).dim() == out.dim() - 1 and
+                   _same_shape(_tensor(a).shape[:lead], out.shape[:lead]) for a in parts):
+            return None
+        return [(a, lead) for a in parts]
     if node.op == "call_function" and target is operator.getitem:
         x = _tensor(args[0])
         if x is None:
@@ -509,6 +529,16 @@ def copy_on_rows(graph: torch.fx.Graph, node: Node, rows: Dict[Node, Node], lead
         dim = dim - _tensor(node).dim() if dim >= 0 else dim
         parts = node.args[0] if node.args else node.kwargs["tensors"]
         return graph.call_function(node.target, ([rows[a] for a in parts], dim))
+    if node.op == "call_function" and node.target is torch.stack:   # a new dim, counted from the end
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        dim = dim - _tensor(node).dim() if dim >= 0 else dim
+        parts = node.args[0] if node.args else node.kwargs["tensors"]
+        return graph.call_function(torch.stack, ([rows[a] for a in parts], dim))
+    if node.op == "call_method" and node.target == "flatten":   # of feature dims, counted from the end
+        ndim = _tensor(node.args[0]).dim()
+        ends = [d - ndim if d >= 0 else d for d in (node.args[1] if len(node.args) > 1 else 0,
+                                                    node.args[2] if len(node.args) > 2 else -1)]
+        return graph.call_method("flatten", (rows[node.args[0]], *ends))
     if node.op == "call_function" and node.target is operator.getitem and _tensor(node.args[0]) is not None:
         index = _features_index(node.args[1], _tensor(node.args[0]).dim(), lead)
         return graph.call_function(operator.getitem, (rows[node.args[0]], index))

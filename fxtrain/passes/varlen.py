@@ -238,7 +238,9 @@ def sdpa_arguments(node: Node) -> Dict[str, Any]:
 
 def mask_kind(attn_mask: Any, tokens: torch.Tensor) -> Optional[bool]:
     """For the capturing batch: False when every real query may see exactly the real keys of its
-    sequence, True when exactly those at or before it (causal), None otherwise."""
+    sequence, True when exactly those at or before it (causal), None otherwise. An additive mask
+    must be 0 or hide (``-inf``, the dtype's lowest value) at every real query's key: a finite bias
+    elsewhere would give a key weight that the per-sequence kernel leaves out."""
     if not isinstance(attn_mask, torch.Tensor) or attn_mask.dim() != 4:
         return None
     b, s = tokens.shape
@@ -248,6 +250,8 @@ def mask_kind(attn_mask: Any, tokens: torch.Tensor) -> Optional[bool]:
         return None
     allowed = m if m.dtype == torch.bool else m == 0
     real_q = tokens[:, None, :, None]
+    if m.dtype != torch.bool and bool((~allowed & (m > torch.finfo(m.dtype).min) & real_q).any()):
+        return None
     real_k = tokens[:, None, None, :]
     pos = torch.arange(s, device=tokens.device)
     for causal in (True, False):   # a batch of one-token sequences fits both: causal is the stricter
@@ -696,7 +700,7 @@ def erase_replaced(graph: torch.fx.Graph, nodes: List[Node]) -> None:
 
 
 def _require_mask(builder: GuardBuilder, mask: Node, attn_mask: Node, pad: int, causal: bool,
-                  is_bool: bool) -> bool:
+                  mask_dtype: torch.dtype) -> bool:
     """Write into the batch guard: every batch's mask, on real queries, is the kind relied on."""
     g_attn = builder.node(attn_mask)
     g_mask = builder.node(mask)
@@ -704,6 +708,7 @@ def _require_mask(builder: GuardBuilder, mask: Node, attn_mask: Node, pad: int, 
         return False
     g = builder.graph
     real = g.call_function(torch.ne, (g_mask, pad))
+    is_bool = mask_dtype == torch.bool
     allowed = g_attn if is_bool else g.call_function(torch.eq, (g_attn, 0))
     real_q = g.call_function(operator.getitem, (real, (slice(None), None, slice(None), None)))
     expected = g.call_function(operator.getitem, (real, (slice(None), None, None, slice(None))))
@@ -713,7 +718,12 @@ def _require_mask(builder: GuardBuilder, mask: Node, attn_mask: Node, pad: int, 
         order = g.call_function(operator.le, (g.call_function(operator.getitem, (pos, (None, slice(None)))),
                                               g.call_function(operator.getitem, (pos, (slice(None), None)))))
         expected = g.call_function(operator.and_, (expected, order))
-    bad = g.call_function(operator.and_, (g.call_function(operator.ne, (allowed, expected)), real_q))
+    wrong = g.call_function(operator.ne, (allowed, expected))
+    if not is_bool:   # a finite bias is neither kind (mask_kind)
+        biased = g.call_function(operator.and_, (g.call_function(torch.logical_not, (allowed,)), g.call_function(
+            torch.gt, (g_attn, torch.finfo(mask_dtype).min))))
+        wrong = g.call_function(operator.or_, (wrong, biased))
+    bad = g.call_function(operator.and_, (wrong, real_q))
     ok = g.call_function(torch.logical_not, (g.call_method("any", (bad,)),))
     kind = "causal" if causal else "bidirectional"
     builder.require(ok, f"the attention mask is not the padding mask ({kind}) the per-sequence attention relies on")
@@ -768,7 +778,7 @@ def attention_on_real_tokens(gm: torch.fx.GraphModule, plans: Plans, kinds: Dict
         if key not in guarded:
             mask_value = ev.outside(attn_mask)
             guarded[key] = isinstance(mask_value, torch.Tensor) and _require_mask(
-                builder, mask, attn_mask, pad, causal, mask_value.dtype == torch.bool)
+                builder, mask, attn_mask, pad, causal, mask_value.dtype)
         if not guarded[key]:
             why.append(f"{sdpa.name}: its mask cannot be checked before each step")
             continue
