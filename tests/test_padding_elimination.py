@@ -142,22 +142,13 @@ def test_a_sliding_window_cache_trimmed_below_the_sequence_is_returned_not_atten
     there ("padding rows reach transpose (key_states)"): gpt-oss's window is 128 tokens."""
     torch.manual_seed(0)
     tm, ref = wrap_pair(_hf_causal_lm("Mistral", sliding_window=8))
-    batches = _batches("clm", 0, 2, shapes=[(4, 16), (3, 12), (5, 20)])
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    for batch in batches:
-        out, ref_out = tm(**batch), ref(**batch)
-        torch.testing.assert_close(out.loss, ref_out.loss, atol=1e-5, rtol=1e-4)
+
+    def same_cache(out, ref_out):
         for mine, eager in zip(out.past_key_values.layers, ref_out.past_key_values.layers):
             assert mine.keys.shape[2] == 7
             torch.testing.assert_close(mine.keys, eager.keys, atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(mine.values, eager.values, atol=1e-4, rtol=1e-4)
-        out.loss.backward(); ref_out.loss.backward()
-        assert_grads_equal(tm.module, ref)
-        opt.step(); opt.zero_grad()
-        with torch.no_grad():
-            for p, q in zip(tm.module.parameters(), ref.parameters()):
-                p.copy_(q)
-                p.grad = None
+    _train_from_eager_weights(tm, ref, _batches("clm", 0, 2, shapes=[(4, 16), (3, 12), (5, 20)]), compare=same_cache)
     _fired(tm)
     assert "14 matmul(s) on real tokens only" in _why(tm), _why(tm)
 
@@ -211,9 +202,10 @@ def _hf_moe(family):
     return _hf_causal_lm(family, num_experts_per_tok=2, **experts)
 
 
-def _train_from_eager_weights(tm, ref, batches, logits=True):
-    """Loss, logits and gradients equal eager's at every step, each step from eager's weights (so
-    that AdamW cannot turn rounding noise into weight differences: see the Gemma 4 test)."""
+def _train_from_eager_weights(tm, ref, batches, logits=True, compare=None):
+    """Loss, logits (and what ``compare(out, eager_out)`` checks) and gradients equal eager's at
+    every step, each step from eager's weights (so that AdamW cannot turn rounding noise into
+    weight differences: see the Gemma 4 test)."""
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     for batch in batches:
         out, ref_out = tm(**batch), ref(**batch)
@@ -222,6 +214,8 @@ def _train_from_eager_weights(tm, ref, batches, logits=True):
             _same_logits(out, ref_out)
         else:
             torch.testing.assert_close(out.logits, ref_out.logits, atol=1e-4, rtol=1e-4)
+        if compare is not None:
+            compare(out, ref_out)
         out.loss.backward(); ref_out.loss.backward()
         assert_grads_equal(tm.module, ref)
         opt.step(); opt.zero_grad()
@@ -229,6 +223,15 @@ def _train_from_eager_weights(tm, ref, batches, logits=True):
             for p, q in zip(tm.module.parameters(), ref.parameters()):
                 p.copy_(q)
                 p.grad = None
+
+
+def _moved_by_padding_ids(model, batch):
+    """How far other ids at the padding positions move the real tokens' logits: 0 where the model
+    does not read its padding, as padding elimination assumes."""
+    other = dict(batch, input_ids=batch["input_ids"].masked_fill(batch["attention_mask"] == 0, 7))
+    real = batch["attention_mask"].bool()
+    with torch.no_grad():
+        return (model(**batch).logits[real] - model(**other).logits[real]).abs().max().item()
 
 
 # Mixtures of experts (transformers' grouped experts: sort the (token, slot) pairs by expert, one
@@ -298,11 +301,7 @@ def test_experts_whose_pairs_depend_on_other_tokens_keep_the_padding(capacity):
         layer.mlp.experts = _CappedExperts(layer.mlp.experts, capacity)
     tm, ref = wrap_pair(model)
     batches = _batches("clm", 0, 2)
-    # The capacity binds: other ids at the padding positions change the real tokens' logits.
-    other = dict(batches[0], input_ids=batches[0]["input_ids"].masked_fill(batches[0]["attention_mask"] == 0, 7))
-    real = batches[0]["attention_mask"].bool()
-    with torch.no_grad():
-        moved = (ref(**batches[0]).logits[real] - ref(**other).logits[real]).abs().max().item()
+    moved = _moved_by_padding_ids(ref, batches[0])   # the capacity binds
     assert (moved > 1e-3) == (capacity is not None), moved
     _train_from_eager_weights(tm, ref, batches, logits=_traceable_experts())
     if not _traceable_experts():
@@ -376,11 +375,7 @@ def test_attention_in_eager_ops_that_gives_padding_keys_weight_keeps_the_padding
     model.config._attn_implementation = name
     tm, ref = wrap_pair(model)
     batches = _batches("mlm", 0, 2)
-    # Mask then cap reads the padding: other ids there change the real tokens' logits.
-    other = dict(batches[0], input_ids=batches[0]["input_ids"].masked_fill(batches[0]["attention_mask"] == 0, 7))
-    real = batches[0]["attention_mask"].bool()
-    with torch.no_grad():
-        moved = (ref(**batches[0]).logits[real] - ref(**other).logits[real]).abs().max().item()
+    moved = _moved_by_padding_ids(ref, batches[0])   # mask then cap reads the padding
     assert (moved > 1e-4) == cap_after_mask, moved
     _train_from_eager_weights(tm, ref, batches)
     if cap_after_mask:
