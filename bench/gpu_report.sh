@@ -127,13 +127,14 @@ fi
 
 # 6. Current HF families that padding elimination reaches (bench/hf_families.py --speed, float32
 #    then bf16 autocast, 16 x 128 at 50% padding): on the CPU 2.1-2.4x eager (Mixtral: its experts
-#    on real tokens too); whether the GPU keeps any of it.
+#    on real tokens too; Gemma 2 and gpt-oss: attention in eager ops, re-padded around); whether
+#    the GPU keeps any of it.
 if wanted hf; then
     section "HF families, bench/hf_families.py --speed --device cuda (float32, then --autocast bf16)"
-    timeout "${HF_S:-120}" $PY bench/hf_families.py --speed "${HF_FAMILIES:-Qwen3,Mixtral,Gemma4}" --device cuda \
+    timeout "${HF_S:-120}" $PY bench/hf_families.py --speed "${HF_FAMILIES:-Qwen3,Mixtral,Gemma4,Gemma2,GptOss}" --device cuda \
         > "$WORK/hf_speed.log" 2>&1
     echo "exit $?" >> "$WORK/hf_speed.log"
-    timeout "${HF_S:-120}" $PY bench/hf_families.py --speed "${HF_FAMILIES:-Qwen3,Mixtral,Gemma4}" --device cuda \
+    timeout "${HF_S:-120}" $PY bench/hf_families.py --speed "${HF_FAMILIES:-Qwen3,Mixtral,Gemma4,Gemma2,GptOss}" --device cuda \
         --autocast bf16 >> "$WORK/hf_speed.log" 2>&1
     echo "exit $?" >> "$WORK/hf_speed.log"
     grep -E "eager|exit|Error" "$WORK/hf_speed.log" | cut -c1-200 >> "$REPORT"
