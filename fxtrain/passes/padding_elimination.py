@@ -127,9 +127,7 @@ def _layout_to_attention(node: Node, entries: Dict[Node, Tuple[int, ...]], seen:
         if user.op == "output" or _returned_slice(user, node):
             continue  # a returned key/value cache: padding positions not computed, as for every output
         if user in entries:
-            if not any(i < len(user.args) and user.args[i] is node for i in entries[user]) \
-                    or any(a is node for i, a in enumerate(user.args) if i not in entries[user]) \
-                    or node in user.kwargs.values():
+            if not _enters_attention(node, user, entries):
                 return False
             continue
         layout = (user.op == "call_method" and user.target in _LAYOUT_METHODS) or \
@@ -145,6 +143,13 @@ def _layout_to_attention(node: Node, entries: Dict[Node, Tuple[int, ...]], seen:
         if not layout or not _layout_to_attention(user, entries, seen, chain):
             return False
     return True
+
+
+def _enters_attention(node: Node, user: Node, entries: Dict[Node, Tuple[int, ...]]) -> bool:
+    """``user``, an attention of ``entries``, reads ``node`` as its q, k or v and as nothing else."""
+    return any(i < len(user.args) and user.args[i] is node for i in entries[user]) \
+        and not any(a is node for i, a in enumerate(user.args) if i not in entries[user]) \
+        and node not in user.kwargs.values()
 
 
 def _last_dim_chunks(user: Node, node: Node) -> bool:
@@ -389,7 +394,7 @@ def _loss_on_rows(node: Node, user: Node) -> bool:
 
 def _layout_to_attention_from(node: Node, user: Node, plan: "_Plan") -> bool:
     if user in plan.attention_inputs:
-        return any(i < len(user.args) and user.args[i] is node for i in plan.attention_inputs[user])
+        return _enters_attention(node, user, plan.attention_inputs)
     layout = (user.op == "call_method" and user.target in _LAYOUT_METHODS)
     if not layout:
         return False
