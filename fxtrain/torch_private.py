@@ -27,8 +27,8 @@ from typing import Any, Callable, ContextManager, Dict, Iterable, Iterator, List
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import (DynamicOutputShapeException, FakeTensor, FakeTensorMode,
-                                           unset_fake_temporarily)
+from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensor,
+                                           FakeTensorMode, unset_fake_temporarily)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import Error, FxtrainWarning
@@ -671,6 +671,49 @@ def allow_in_graph(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Let dynamo put calls of ``fn`` in the graph as opaque nodes (``torch._dynamo.allow_in_graph``)."""
     import torch._dynamo
     return torch._dynamo.allow_in_graph(fn)
+
+
+def dynamo_break_at(fn: Callable[..., Any]) -> bool:
+    """Make dynamo break the graph at every call of ``fn`` (an op as dynamo's graph calls it), as
+    ``torch._dynamo.disallow_in_graph`` does, but undoably: its id joins
+    ``torch._dynamo.trace_rules._disallowed_callable_ids``, which dynamo reads on each lookup
+    (``lookup_callable``: a disallowed callable is a skipped function). False where it was there."""
+    from torch._dynamo import trace_rules
+    if id(fn) in trace_rules._disallowed_callable_ids:
+        return False
+    trace_rules._disallowed_callable_ids.add(id(fn))
+    return True
+
+
+def dynamo_unbreak_at(fn: Callable[..., Any]) -> None:
+    """Undo :func:`dynamo_break_at`."""
+    from torch._dynamo import trace_rules
+    trace_rules._disallowed_callable_ids.remove(id(fn))
+
+
+@contextlib.contextmanager
+def fake_trial(fake_mode: FakeTensorMode) -> Iterator[None]:
+    """Run ops on a capture's fake tensors as a trial that leaves the trace to come nothing to
+    account for: the unbacked sizes such ops make are not pending in the shape environment
+    (``ShapeEnv.ignore_fresh_unbacked_symbols``), where AOTAutograd would look for them in its graph."""
+    shape_env = getattr(fake_mode, "shape_env", None)
+    with (shape_env.ignore_fresh_unbacked_symbols() if shape_env is not None else contextlib.nullcontext()):
+        yield
+
+
+# What fake tensors raise where an op's result depends on tensor values (``.tolist()``, ``nonzero``
+# without a shape environment that allows it): dynamo meets these from a backend with a graph break.
+DATA_DEPENDENT_ERRORS = (DataDependentOutputException, DynamicOutputShapeException)
+
+
+def op_qualified_name(target: Any) -> Optional[str]:
+    """'namespace::name' of an op as a graph calls it: an overload (aten graphs) or a packet
+    (dynamo's graphs); None for anything else."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name
+    return None
 
 
 def dynamo_unsupported() -> type:
@@ -1489,14 +1532,8 @@ def custom_ops(obj: Any) -> Dict[str, str]:
                 if not isinstance(module, torch.fx.GraphModule):
                     continue
                 for node in module.graph.nodes:
-                    target = node.target
-                    if node.op != "call_function":
-                        continue
-                    if isinstance(target, torch._ops.OpOverload):
-                        name = target._schema.name
-                    elif isinstance(target, torch._ops.OpOverloadPacket):   # dynamo's graphs call these
-                        name = target._qualified_op_name
-                    else:
+                    name = op_qualified_name(node.target) if node.op == "call_function" else None
+                    if name is None:
                         continue
                     opdef = OPDEFS.get(name)
                     defined = getattr(getattr(opdef, "_init_fn", None), "__module__", None)

@@ -491,3 +491,128 @@ def test_cache_entry_never_serves_other_scalar_values(tmp_path):
     run([dict(t=1.0, k=1), dict(t=2.0, k=1)])   # the recapture for t=2.0 must not replace t=1.0's entry
     info = run([dict(t=1.0, k=1), dict(t=1.0, k=3), dict(t=2.0, k=1), dict(t=1.0, k=1)])
     assert info.cache_hits >= 1, info.cache_log
+
+
+# A custom op whose registered backward reads tensor values in Python, as transformers'
+# grouped_mm_fallback before 5.2x (``for end in offs.tolist()``). AOTAutograd cannot trace it.
+_SEGMENT_CALLS = {"forward": 0, "backward": 0}
+
+
+@torch.library.custom_op("fxtrain_test_fallback::scale_segments", mutates_args=())
+def scale_segments(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    _SEGMENT_CALLS["forward"] += 1
+    out, start = torch.empty_like(x), 0
+    for i, end in enumerate(offs.tolist()):
+        out[start:end] = x[start:end] * (i + 1)
+        start = end
+    return out
+
+
+@scale_segments.register_fake
+def _(x, offs):
+    return torch.empty_like(x)
+
+
+def _scale_segments_backward(ctx, grad):
+    # Counted when it runs for real: a capture may run it on fake tensors to see whether it traces.
+    _SEGMENT_CALLS["backward"] += type(grad) is torch.Tensor
+    out, start = torch.empty_like(grad), 0
+    for i, end in enumerate(ctx.offs.tolist()):
+        out[start:end] = grad[start:end] * (i + 1)
+        start = end
+    return out, None
+
+
+def _keep_offs(ctx, inputs, output):
+    ctx.offs = inputs[1]
+
+
+torch.library.register_autograd("fxtrain_test_fallback::scale_segments", _scale_segments_backward,
+                                setup_context=_keep_offs)
+
+
+# The same op with a backward that is itself a custom op (with a fake implementation), as
+# transformers 5.2x writes grouped_mm_fallback's: AOTAutograd traces it, and it stays in the graph.
+@torch.library.custom_op("fxtrain_test_fallback::scale_segments_traced", mutates_args=())
+def scale_segments_traced(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return scale_segments(x, offs)
+
+
+@scale_segments_traced.register_fake
+def _(x, offs):
+    return torch.empty_like(x)
+
+
+torch.library.register_autograd("fxtrain_test_fallback::scale_segments_traced",
+                                lambda ctx, grad: (scale_segments_traced(grad, ctx.offs), None), setup_context=_keep_offs)
+
+
+class SegmentLayer(nn.Module):
+    def __init__(self, traced):
+        super().__init__()
+        self.up, self.down, self.traced = nn.Linear(8, 8), nn.Linear(8, 8), traced
+
+    def forward(self, x, offs):
+        op = scale_segments_traced if self.traced else scale_segments
+        return x + self.down(op(torch.relu(self.up(x)), offs))
+
+
+class SegmentStack(nn.Module):
+    def __init__(self, traced=False, layers=3):
+        super().__init__()
+        self.layers = nn.ModuleList(SegmentLayer(traced) for _ in range(layers))
+
+    def forward(self, x, offs):
+        for layer in self.layers:
+            x = layer(x, offs)
+        return x
+
+
+def test_custom_op_whose_backward_cannot_be_traced_runs_between_graphs(monkeypatch):
+    """Found once, before AOTAutograd's trace of the whole graph fails on it (capture/untraceable_ops.py):
+    the backend raises at most once, dynamo then breaks at each call, and the layers around the op
+    run from graphs. Before, every capture failed in AOTAutograd and dynamo ran the whole model
+    eagerly (0 graphs). Outside fxtrain's captures, dynamo keeps the op in its graphs."""
+    from fxtrain.capture import untraceable_ops
+    raised = []
+    check = untraceable_ops.check
+
+    def counted(gm):
+        try:
+            check(gm)
+        except Exception as error:
+            raised.append(error)
+            raise
+    monkeypatch.setattr(untraceable_ops, "check", counted)
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(SegmentStack())
+    offs = to_device(torch.tensor([3, 5, 8]))
+    for step in range(3):
+        before = dict(_SEGMENT_CALLS)
+        _step(tm, ref, to_device(torch.randn(8, 8)), offs)
+        # fxtrain's call and eager's: the op's forward and backward once per layer each, as eager runs them
+        assert {k: _SEGMENT_CALLS[k] - before[k] for k in before} == {"forward": 6, "backward": 6}, step
+    info = tm.capture_info()
+    assert len(raised) == 1 and type(raised[0]).__name__ == "DataDependentOutputException", raised
+    assert info.graphs >= 2 and info.graph_breaks >= 1, info
+    assert any("the backward of custom op fxtrain_test_fallback::scale_segments cannot be traced" in r
+               for r in info.break_reasons), info.break_reasons
+
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    with torch.no_grad():
+        torch.compile(lambda x, o: scale_segments(x * 2, o), backend=record)(torch.randn(8, 8), torch.tensor([3, 8]))
+    assert len(graphs) == 1 and any("scale_segments" in str(n.target) for n in graphs[0].graph.nodes), graphs
+
+
+def test_custom_op_whose_backward_is_an_op_stays_in_the_graph():
+    torch.manual_seed(0)
+    tm, ref = wrap_pair(SegmentStack(traced=True))
+    offs = to_device(torch.tensor([3, 5, 8]))
+    for _ in range(2):
+        _step(tm, ref, to_device(torch.randn(8, 8)), offs)
+    info = tm.capture_info()
+    assert (info.graphs, info.graph_breaks) == (1, 0), info

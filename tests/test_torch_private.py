@@ -199,6 +199,51 @@ def test_dynamo_accessors() -> None:
     _check("dynamo_recompile_reason", tp.dynamo_recompile_reason)
     with _check("dynamo_config_patch", tp.dynamo_config_patch, {"verbose": False}):
         pass
+    assert _check("op_qualified_name", tp.op_qualified_name, torch.ops.aten.cos.default) == "aten::cos"
+    assert tp.op_qualified_name(torch.ops.aten.cos) == "aten::cos" and tp.op_qualified_name(torch.cos) is None
+    assert all(issubclass(e, Exception) for e in tp.DATA_DEPENDENT_ERRORS)
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    with _check("fake_trial", tp.fake_trial, tp.FakeTensorMode()):   # no shape environment: nothing to do
+        pass
+    env = ShapeEnv()
+    with tp.FakeTensorMode(shape_env=env) as mode, tp.fake_trial(mode):
+        assert isinstance(torch.empty(3).nonzero().shape[0], torch.SymInt)
+    assert not env.pending_fresh_unbacked_symbols
+
+
+@torch.library.custom_op("fxtrain_test_private::twice", mutates_args=())
+def _twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_twice.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@LOOKUP
+def test_dynamo_break_at_breaks_the_graph_until_undone() -> None:
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    twice = torch.ops.fxtrain_test_private.twice   # called as a packet, as transformers calls its ops
+
+    def f(x):
+        return twice(x + 1) * 2
+    try:
+        assert _check("dynamo_break_at", tp.dynamo_break_at, twice) and not tp.dynamo_break_at(twice)
+        torch._dynamo.reset()
+        torch.compile(f, backend=record)(torch.randn(3))
+        assert len(graphs) == 2, graphs   # x + 1, then * 2: the op ran between them
+    finally:
+        _check("dynamo_unbreak_at", tp.dynamo_unbreak_at, twice)
+    graphs.clear()
+    torch._dynamo.reset()
+    torch.compile(f, backend=record)(torch.randn(3))
+    assert len(graphs) == 1, graphs
 
 
 @LOOKUP

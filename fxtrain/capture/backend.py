@@ -12,7 +12,7 @@ import torch
 import torch.fx
 
 from .. import torch_private as tp
-from . import partition_worker, recipe as cache_recipe
+from . import partition_worker, recipe as cache_recipe, untraceable_ops
 from ..options import Options
 from ..passes import DynamoExamples, ExampleSource
 from ..runtime import runner
@@ -118,6 +118,7 @@ class Backend:
         # failure must reach TrainModule, which applies the fallback policy.
         if not self.may_capture:
             raise RecompileLimitReached(f"{self.options.recompile_limit} calls captured already")
+        untraceable_ops.check(gm)   # raises, for dynamo to break there, before AOTAutograd's trace fails
         if self.on_graph is not None:
             self.on_graph()
         mode, reason, site = current_mode(self.training()), dynamo_recompile_reason(), graph_break_site(gm)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..torch_private import dynamo_counters, dynamo_frame_counter
+from . import untraceable_ops
 
 _CATEGORIES = ("graph_break", "unimplemented")
 _TALLY = Dict[str, int]
@@ -99,7 +100,11 @@ def close_window(window: Window) -> _TALLY:
 
 # --------------------------------------------------------------------------------- reasons
 def summary(message: str) -> str:
-    """Dynamo's multi-line break message as one line: what broke, and its explanation."""
+    """Dynamo's multi-line break message as one line: what broke, and its explanation (fxtrain's
+    own where fxtrain made dynamo break: untraceable_ops.py)."""
+    own = untraceable_ops.explain(message)
+    if own is not None:
+        return own
     lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
     if not lines:
         return "graph break (no message)"
