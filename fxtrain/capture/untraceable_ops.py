@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 import torch.fx
@@ -73,11 +73,6 @@ def breaking_at_known() -> Iterator[None]:
             for op in _scope.installed:
                 tp.dynamo_unbreak_at(op)
             _scope.installed.clear()
-
-
-def reason(op: Any) -> Optional[str]:
-    """Why graphs break at ``op`` (None if they do not)."""
-    return _ops.get(op)
 
 
 def explain(message: str) -> Optional[str]:
@@ -157,6 +152,3 @@ def check(gm: torch.fx.GraphModule) -> None:
                            "implementation would keep it in the graph.", why)
         _install(op)
         raise error
-
-
-__all__: Tuple[str, ...] = ("breaking_at_known", "check", "explain", "reason")
