@@ -25,7 +25,6 @@ from .capture.rollback import Rollback
 from .capture.scalars import ScalarWatch
 from .capture.settings import dynamo_settings
 from .capture.sizes import SizesPolicy
-from .capture import untraceable_ops
 from .options import Options, resolve
 from .pythonop import close_step_log, forget_runs, offer_step, open_step_log, raised_as_eager, routing
 from .torch_private import check_supported, dims_static, dynamo_config_patch, dynamo_recompile_limit_error
@@ -278,7 +277,7 @@ class TrainModule(nn.Module):
         with dynamo_config_patch(dynamo_settings(self._options, self._specialize_float)), \
                 (routing(self._info.note_python_op, self) if self._options.custom_autograd
                  else contextlib.nullcontext()), \
-                dims_static(self._sizes.marks()), untraceable_ops.breaking_at_known(), \
+                dims_static(self._sizes.marks()), self._backend.untraceable.breaking(), \
                 watched(self._describe_compile, self._options.capture_warning_seconds,
                         self._sizes.sympy_budget(code_name)) as watch:
             yield

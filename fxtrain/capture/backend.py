@@ -77,6 +77,8 @@ class Backend:
                  owner: str = "model", on_graph: Optional[Callable[[], None]] = None,
                  plugins: Optional[Plugins] = None, *, alive: Callable[[], bool]) -> None:
         self.info = info
+        # The module's custom ops whose backward cannot be traced (TrainModule._compiling breaks at them).
+        self.untraceable = untraceable_ops.UntraceableOps()
         self.alive = alive   # whether the TrainModule still exists (a background compile for one gone is skipped)
         self.owner = owner
         self.options = options
@@ -118,7 +120,6 @@ class Backend:
         # failure must reach TrainModule, which applies the fallback policy.
         if not self.may_capture:
             raise RecompileLimitReached(f"{self.options.recompile_limit} calls captured already")
-        untraceable_ops.check(gm)   # raises, for dynamo to break there, before AOTAutograd's trace fails
         if self.on_graph is not None:
             self.on_graph()
         mode, reason, site = current_mode(self.training()), dynamo_recompile_reason(), graph_break_site(gm)
@@ -132,8 +133,10 @@ class Backend:
             request = partition_worker.request(rewritten.graph, example_inputs, self.executor.name)
             if request is not None:
                 return self._partition_later(rewritten, request, mode, reason, site, index, recipe)
+            self.untraceable.check(gm)   # raises for dynamo to break there, before AOTAutograd's trace fails
             step, reports = finish(rewritten, example_inputs, context)
         else:
+            self.untraceable.check(gm)
             step, reports = compile_step(gm, example_inputs, context)
         # The tier keeps the step's graphs, not AOTAutograd's runtime (dropped below).
         tier = TierMaker(dataclasses.replace(step, aot_callable=None), self.options,

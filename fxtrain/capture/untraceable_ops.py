@@ -8,20 +8,23 @@ that error is a graph break somewhere earlier and another try: on a 2-layer HF M
 2.11, transformers 5.17) eleven tries of the 300-node graph (34 s of a 64 s first step) before the
 breaks landed around the op; on a model whose layer loop holds the op, no graph at all.
 
-So the backend runs each custom op's forward and backward on the capture's fake tensors first (a few
-milliseconds), and an op whose backward fails there is learnt for the process: the backend raises
-the error at once (dynamo files it and traces the frame again), and from then on dynamo breaks the
-graph at each call of the op while fxtrain captures with gradients on (``breaking_at_known``), where
-the op runs as eager runs it, forward and backward. Mixtral's first step: 64 s -> 18 s, one failed
-try. Outside fxtrain's captures (a user's torch.compile, an inference capture) dynamo treats the op
-as before. A custom op whose backward is itself an op with a fake implementation (transformers
-5.2x's ``grouped_mm_fallback_backward``) traces, and stays in the graph.
+So before AOTAutograd traces a graph in the training process, the backend runs each custom op's
+forward and backward on the capture's fake tensors (a few milliseconds). An op whose backward fails
+there is learnt by that TrainModule: the backend raises the error at once (dynamo files it and
+traces the frame again), and from then on dynamo breaks the graph at each call of the op while the
+module captures with gradients on (``UntraceableOps.breaking``); the op runs between graphs as
+eager runs it, forward and backward. Mixtral's first step: 64 s -> 18-22 s, one failed try. A
+capture that the partition worker partitions later runs in the autograd mode meanwhile, which runs
+the op's own backward: it keeps the op in its graph (one graph), and stays in the autograd mode
+when the worker's trace fails on it. Outside a module's captures (a user's torch.compile, an
+inference capture) dynamo treats the op as before. A custom op whose backward is itself an op with a
+fake implementation (transformers 5.2x's ``grouped_mm_fallback_backward``) traces, and stays in the
+graph.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
@@ -35,44 +38,67 @@ logger = logging.getLogger("fxtrain")
 _OWN_NAMESPACES = frozenset({"aten", "prims", "fxtrain"})
 
 
-class _Learnt(threading.local):
-    """Per thread: how many fxtrain frame compiles are open, and the ops they made dynamo break at."""
+_reasons: Dict[str, str] = {}   # qualified op name -> why its backward cannot be traced (a fact of the op)
+
+
+class UntraceableOps:
+    """One TrainModule's custom ops whose backward cannot be traced, learnt by its backend. Per
+    module, as its graph breaks are: what one module met never changes how another captures."""
 
     def __init__(self) -> None:
-        self.depth = 0
-        self.installed: List[Any] = []
+        self._ops: List[Any] = []          # as dynamo's graphs call them (packet or overload)
+        self._installed: List[Any] = []    # those this module's open compile made dynamo break at
+        self._depth = 0
 
+    def _install(self, op: Any) -> None:
+        if self._depth and op not in self._installed and tp.dynamo_break_at(op):
+            self._installed.append(op)
 
-_ops: Dict[Any, str] = {}     # op (as dynamo's graph calls it) -> why its backward cannot be traced
-_lock = threading.Lock()
-_scope = _Learnt()
+    @contextlib.contextmanager
+    def breaking(self) -> Iterator[None]:
+        """While the module compiles a frame with gradients on: dynamo breaks the graph at every op
+        learnt so far (and at those learnt during the compile), and forgets them on the way out.
+        Ops another module or the user made dynamo break at stay as they were."""
+        if not torch.is_grad_enabled():
+            yield
+            return
+        self._depth += 1
+        try:
+            for op in list(self._ops):
+                self._install(op)
+            yield
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                for op in self._installed:
+                    tp.dynamo_unbreak_at(op)
+                self._installed.clear()
 
-
-def _install(op: Any) -> None:
-    if _scope.depth and op not in _scope.installed and tp.dynamo_break_at(op):
-        _scope.installed.append(op)
-
-
-@contextlib.contextmanager
-def breaking_at_known() -> Iterator[None]:
-    """While fxtrain compiles a frame with gradients on: dynamo breaks the graph at every op learnt
-    so far (and at those learnt during the compile), and forgets them again on the way out."""
-    if not torch.is_grad_enabled():
-        yield
-        return
-    _scope.depth += 1
-    try:
-        with _lock:
-            known = list(_ops)
-        for op in known:
-            _install(op)
-        yield
-    finally:
-        _scope.depth -= 1
-        if _scope.depth == 0:
-            for op in _scope.installed:
-                tp.dynamo_unbreak_at(op)
-            _scope.installed.clear()
+    def check(self, gm: torch.fx.GraphModule) -> None:
+        """Raise the error of the first custom op in dynamo's graph ``gm`` whose backward cannot be
+        traced, after learning it (module docstring). Each op is tried once per graph."""
+        tried = set()
+        for node in gm.graph.nodes:
+            op = node.target
+            if node.op != "call_function" or op in tried:
+                continue
+            name = tp.op_qualified_name(op)
+            if name is None or name.partition("::")[0] in _OWN_NAMESPACES:
+                continue
+            tried.add(op)
+            error = _backward_error(node)
+            if error is None:
+                continue
+            first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            why = (f"the backward of custom op {name} cannot be traced ({type(error).__name__}: {first}: it "
+                   f"reads tensor values in Python); each call runs between graphs, as eager runs it")
+            if _reasons.setdefault(name, why) is why:
+                logger.warning("fxtrain: %s. A backward written as a custom op with a fake "
+                               "implementation would keep it in the graph.", why)
+            if op not in self._ops:
+                self._ops.append(op)
+            self._install(op)
+            raise error
 
 
 def explain(message: str) -> Optional[str]:
@@ -80,9 +106,9 @@ def explain(message: str) -> Optional[str]:
     a builtin it cannot trace), else None."""
     if "skipped" not in message:
         return None
-    for op, why in list(_ops.items()):
-        namespace, _, name = (tp.op_qualified_name(op) or "::").partition("::")
-        if f"{namespace}::{name}" in message or (f".{namespace}." in message and f".{name}" in message):
+    for name, why in list(_reasons.items()):
+        namespace, _, op = name.partition("::")
+        if name in message or (f".{namespace}." in message and f".{op}" in message):
             return why
     return None
 
@@ -124,31 +150,3 @@ def _backward_error(node: torch.fx.Node) -> Optional[BaseException]:
         except Exception:
             return None
     return None
-
-
-def check(gm: torch.fx.GraphModule) -> None:
-    """Raise the error of the first custom op in dynamo's graph ``gm`` whose backward cannot be
-    traced, after learning it (module docstring). Each op is tried once per graph."""
-    tried = set()
-    for node in gm.graph.nodes:
-        op = node.target
-        if node.op != "call_function" or op in tried:
-            continue
-        name = tp.op_qualified_name(op)
-        if name is None or name.partition("::")[0] in _OWN_NAMESPACES:
-            continue
-        tried.add(op)
-        error = _backward_error(node)
-        if error is None:
-            continue
-        why = (f"the backward of custom op {name} cannot be traced ({type(error).__name__}: "
-               f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}: it reads tensor "
-               f"values in Python); each call runs between graphs, as eager runs it")
-        with _lock:
-            new = op not in _ops
-            _ops[op] = why
-        if new:
-            logger.warning("fxtrain: %s. A backward written as a custom op with a fake "
-                           "implementation would keep it in the graph.", why)
-        _install(op)
-        raise error
