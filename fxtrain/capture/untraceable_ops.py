@@ -13,7 +13,8 @@ forward and backward on the capture's fake tensors (a few milliseconds). An op w
 there is learnt by that TrainModule: the backend raises the error at once (dynamo files it and
 traces the frame again), and from then on dynamo breaks the graph at each call of the op while the
 module captures with gradients on (``UntraceableOps.breaking``); the op runs between graphs as
-eager runs it, forward and backward. Mixtral's first step: 64 s -> 18-22 s, one failed try. A
+eager runs it, forward and backward. That Mixtral's first step at a new batch size (symbolic):
+70-75 s -> 23-27 s, one failed try (bench/moe_first_step.py). A
 capture that the partition worker partitions later runs in the autograd mode meanwhile, which runs
 the op's own backward: it keeps the op in its graph (one graph), and stays in the autograd mode
 when the worker's trace fails on it. Outside a module's captures (a user's torch.compile, an
