@@ -10,9 +10,9 @@ the largest gradient difference from eager's float32, and what padding eliminati
 Mistral, Qwen3, Phi-3, ModernBERT, Gemma 4, Nemotron, Apertus and the mixtures of experts were
 found with the pass off (docs/sparsity.md).
 
-    PYTHONPATH=<checkout> python bench/hf_families.py [--families qwen3,phi3] [--speed Qwen3,Phi3 [--device D] [--autocast bf16]]
+    PYTHONPATH=<checkout> python bench/hf_families.py [--families qwen3,phi3] [--speed Qwen3,Phi3 [--device D] [--autocast bf16] [--attention eager] [--shape 4x1024]]
 
-``--speed``: a small model of each named family (hidden 256, 4 layers, 16 x 128, 50% padding) timed
+``--speed``: a small model of each named family (hidden 256, 4 layers, 16 x 128 or ``--shape``, 50% padding) timed
 against eager with default options, interleaved, medians of 8 steps (docs/benchmarks.md).
 """
 from __future__ import annotations
@@ -196,23 +196,32 @@ def check(name: str) -> List[Any]:
             f"{worst:.1e}", info.graphs, info.graph_breaks, fired, said[:90]]
 
 
-def speed(family: str, device: str = "cpu", autocast: Optional[str] = None) -> str:
+def speed(family: str, device: str = "cpu", autocast: Optional[str] = None, attention: Optional[str] = None,
+          shape: Tuple[int, int] = (16, 128)) -> str:
     """One family's steps against eager on ``device``, interleaved, in float32 or under
     ``autocast`` ("bf16", "fp16": each forward in ``torch.autocast``; the GPU report's "hf" section
-    runs it with ``--device cuda``)."""
+    runs it with ``--device cuda``); ``attention``: transformers' attention implementation for the
+    model (default: the family's own default); ``shape``: the batch's rows and their length."""
     import transformers
     kw = dict(vocab_size=8000, hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=64, max_position_embeddings=256, pad_token_id=0, attention_dropout=0.0)
+              num_key_value_heads=2, head_dim=64, max_position_embeddings=max(256, shape[1]), pad_token_id=0,
+              attention_dropout=0.0)
     if family == "Gemma4":   # its text config; per-layer inputs from a table the size of the vocabulary
         kw.update(vocab_size_per_layer_input=8000, hidden_size_per_layer_input=64)
     if family == "GptOss":   # Mixtral's defaults: 8 experts, 2 per token (gpt-oss's own are 128 and 4)
         kw.update(num_local_experts=8, num_experts_per_tok=2)
+    if family == "GPTJ":     # the same sizes under GPT-J's names; its attention has no grouped keys
+        kw = dict(vocab_size=8000, n_embd=256, n_inner=704, n_layer=4, n_head=4, rotary_dim=32,
+                  n_positions=max(256, shape[1]),
+                  pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     config = getattr(transformers, {"Gemma4": "Gemma4TextConfig"}.get(family, f"{family}Config"))(**kw)
+    if attention:
+        config._attn_implementation = attention
     torch.manual_seed(0)
     model = getattr(transformers, f"{family}ForCausalLM")(config).to(device)
     ref = copy.deepcopy(model)
     tm = fxtrain.TrainModule(model)
-    batch = models.synthetic_batch("clm", 16, 128, 8000, padding=0.5, generator=torch.Generator().manual_seed(0),
+    batch = models.synthetic_batch("clm", *shape, 8000, padding=0.5, generator=torch.Generator().manual_seed(0),
                                    device=torch.device(device))
     module = getattr(torch, torch.device(device).type, None)
     sync = getattr(module, "synchronize", lambda: None)   # an accelerator's queue, drained around each step
@@ -240,9 +249,11 @@ def speed(family: str, device: str = "cpu", autocast: Optional[str] = None) -> s
     info = tm.capture_info()
     why = info.optimizations.get("padding_elimination", "")
     fell = f"; fell back to eager: {info.fallback_reason}" if info.fallback_reason else ""
-    return f"{family}{' under ' + autocast + ' autocast' if autocast else ''}: eager {e * 1e3:.1f} ms, " \
+    attention = "; attention " + why.split("attention on real tokens, ")[1][:80] if "sequence by sequence" in why else ""
+    return f"{family}{' (' + attention + ' attention)' if attention else ''}" \
+        f"{' under ' + autocast + ' autocast' if autocast else ''}: eager {e * 1e3:.1f} ms, " \
         f"fxtrain {f * 1e3:.1f} ms, {e / f:.2f}x; first step {first_mine:.1f} s (eager {first_eager:.1f} s), " \
-        f"{info.graphs} graph(s); padding_elimination {why[:70]}{fell}"
+        f"{info.graphs} graph(s); padding_elimination {why[:70]}{attention}{fell}"
 
 
 def main() -> None:
@@ -251,10 +262,13 @@ def main() -> None:
     p.add_argument("--speed", help="comma-separated transformers class prefixes (Qwen3,Phi3): time those instead")
     p.add_argument("--device", default="cpu", help="where --speed runs (default cpu)")
     p.add_argument("--autocast", choices=("bf16", "fp16"), help="--speed under torch.autocast (default float32)")
+    p.add_argument("--attention", help="--speed with this transformers attention implementation (eager, sdpa)")
+    p.add_argument("--shape", default="16x128", help="--speed's batch, ROWSxLENGTH (default 16x128, half padding)")
     args = p.parse_args()
     if args.speed:
         for family in args.speed.split(","):
-            print(speed(family.strip(), args.device, args.autocast), flush=True)
+            rows, length = (int(n) for n in args.shape.lower().split("x"))
+            print(speed(family.strip(), args.device, args.autocast, args.attention, (rows, length)), flush=True)
         return
     names = [n.strip() for n in args.families.split(",")] if args.families else list(FAMILIES)
     unknown = sorted(set(names) - set(FAMILIES))

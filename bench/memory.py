@@ -1,6 +1,10 @@
 """Peak memory of a steady dense training step: eager vs fxtrain's runtimes (issue 8's memory bullet).
 
-    PYTHONPATH=<checkout> python bench/memory.py [--models gpt2,vit]
+    PYTHONPATH=<checkout> python bench/memory.py [--models gpt2,vit,llama-eager]
+
+``llama-eager`` is not dense: an HF Llama set to ``attn_implementation="eager"`` at 4 x 1024 with
+half of each row padding, whose attention in eager ops keeps ``[batch, heads, seq, seq]`` scores
+for the backward where fxtrain runs it sequence by sequence (passes/eager_attention.py).
 
 Each (model, contender) runs in a fresh process (Linux) with glibc serving every allocation above
 64 kB by mmap (``MALLOC_MMAP_THRESHOLD_``), so freed tensors leave the resident set at once and RSS
@@ -28,6 +32,15 @@ def _model(name: str):
     if name == "gpt2":
         m = models.gpt2_lm(hidden=256, layers=4, heads=4, vocab=2000, positions=256)
         b = models.synthetic_batch("clm", 8, 128, 2000, padding=0.0, generator=torch.Generator().manual_seed(0))
+        return m, lambda f: f(**b).loss
+    if name == "llama-eager":
+        import transformers
+        cfg = transformers.LlamaConfig(vocab_size=8000, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                       max_position_embeddings=1024, pad_token_id=0)
+        cfg._attn_implementation = "eager"
+        m = transformers.LlamaForCausalLM(cfg)
+        b = models.synthetic_batch("clm", 4, 1024, 8000, padding=0.5, generator=torch.Generator().manual_seed(0))
         return m, lambda f: f(**b).loss
     from transformers import ViTConfig, ViTForImageClassification
     cfg = ViTConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024,

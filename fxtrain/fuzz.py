@@ -79,15 +79,17 @@ EXTRA_MODELS: Dict[str, Tuple[Callable[[], torch.nn.Module], str, int]] = {
     "glm4-clm": (lambda: _hf_clm("Glm4"), "clm", 0),
     # A mixture of experts: its expert block as one row op for padding elimination (passes/expert_blocks.py).
     "mixtral-clm": (lambda: _hf_clm("Mixtral", num_local_experts=4, num_experts_per_tok=2), "clm", 0),
-    # Attention in eager ops, re-padded around (passes/eager_attention.py): Gemma 2's softcapped
+    # Attention in eager ops (passes/eager_attention.py), re-padded around: Gemma 2's softcapped
     # scores; gpt-oss's sink column, its sliding-window cache and its experts' in-place biases.
     "gemma2-clm": (lambda: _hf_clm("Gemma2"), "clm", 0),
     "gptoss-clm": (lambda: _hf_clm("GptOss", num_local_experts=4, num_experts_per_tok=2), "clm", 0),
+    # A plain eager block is the SDPA it computes and runs on the real tokens sequence by sequence.
+    "llama-eager-clm": (lambda: _hf_clm("Llama", attn_implementation="eager"), "clm", 0),
 }
 IMAGE_LABELS = 5
 # Models the passes are checked to fire on (on the capturing batch).
 FIRES = (*(name for name, (_, kind, _) in MODELS.items() if kind != "image"), "llama-clm", "qwen3-clm", "phi3-clm",
-         "mistral-clm", "glm4-clm", "mixtral-clm", "gemma2-clm", "gptoss-clm")
+         "mistral-clm", "glm4-clm", "mixtral-clm", "gemma2-clm", "llama-eager-clm", "gptoss-clm")
 LOSSES = ("model", "custom")   # the model's own loss from `labels`, or one given to ModuleWithLoss
 PASSES_FIRING = {"mlm": ("label_sparsity", "padding_elimination"), "clm": ("label_sparsity", "padding_elimination"),
                  "cls": ("upstream_slicing", "padding_elimination"), "image": ()}

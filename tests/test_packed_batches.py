@@ -189,6 +189,27 @@ def test_packed_documents_under_bf16_autocast():
     assert tm.capture_info().optimizations["packed_attention"].startswith("on"), tm.capture_info().optimizations
 
 
+def test_packed_documents_through_attention_in_eager_ops():
+    """HF Llama set to ``attn_implementation="eager"``: its attention written out in eager ops
+    (passes/eager_attention.py) is the SDPA it computes and runs document by document; its
+    document mask blocks keys with float32's lowest value, not ``-inf``, which hides them as
+    exactly. Loss, gradients and updated weights equal eager's over two layouts served by one
+    capture. Before, attention stayed over whole rows ("no attention")."""
+    import transformers
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                      max_position_embeddings=64, pad_token_id=0)
+    config._attn_implementation = "eager"
+    tm, ref = wrap_pair(transformers.LlamaForCausalLM(config), dynamic=None)
+    batches = [_packed(_documents(rows, seed=i)) for i, rows in enumerate(LAYOUTS[:2])]
+    train_parity(tm, ref, batches, lambda out, _: out.loss)
+    info = tm.capture_info()
+    assert len(info.records) == 1 and info.dense_batches == {}, (info.records, info.dense_batches)
+    assert info.optimizations["packed_attention"].endswith(": 2 of 2 attention(s) run document by document"), \
+        info.optimizations
+
+
 def test_a_batch_whose_mask_is_no_document_mask_runs_dense(tmp_path):
     """The batch guard checks the mask on every batch: one that also masks keys (here a padding
     mask) takes the dense route, with eager's numbers; a document mask again runs per document.

@@ -314,15 +314,25 @@ def test_experts_whose_pairs_depend_on_other_tokens_keep_the_padding(capacity):
 
 
 # Attention written out in eager ops (transformers' eager_attention_forward): Gemma 2, whose logit
-# softcapping transformers runs in eager ops only, a Llama set to attn_implementation="eager", and
-# gpt-oss (a sink logit per head as an extra softmax column; its experts add their biases in place
-# and split gate and up as ``x[..., ::2]``). q, k and v are re-padded around it, as around an SDPA
-# that cannot run sequence by sequence, and every projection runs on the real tokens. Before, the
-# pass was off ("padding rows reach transpose"; gpt-oss: "no attention mask ... marks the padding").
-@pytest.mark.parametrize("family", ["Gemma2", "Llama", "GptOss"])
-def test_hf_attention_in_eager_ops_keeps_the_padded_layout_between_real_token_projections(family):
+# softcapping transformers runs in eager ops only, gpt-oss (a sink logit per head as an extra softmax
+# column; its experts add their biases in place and split gate and up as ``x[..., ::2]``), a Llama
+# set to attn_implementation="eager", and GPT-J, which transformers runs in eager ops only (its q
+# and k cast to float32 for the scores, its rotary embedding on part of each head before the heads'
+# permute). Every projection runs on the real tokens. A plain block (Llama's, GPT-J's: scores
+# scaled, masked, softmaxed) is the SDPA it computes and runs sequence by sequence as one; a capped
+# or sink one keeps the padded layout, q, k and v re-padded around it. Before, the pass was off
+# ("padding rows reach transpose"; gpt-oss: "no attention mask ... marks the padding"), then the
+# plain blocks stayed re-padded too.
+@pytest.mark.parametrize("family", ["Gemma2", "GptOss", "Llama", "GPTJ"])
+def test_hf_attention_in_eager_ops_runs_on_real_tokens_as_the_sdpa_it_computes_or_keeps_the_padded_layout(family):
     torch.manual_seed(0)
-    model = _hf_causal_lm(family, **(dict(num_local_experts=4, num_experts_per_tok=2) if family == "GptOss" else {}))
+    if family == "GPTJ":
+        import transformers
+        model = transformers.GPTJForCausalLM(transformers.GPTJConfig(
+            vocab_size=1000, n_embd=32, n_layer=2, n_head=2, rotary_dim=8, n_positions=64, pad_token_id=0,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    else:
+        model = _hf_causal_lm(family, **(dict(num_local_experts=4, num_experts_per_tok=2) if family == "GptOss" else {}))
     model.config._attn_implementation = "eager"
     tm, ref = wrap_pair(model)
     if family == "GptOss" and not _traceable_experts():   # transformers 5.17: its MoE layers break the graph
@@ -331,9 +341,16 @@ def test_hf_attention_in_eager_ops_keeps_the_padded_layout_between_real_token_pr
         return
     _train_from_eager_weights(tm, ref, _batches("clm", 0, 2))
     _fired(tm)
-    # Per layer q, k, v, o and three more: the MLP's projections, or gpt-oss's router and two grouped matmuls.
-    assert "14 matmul(s) on real tokens only" in _why(tm), _why(tm)
-    assert "sequence by sequence: 0 of 2 (re-padded: attn_output: attention in eager ops" in _why(tm), _why(tm)
+    # Per layer q, k, v, o and three more: the MLP's projections, or gpt-oss's router and two grouped
+    # matmuls. GPT-J's MLP has two, and its last layer's output projection and MLP (parallel to
+    # attention) run on the labelled rows only (upstream slicing): 2 x 6 - 3.
+    assert f"{9 if family == 'GPTJ' else 14} matmul(s) on real tokens only" in _why(tm), _why(tm)
+    if family in ("Llama", "GPTJ"):
+        assert "sequence by sequence: 2 of 2" in _why(tm) and "re-padded" not in _why(tm), _why(tm)
+    else:
+        why_not = "its scores pass through tanh" if family == "Gemma2" else "its softmax has a sink column"
+        assert "sequence by sequence: 0 of 2 (re-padded: attn_output: attention in eager ops" in _why(tm), _why(tm)
+        assert why_not in _why(tm), _why(tm)
 
 
 def _softcapped_attention(cap_after_mask):

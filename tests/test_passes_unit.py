@@ -19,6 +19,7 @@ from fxtrain.capture.pipeline import CaptureContext, rewrite
 from fxtrain.cost.launches import DeviceRates, DeviceStep, StepLoad, launch_bound, rates_for, replay_pays
 from fxtrain.graph_walk import ancestors
 from fxtrain.passes import ExampleSource, Plans, run_passes
+from fxtrain.passes import eager_attention
 from fxtrain.passes.batch_guard import GuardBuilder, counted_index
 from fxtrain.passes.label_sparsity import label_sparsity
 from fxtrain.passes.padding_elimination import padding_elimination
@@ -440,6 +441,62 @@ def test_launch_bound_decides_only_where_it_knows():
     assert launch_bound(1, 0, step, cuda, torch.float32) is None             # no kernel added
     assert launch_bound(10 ** 9, 5, None, cuda, torch.float32) is None       # the dense step unknown
     assert rates_for("xpu").name == "xpu"   # any accelerator: the same model
+
+
+def _eager_encoder(form):
+    """``encoder`` with its attention written out in eager ops, as transformers' eager attention:
+    ``plain`` (scaled by a number, cast, an additive mask at float32's lowest value, softmax, a
+    dropout of ``p`` 0); ``capped`` (``tanh`` before the mask); ``dropout`` (``p`` 0.1 while
+    training); ``tensor scale`` (scaled by a one-element tensor)."""
+    def fn(input_ids, attention_mask, labels, emb, wq, wk, wv, wo, ln_w, ln_b, decoder):
+        b, s = input_ids.size(0), input_ids.size(1)
+        h = F.embedding(input_ids, emb)
+
+        def heads(w):
+            return F.linear(h, w).view(b, s, HEADS, H // HEADS).transpose(1, 2)
+
+        mask = (1.0 - attention_mask[:, None, None, :].float()) * torch.finfo(torch.float32).min
+        scores = torch.matmul(heads(wq), heads(wk).transpose(-2, -1)).float()
+        scores = scores * ln_w[:1] if form == "tensor scale" else scores / 2.0
+        if form == "capped":
+            scores = torch.tanh(scores)
+        weights = F.softmax(scores + mask, dim=-1, dtype=torch.float32)
+        weights = F.dropout(weights, p=0.1 if form == "dropout" else 0.0, training=True)
+        a = torch.matmul(weights, heads(wv))
+        h = F.layer_norm(h + F.linear(a.transpose(1, 2).reshape(b, s, H), wo), (H,), ln_w, ln_b)
+        logits = F.linear(h, decoder)
+        return (F.cross_entropy(logits.view(-1, V), labels.view(-1), ignore_index=-100),)
+    return fn
+
+
+@pytest.mark.parametrize("form", ["plain", "capped", "dropout", "tensor scale"])
+def test_attention_in_eager_ops_runs_on_real_tokens_as_the_sdpa_it_computes_only_when_plain(form):
+    """passes/eager_attention.py: a plain block is SDPA with its mask and scale (here 1/2), and
+    padding elimination runs it sequence by sequence (no matmul over [batch, heads, seq, seq] left);
+    any other keeps the padded layout and the report says why. Loss and gradients are the
+    original graph's either way, over the capturing batch and another."""
+    inputs = _encoder_inputs()
+    gm = _traced(_eager_encoder(form), inputs)
+    original = copy.deepcopy(gm)
+    (block,) = eager_attention.find(gm)
+    equivalent, why = block.sdpa_equivalent()
+    assert (equivalent is None) == (form != "plain"), why
+    if form == "plain":
+        assert equivalent.args["scale"] == 0.5 and equivalent.args["attn_mask"] is block.mask
+        assert equivalent.args["key"] is block.scores.args[1].args[0] and equivalent.args["value"] is block.out.args[1]
+    report, plans = _run(padding_elimination, gm, ExampleSource(_batch(inputs)))
+    assert report.applied, report
+    expected = {"plain": "1 of 1", "capped": "its scores pass through tanh (a cap) before the mask",
+                "dropout": "attention dropout is on", "tensor scale": "its scores are scaled by a tensor"}[form]
+    assert expected in report.reason, report
+    squares = [n for n in gm.graph.nodes if n.target is torch.matmul and n.meta.get("val") is not None
+               and tuple(n.meta["val"].shape[-2:]) == (S, S)]
+    assert bool(squares) == (form != "plain"), squares
+    if form != "dropout":   # dropout draws its mask from the generator: no two runs agree
+        _same_step(gm, original, inputs, ENCODER_WEIGHTS)
+        other = _encoder_inputs(seed=1, lengths=(2, 8, 6))
+        assert plans.guard.failed(tuple(other.values())) == []
+        _same_step(gm, original, other, ENCODER_WEIGHTS)
 
 
 def test_padding_elimination_reports_the_attention_calls_it_makes_variable_length():

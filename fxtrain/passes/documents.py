@@ -49,8 +49,9 @@ from ..runtime.step import PassReport, Plans
 from ..runtime.host_counts import HOST_DOCUMENT_LENGTHS
 from .batch_guard import GuardBuilder, host_numbers
 from .density import ExampleSource, density_reason
+from . import eager_attention
 from .rows import ancestors, attention_flops_at_capture, value
-from .varlen import as_sdpa_sees_them, erase_replaced, sdpa_arguments
+from .varlen import Attention, as_sdpa_sees_them, erase_replaced
 
 logger = logging.getLogger("fxtrain")
 Node = torch.fx.Node
@@ -69,11 +70,15 @@ def emit_document_starts(graph: torch.fx.Graph, positions: Node) -> Node:
 
 
 def emit_document_mask_check(graph: torch.fx.Graph, mask: Node, positions: Node, causal: bool,
-                             is_bool: bool) -> Node:
+                             dtype: torch.dtype) -> Node:
     """Nodes of ``graph`` computing a 0-d bool: ``mask`` (an SDPA mask, ``[batch or 1, heads or 1,
-    seq, seq]``, bool or additive as ``is_bool`` says) lets each token see exactly the tokens of its
-    own document (at or before it when ``causal``), documents read from ``positions``. An additive
-    mask must block with ``-inf`` (weight exactly 0, as skipping the key)."""
+    seq, seq]``, bool or additive as its ``dtype`` says) lets each token see exactly the tokens of
+    its own document (at or before it when ``causal``), documents read from ``positions``. An
+    additive mask must block with ``-inf`` or its dtype's lowest value (transformers' eager masks):
+    each token sees at least itself, and for scores short of the dtype's range ``exp`` of a score
+    plus the lowest value, less the row's largest, is exactly 0, the weight of a skipped key (the
+    padding rule's, ``varlen.mask_kind``)."""
+    is_bool = dtype == torch.bool
     g = graph
     doc = g.call_method("cumsum", (emit_document_starts(g, positions), -1))
     q_doc = g.call_function(operator.getitem, (doc, (slice(None), None, slice(None), None)))
@@ -87,7 +92,7 @@ def emit_document_mask_check(graph: torch.fx.Graph, mask: Node, positions: Node,
     bad = g.call_method("any", (g.call_function(torch.ne, (allowed, expected)),))
     ok = g.call_function(torch.logical_not, (bad,))
     if not is_bool:
-        blocked = g.call_function(torch.eq, (mask, float("-inf")))
+        blocked = g.call_function(torch.le, (mask, torch.finfo(dtype).min))   # -inf, or the lowest value
         formed = g.call_method("all", (g.call_function(torch.logical_or, (allowed, blocked)),))
         ok = g.call_function(torch.logical_and, (ok, formed))
     return ok
@@ -111,7 +116,7 @@ def is_document_mask(mask: torch.Tensor, positions: torch.Tensor, causal: bool) 
     b, s = positions.shape
     if mask.dim() != 4 or tuple(mask.shape[-2:]) != (s, s) or mask.shape[0] not in (1, b):
         return False
-    return bool(_run(lambda g, m, p: emit_document_mask_check(g, m, p, causal, mask.dtype == torch.bool),
+    return bool(_run(lambda g, m, p: emit_document_mask_check(g, m, p, causal, mask.dtype),
                      mask, positions))
 
 
@@ -156,10 +161,9 @@ def _hint_shape(node: Any) -> Optional[Tuple[int, ...]]:
     return tuple(size_hint(d) for d in v.shape)
 
 
-def _check_call(sdpa: Node) -> Tuple[Optional[Tuple[int, int, int, int, int]], str]:
-    """``(batch, heads, seq, dim, key/value heads)`` of an SDPA that can run document by document
-    whatever its mask, or why not."""
-    args = sdpa_arguments(sdpa)
+def _check_call(args: Dict[str, Any]) -> Tuple[Optional[Tuple[int, int, int, int, int]], str]:
+    """``(batch, heads, seq, dim, key/value heads)`` of an attention (SDPA's arguments by name) that
+    can run document by document whatever its mask, or why not."""
     if not isinstance(args["attn_mask"], Node):
         return None, _NO_MASK
     if not isinstance(args["dropout_p"], (int, float)) or args["dropout_p"] != 0:
@@ -208,19 +212,26 @@ def packed_attention(gm: torch.fx.GraphModule, examples: ExampleSource, options:
     if options.packed_attention == "off":
         return PassReport(NAME, False, "off by option")
     graph = gm.graph
-    sdpas = [n for n in graph.nodes if n.op == "call_function" and n.target in _SDPA]
-    if not sdpas:
-        return PassReport(NAME, False, "no attention")
     why: List[str] = []
-    found: Dict[Node, Tuple[Tuple[int, int, int, int, int], Node, bool]] = {}
+    attentions = [Attention.of_sdpa(n) for n in graph.nodes if n.op == "call_function" and n.target in _SDPA]
+    for block in eager_attention.find(gm):   # a plain block in eager ops is the SDPA it computes
+        equivalent, why_not = block.sdpa_equivalent()
+        if equivalent is None:
+            why.append(f"{block.out.name}: attention in eager ops: {why_not}")
+        else:
+            attentions.append(equivalent)
+    if not attentions and not why:
+        return PassReport(NAME, False, "no attention")
+    total = len(attentions) + len(why)
+    found: Dict[Attention, Tuple[Tuple[int, int, int, int, int], Node, bool]] = {}
     evaluated: Dict[Node, Any] = {}
     documents: Dict[Tuple[Node, int, int], Tuple[Optional[Tuple[Node, bool]], str]] = {}
-    for sdpa in sdpas:
-        dims, reason = _check_call(sdpa)
+    for attention in attentions:
+        dims, reason = _check_call(attention.args)
         if dims is None:
-            why.append(f"{sdpa.name}: {reason}")
+            why.append(f"{attention.name}: {reason}")
             continue
-        mask = sdpa_arguments(sdpa)["attn_mask"]
+        mask = attention.args["attn_mask"]
         if mask not in evaluated:
             evaluated[mask] = examples.evaluate(gm, mask)
         # Once per mask: the layers share theirs, and reading one is a few passes over
@@ -229,9 +240,9 @@ def packed_attention(gm: torch.fx.GraphModule, examples: ExampleSource, options:
             documents[mask, dims[0], dims[2]] = _documents_of(evaluated[mask], mask, dims[0], dims[2], examples)
         docs, reason = documents[mask, dims[0], dims[2]]
         if docs is None:
-            why.append(f"{sdpa.name}: {reason}")
+            why.append(f"{attention.name}: {reason}")
             continue
-        found[sdpa] = (dims, *docs)
+        found[attention] = (dims, *docs)
     if not found:
         reasons = sorted({w.split(": ", 1)[1] for w in why})
         packed = None
@@ -257,27 +268,26 @@ def packed_attention(gm: torch.fx.GraphModule, examples: ExampleSource, options:
     lengths_of: Dict[Node, Node] = {}
     done = saved = run_calls = 0
     first = next(n for n in graph.nodes if n.op != "placeholder")
-    for sdpa, ((b, h, s, d, kh), pos, causal) in found.items():
-        args = sdpa_arguments(sdpa)
+    for attention, ((b, h, s, d, kh), pos, causal) in found.items():
+        args = attention.args
         key = (args["attn_mask"], pos, causal)
         if key not in guarded:
             g_mask, g_pos = builder.node(args["attn_mask"]), builder.node(pos)
             guarded[key] = g_mask is not None and g_pos is not None
             if guarded[key]:
-                is_bool = evaluated[args["attn_mask"]].dtype == torch.bool
-                ok = emit_document_mask_check(builder.graph, g_mask, g_pos, causal, is_bool)
+                ok = emit_document_mask_check(builder.graph, g_mask, g_pos, causal, evaluated[args["attn_mask"]].dtype)
                 kind = "causal " if causal else ""
                 builder.require(ok, f"the attention mask is not the {kind}document mask of position_ids "
                                     "that the per-document attention relies on")
         if not guarded[key]:
-            why.append(f"{sdpa.name}: its mask cannot be checked before each step")
+            why.append(f"{attention.name}: its mask cannot be checked before each step")
             continue
         if pos not in lengths_of:
             with graph.inserting_before(first):
                 starts = emit_document_starts(graph, pos)
                 lengths_of[pos] = host_numbers(gm, plans, starts, HOST_DOCUMENT_LENGTHS)
         scale = float(args["scale"]) if args["scale"] is not None else d ** -0.5
-        with graph.inserting_before(sdpa):
+        with graph.inserting_before(attention.out):
             rows = []
             for name in ("query", "key", "value"):
                 x = args[name]
@@ -285,13 +295,14 @@ def packed_attention(gm: torch.fx.GraphModule, examples: ExampleSource, options:
                     x = graph.call_method("repeat_interleave", (x, h // kh), {"dim": 1})
                 tokens_first = graph.call_method("transpose", (x, 1, 2))          # [b, s, heads, dim]
                 rows.append((tokens_first, graph.call_method("flatten", (tokens_first, 0, 1))))
-            both = graph.call_function(VARLEN_ATTENTION, (*as_sdpa_sees_them(graph, sdpa, [r for _, r in rows]),
+            both = graph.call_function(VARLEN_ATTENTION, (*as_sdpa_sees_them(graph, attention.out, [r for _, r in rows],
+                                                                             args),
                                                           lengths_of[pos], scale, bool(causal)))
             out = graph.call_function(operator.getitem, (both, 0))
             out = graph.call_method("transpose", (graph.call_method("view_as", (out, rows[0][0])), 1, 2))
-        saved += round(attention_flops_at_capture(sdpa) * (1 - work / whole))
-        sdpa.replace_all_uses_with(out)
-        erase_replaced(graph, [sdpa])
+        saved += round(attention_flops_at_capture(attention.out, args) * (1 - work / whole))
+        attention.out.replace_all_uses_with(out)
+        erase_replaced(graph, attention.own)
         done += 1
         run_calls += kernel_calls(value(args["query"]), value(args["value"]), lengths[pos])
     builder.store(plans)
@@ -300,7 +311,7 @@ def packed_attention(gm: torch.fx.GraphModule, examples: ExampleSource, options:
     if not done:
         return PassReport(NAME, False, why[0])
     note = f" (over whole rows: {'; '.join(why)})" if why else ""
-    return PassReport(NAME, True, f"{reason}: {done} of {len(sdpas)} attention(s) run document by document{note}",
+    return PassReport(NAME, True, f"{reason}: {done} of {total} attention(s) run document by document{note}",
                       saved_flops=saved, attention_calls=done, attention_runs=run_calls)
 
 

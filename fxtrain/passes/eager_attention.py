@@ -11,8 +11,11 @@ and every model a user sets to ``attn_implementation="eager"`` compute attention
 gpt-oss adds a learned "sink" logit per head as one more column before the softmax and drops its
 weight after: ``x = cat([scores + mask, sinks], -1); softmax(x - x.max(-1, keepdim=True)[0])[..., :-1]``.
 
-Padding elimination re-pads q, k and v around such a block as it does around an SDPA it cannot
-replace: zeros at the padding positions instead of eager's values there. That gives eager's numbers
+A plain block (scores scaled by numbers and cast, no cap, no sink, no acting dropout) is the SDPA
+it computes (:meth:`EagerAttention.sdpa_equivalent`), and padding elimination runs it sequence by
+sequence as one (passes/varlen.py). Around any other, padding elimination re-pads q, k and v as
+it does around an SDPA it cannot replace: zeros at the padding positions instead of eager's values
+there. That gives eager's numbers
 at every real query only if a padding key gets weight exactly 0 whatever its value, which is why
 :func:`find` accepts this form and no other: the additive mask is the last op before the softmax
 (a mask applied before a ``tanh`` would be capped to ``-cap`` and leave padding keys a weight), the
@@ -33,7 +36,8 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from .rows import Node, value
+from .rows import Node, op_name, value
+from .varlen import Attention
 
 _MATMUL = {torch.matmul, operator.matmul}
 _SOFTMAX_FUNCTIONS = {F.softmax, torch.softmax}
@@ -49,16 +53,54 @@ _ADD = {operator.add, torch.add}
 @dataclass
 class EagerAttention:
     """One matched block: ``scores`` is ``matmul(q, k^T)``, ``out`` is ``matmul(weights, v)``,
-    ``mask`` the additive mask, ``nodes`` the block's own nodes from ``scores`` to ``out``."""
+    ``mask`` the additive mask, ``nodes`` the block's own nodes from ``scores`` to ``out``;
+    ``score_ops`` the score-wise ops between the first matmul and the mask, ``around`` the sink
+    column or row max around the softmax, ``tail`` what sits between the softmax and ``out``."""
 
     scores: Node
     out: Node
     mask: Node
     nodes: List[Node] = field(default_factory=list)
+    score_ops: List[Node] = field(default_factory=list)
+    around: List[Node] = field(default_factory=list)
+    tail: List[Node] = field(default_factory=list)
 
     def inputs(self) -> Dict[Node, Tuple[int, ...]]:
         """Where q, k (transposed) and v enter: node -> argument positions."""
         return {self.scores: (0, 1), self.out: (1,)}
+
+    def sdpa_equivalent(self) -> Tuple[Optional[Attention], str]:
+        """This block as the SDPA call it computes, ``(attention, "")``, or ``(None, why not)``.
+
+        Only a plain block qualifies: scores scaled by numbers and cast, no sink column, no row max,
+        no cap, and no dropout that acts (``p`` 0 or ``training`` False). Its softmax over
+        ``scale * q.k + mask`` is then exactly SDPA's with that float mask, so the varlen rewrite
+        can run it on each sequence's real tokens as one kernel call per layer and direction
+        (passes/varlen.py), where the re-padded block costs ``batch * seq**2`` in four kernels or
+        more. Read from the graph as it is when called: the padding rewrite changes the block's inputs."""
+        if self.around:
+            return None, "its softmax has a sink column or subtracts a row max"
+        scale = 1.0
+        for node in self.score_ops:
+            if _cast_of(node) is not None:
+                continue
+            if node.target in _UNARY_FUNCTIONS or node.target in _UNARY_METHODS:
+                return None, f"its scores pass through {op_name(node)} (a cap) before the mask"
+            number = [a for a in node.args if not isinstance(a, Node)]
+            if len(number) != 1 or not isinstance(number[0], (int, float)) or isinstance(number[0], bool):
+                return None, "its scores are scaled by a tensor"
+            divides = node.target in (operator.truediv, torch.div, "div")
+            scale = scale / number[0] if divides else scale * number[0]
+        for node in self.tail:
+            if _is_dropout(node, node.args[0]) and not _dropout_inactive(node):
+                return None, "attention dropout is on (its mask over the padded layout has no per-sequence form)"
+        k_t = self.scores.args[1]
+        if not (isinstance(k_t, Node) and _last_two_swapped(k_t)):
+            return None, "its keys are not transposed in the graph"
+        own = list(reversed(self.nodes)) + ([k_t] if list(k_t.users) == [self.scores] else [])
+        return Attention(self.out, {"query": self.scores.args[0], "key": k_t.args[0], "value": self.out.args[1],
+                                    "attn_mask": self.mask, "dropout_p": 0.0, "is_causal": False, "scale": scale,
+                                    "enable_gqa": False}, own), ""
 
 
 def find(gm: torch.fx.GraphModule) -> List[EagerAttention]:
@@ -186,7 +228,8 @@ def _match(softmax: Node) -> Optional[EagerAttention]:
         out, tail = after
         if not _shape_4d(out) or value(out).shape[-2] != value(scores).shape[-2]:
             return None
-        return EagerAttention(scores, out, mask, [scores, *chain[:0:-1], added, *pre, softmax, *tail, out])
+        return EagerAttention(scores, out, mask, [scores, *chain[:0:-1], added, *pre, softmax, *tail, out],
+                              chain[1:], pre, tail)
     return None
 
 
@@ -222,6 +265,27 @@ def _weights_to_matmul(softmax: Node, keys: Any = None) -> Optional[Tuple[Node, 
 
 def _is_dropout(node: Node, x: Node) -> bool:
     return node.op == "call_function" and node.target is F.dropout and bool(node.args) and node.args[0] is x
+
+
+def _dropout_inactive(node: Node) -> bool:
+    """``F.dropout(x, p, training)`` that returns ``x``: ``p`` 0 or ``training`` False, as constants."""
+    bound = dict(zip(("input", "p", "training", "inplace"), node.args), **node.kwargs)
+    p, training = bound.get("p", 0.5), bound.get("training", True)
+    return training is False or (isinstance(p, (int, float)) and not isinstance(p, bool) and p == 0)
+
+
+def _last_two_swapped(node: Node) -> bool:
+    """``k.transpose(-2, -1)`` (or ``(2, 3)``) of a 4-d ``k``."""
+    v = value(node)
+    if not isinstance(v, torch.Tensor) or v.dim() != 4 or node.kwargs:
+        return False
+    if node.op == "call_method" and node.target == "transpose" and len(node.args) == 3:
+        dims = node.args[1:]
+    elif node.op == "call_function" and node.target is torch.transpose and len(node.args) == 3:
+        dims = node.args[1:]
+    else:
+        return False
+    return isinstance(node.args[0], Node) and all(isinstance(d, int) for d in dims) and {d % 4 for d in dims} == {2, 3}
 
 
 def _shape_4d(node: Node) -> bool:

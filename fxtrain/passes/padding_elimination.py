@@ -44,7 +44,7 @@ from .defer import defer_dense, feeds_resumed_code
 from .label_sparsity import cross_entropy_args, unsupported_cross_entropy
 from .density import ExampleSource, add_probe, density_reason
 from .row_ops import put_rows, row_selection, take_rows
-from .varlen import attention_on_real_tokens, mask_kind, per_position_op, sdpa_arguments
+from .varlen import Attention, attention_on_real_tokens, mask_kind, per_position_op, sdpa_arguments
 from .rows import (Node, _same, _same_shape, ancestors, attention_flops_at_capture, copy_on_rows, descendants,
                    features_split, flops_at_capture, heavy, op_name, row_inputs, run_node, same_shape_guarded,
                    topk_rows, value)
@@ -440,10 +440,13 @@ def padding_elimination(gm: torch.fx.GraphModule, examples: ExampleSource, optio
         hides_padding, kinds[sdpa] = read[attn_mask]
         if not hides_padding:
             return PassReport(NAME, False, f"the mask of {sdpa.name} lets real tokens attend to padding")
-    for block in eager:   # attention in eager ops: re-padded around, as an SDPA kept on the padded layout
+    for block in eager:   # attention in eager ops: as an SDPA where it computes one, else re-padded around
         if block.mask not in read:
-            read[block.mask] = (_masks_padding_keys(examples.evaluate(gm, block.mask), tokens), None)
-        if not read[block.mask][0]:
+            evaluated = examples.evaluate(gm, block.mask)
+            hides = _masks_padding_keys(evaluated, tokens)
+            read[block.mask] = (hides, mask_kind(evaluated, tokens) if hides else None)
+        hides_padding, kinds[block.out] = read[block.mask]
+        if not hides_padding:
             return PassReport(NAME, False, f"the mask of {block.out.name} lets real tokens attend to padding")
     lead_shape = value(mask_node).shape
     inputs = {n: (0, 1, 2) for n in sdpas}
@@ -462,7 +465,8 @@ def padding_elimination(gm: torch.fx.GraphModule, examples: ExampleSource, optio
     lengths = tokens.sum(1).tolist()
     within = sum(n * n for n in lengths) / (tokens.shape[0] * tokens.shape[1] ** 2)
     saved = round(sum(flops_at_capture(n) for n in plan.region) * (1 - real_share))
-    attention = {n: attention_flops_at_capture(n) for n in kinds}
+    attention = {n: attention_flops_at_capture(n) for n in sdpas}
+    attention.update({b.out: flops_at_capture(b.scores) + flops_at_capture(b.out) for b in eager})
     padded = _padded_values(plan)
     output = next(n for n in graph.nodes if n.op == "output")
     if any(o in padded for o in output.all_input_nodes) and feeds_resumed_code(gm):
@@ -474,16 +478,30 @@ def padding_elimination(gm: torch.fx.GraphModule, examples: ExampleSource, optio
     _erase_unused(gm, padded)
     plan.consumers = [c for c in plan.consumers if c[1].op != "output" and c[1] in gm.graph.nodes]
     index, packed_row = _rewrite(gm, plan, mask_node, pad_id, plans)
-    kinds = {n: k for n, k in kinds.items() if n in gm.graph.nodes}
-    heads = {n: (value(sdpa_arguments(n)["query"]), value(sdpa_arguments(n)["value"])) for n in kinds}
-    varlen, kept = attention_on_real_tokens(gm, plans, kinds, index, packed_row, set(plan.row_cuts), mask_node,
+    # Read after the rewrite, which re-pads their inputs.
+    attentions: Dict[Attention, Optional[bool]] = {}
+    kept_eager = []
+    blocks = {b.out: b for b in eager}
+    for node, kind in kinds.items():
+        if node not in gm.graph.nodes:
+            continue
+        if node not in blocks:
+            attentions[Attention.of_sdpa(node)] = kind
+            continue
+        equivalent, why_not = blocks[node].sdpa_equivalent()
+        if equivalent is None:
+            kept_eager.append(f"{node.name}: attention in eager ops (matmul, softmax, matmul) runs on the padded "
+                              f"layout: {why_not}")
+        else:
+            attentions[equivalent] = kind
+    heads = {a.out: (value(a.args["query"]), value(a.args["value"])) for a in attentions}
+    varlen, kept = attention_on_real_tokens(gm, plans, attentions, index, packed_row, set(plan.row_cuts), mask_node,
                                             pad_id or 0, tokens, examples.evaluate)
     saved += round(sum(f for n, f in attention.items() if n not in gm.graph.nodes) * (1 - within))
     note = f"; {deferred} returned tensor(s) that hold padding positions are computed on first use" if deferred else ""
-    kept += [f"{b.out.name}: attention in eager ops (matmul, softmax, matmul) runs on the padded layout"
-             for b in eager]
-    if kinds or eager:
-        note += f"; attention on real tokens, sequence by sequence: {varlen} of {len(kinds) + len(eager)}"
+    kept += kept_eager
+    if attentions or kept_eager:
+        note += f"; attention on real tokens, sequence by sequence: {varlen} of {len(attentions) + len(kept_eager)}"
         note += f" (re-padded: {kept[0]})" if kept else ""
     return PassReport(NAME, True, f"{reason}: {matmuls} matmul(s) on real tokens only{note}", saved_flops=saved,
                       attention_calls=varlen, attention_runs=sum(kernel_calls(*qv, lengths) for n, qv in heads.items()

@@ -398,9 +398,10 @@ def contraction_dtype(gm: torch.fx.GraphModule) -> Tuple[str, torch.dtype]:
     return out.device.type, out.dtype
 
 
-def attention_flops_at_capture(sdpa: Node) -> int:
-    """Forward FLOPs of an SDPA node over whole rows: scores and their product with the values."""
-    args = dict(zip(("query", "key"), sdpa.args), **sdpa.kwargs)
+def attention_flops_at_capture(sdpa: Node, args: Optional[Dict[str, Any]] = None) -> int:
+    """Forward FLOPs of an SDPA node (or of the attention whose output is ``sdpa`` and whose
+    arguments by name are ``args``) over whole rows: scores and their product with the values."""
+    args = args if args is not None else dict(zip(("query", "key"), sdpa.args), **sdpa.kwargs)
     q, k = _tensor(args.get("query")), _tensor(args.get("key"))
     out = _tensor(sdpa)
     if q is None or k is None or out is None:

@@ -2,7 +2,8 @@
 
 After ``padding_elimination._rewrite`` every attention reads q, k and v re-padded into zeros
 (``row_ops.put_rows`` followed by the model's own view/split/transpose) and its output is gathered
-back to the real tokens. Here that round trip is replaced, attention by attention, by
+back to the real tokens. Here that round trip is replaced, attention by attention (an SDPA call,
+or a plain block written in eager ops: ``Attention``), by
 ``fxtrain::varlen_attention`` on the packed rows themselves (``runtime/varlen_attention.py``), so
 attention costs ``sum(length**2)`` instead of ``batch * seq**2`` and the re-padding disappears.
 
@@ -37,6 +38,7 @@ from __future__ import annotations
 import logging
 import math
 import operator
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
@@ -213,17 +215,26 @@ def autocast_dtype_at(node: Node, device_type: str) -> Optional[torch.dtype]:
     return state[-1]
 
 
-def as_sdpa_sees_them(graph: torch.fx.Graph, sdpa: Node, tensors: List[Node]) -> List[Node]:
-    """q, k and v for ``varlen_attention`` in place of ``sdpa``, cast as autocast would cast
-    SDPA's (inserted at the graph's insert point). The custom op is on no autocast list, and under
-    bf16 autocast a Llama-style rotary embedding leaves q and k in float32 (its cos and sin are)
-    beside a bf16 v: eager's SDPA casts all three; the CPU flash kernel refused the mix ("expected
-    scalar type Float but found BFloat16") and every such capture fell back to eager."""
-    q = sdpa_arguments(sdpa)["query"]
-    device = value(q).device.type if isinstance(value(q), torch.Tensor) else None
+def as_sdpa_sees_them(graph: torch.fx.Graph, sdpa: Node, tensors: List[Node],
+                      args: Optional[Dict[str, Any]] = None) -> List[Node]:
+    """q, k and v for ``varlen_attention`` in place of ``sdpa`` (``args``: its arguments, for an
+    attention in eager ops), cast as autocast would cast SDPA's (inserted at the graph's insert
+    point). The custom op is on no autocast list, and under bf16 autocast a Llama-style rotary
+    embedding leaves q and k in float32 (its cos and sin are) beside a bf16 v: eager's SDPA casts
+    all three; the CPU flash kernel refused the mix ("expected scalar type Float but found
+    BFloat16") and every such capture fell back to eager. Without autocast, q and k of another
+    dtype than v (GPT-J casts them to float32 for its scores) are cast to v's, the dtype eager's
+    output has."""
+    args = args if args is not None else sdpa_arguments(sdpa)
+    q, v = value(args["query"]), value(args["value"])
+    device = q.device.type if isinstance(q, torch.Tensor) else None
     dtype = autocast_dtype_at(sdpa, device) if device is not None else None
     if dtype is None:
-        return tensors
+        if not isinstance(v, torch.Tensor):
+            return tensors
+        dtype = v.dtype
+        return [x if value(a) is not None and value(a).dtype == dtype else graph.call_method("to", (x, dtype))
+                for x, a in zip(tensors, (args["query"], args["key"], args["value"]))]
     return [graph.call_method("to", (x, dtype)) for x in tensors]
 
 
@@ -259,6 +270,26 @@ def mask_kind(attn_mask: Any, tokens: torch.Tensor) -> Optional[bool]:
         if not bool(((allowed != expected) & real_q).any()):
             return causal
     return None
+
+
+@dataclass(eq=False)
+class Attention:
+    """One attention as the rewrite sees it: SDPA's arguments by name (``sdpa_arguments``), the
+    node whose value is its ``[batch, heads, seq, dim]`` output, and the nodes that go once it is
+    replaced: an SDPA call alone, or a block written in eager ops with all of its own
+    (``eager_attention.EagerAttention.sdpa_equivalent``)."""
+
+    out: Node
+    args: Dict[str, Any]
+    own: List[Node]
+
+    @classmethod
+    def of_sdpa(cls, node: Node) -> "Attention":
+        return cls(node, sdpa_arguments(node), [node])
+
+    @property
+    def name(self) -> str:
+        return self.out.name
 
 
 class _Match:
@@ -580,9 +611,9 @@ def _splits_features(out: torch.Tensor, rows: torch.Tensor, first: int, heads: i
     return torch.equal(out.transpose(1, 2), want)
 
 
-def _match(gm: torch.fx.GraphModule, sdpa: Node, index: Node, tokens: torch.Tensor,
+def _match(gm: torch.fx.GraphModule, attention: Attention, index: Node, tokens: torch.Tensor,
            ev: _Evaluator, real_rows: Set[Node]) -> Tuple[Optional[_Match], str]:
-    args = sdpa_arguments(sdpa)
+    args = attention.args
     if not isinstance(args["dropout_p"], (int, float)) or args["dropout_p"] != 0:
         return None, "attention dropout is on (its mask over the padded layout has no per-sequence form)"
     if args["is_causal"] is not False or args["enable_gqa"] is not False:
@@ -639,7 +670,7 @@ def _match(gm: torch.fx.GraphModule, sdpa: Node, index: Node, tokens: torch.Tens
         match.dead += repeat + path + [put, zeros]
         if chain is not None:
             match.dead += chain.post + chain.nodes[::-1]
-    node, path = sdpa, []
+    node, path = attention.out, []
     while True:
         users = list(node.users)
         if len(users) != 1:
@@ -654,13 +685,13 @@ def _match(gm: torch.fx.GraphModule, sdpa: Node, index: Node, tokens: torch.Tens
         path.append(user)
         node = user
     probe = ev.numbered((b, match.heads, s, match.dim), tokens.device)
-    out = ev.run(sdpa, probe, node)
+    out = ev.run(attention.out, probe, node)
     # [tokens, heads * dim], or [tokens, heads, dim] where the region starts before the heads' merge
     match.merged = isinstance(out, torch.Tensor) and tuple(out.shape) == (b * s, match.heads * match.dim)
     if not isinstance(out, torch.Tensor) or not match.merged and tuple(out.shape) != (b * s, match.heads, match.dim) \
             or not torch.equal(out.reshape(b, s, match.heads, match.dim), probe.transpose(1, 2)):
         return None, "its output is not merged back head after head"
-    match.dead += [match.gather] + path[::-1] + [sdpa]
+    match.dead += [match.gather] + path[::-1] + attention.own
     return match, ""
 
 
@@ -730,10 +761,10 @@ def _require_mask(builder: GuardBuilder, mask: Node, attn_mask: Node, pad: int, 
     return True
 
 
-def attention_on_real_tokens(gm: torch.fx.GraphModule, plans: Plans, kinds: Dict[Node, Optional[bool]],
+def attention_on_real_tokens(gm: torch.fx.GraphModule, plans: Plans, kinds: Dict[Attention, Optional[bool]],
                              index: Node, packed_row: Callable[[], Node], real_rows: Set[Node], mask: Node,
                              pad: int, tokens: torch.Tensor, evaluate: Any) -> Tuple[int, List[str]]:
-    """Replace each re-padded attention of ``kinds`` (SDPA node -> causal, or None when its mask
+    """Replace each re-padded attention of ``kinds`` (attention -> causal, or None when its mask
     fits neither kind) by ``varlen_attention`` on the packed rows. ``index``: the real tokens' flat
     positions; ``packed_row()``: each flat position's row among them; ``real_rows``: gathers of
     padded values whose rows the batch guard checks are real (the labelled rows of label sparsity).
@@ -765,30 +796,30 @@ def attention_on_real_tokens(gm: torch.fx.GraphModule, plans: Plans, kinds: Dict
                 gathered[side] = _side_rows(call, side, kind, at)
         return gathered[side]
 
-    for sdpa, causal in kinds.items():
+    for attention, causal in kinds.items():
         if causal is None:
-            why.append(f"{sdpa.name}: its mask is not padding plus causal order")
+            why.append(f"{attention.name}: its mask is not padding plus causal order")
             continue
-        match, reason = _match(gm, sdpa, index, tokens, ev, real_rows)
+        match, reason = _match(gm, attention, index, tokens, ev, real_rows)
         if match is None:
-            why.append(f"{sdpa.name}: {reason}")
+            why.append(f"{attention.name}: {reason}")
             continue
-        attn_mask = sdpa_arguments(sdpa)["attn_mask"]
+        attn_mask = attention.args["attn_mask"]
         key = (attn_mask, causal)
         if key not in guarded:
             mask_value = ev.outside(attn_mask)
             guarded[key] = isinstance(mask_value, torch.Tensor) and _require_mask(
                 builder, mask, attn_mask, pad, causal, mask_value.dtype)
         if not guarded[key]:
-            why.append(f"{sdpa.name}: its mask cannot be checked before each step")
+            why.append(f"{attention.name}: its mask cannot be checked before each step")
             continue
         if lengths is None:
             first = next(n for n in graph.nodes if n.op != "placeholder")
             with graph.inserting_before(first):
                 lengths = host_numbers(gm, plans, graph.call_function(torch.ne, (mask, pad)), HOST_ROW_LENGTHS)
-        scale = sdpa_arguments(sdpa)["scale"]
+        scale = attention.args["scale"]
         scale = float(scale) if scale is not None else match.dim ** -0.5
-        with graph.inserting_before(sdpa):
+        with graph.inserting_before(attention.out):
             packed = []
             for rows, feature_dims, first, width, chain, heads, rep in match.inputs:
                 if feature_dims > 1:
@@ -801,7 +832,7 @@ def attention_on_real_tokens(gm: torch.fx.GraphModule, plans: Plans, kinds: Dict
                 if rep > 1:   # grouped-query attention: each key/value head serves rep query heads
                     x = graph.call_function(torch.repeat_interleave, (x, rep), {"dim": 1})
                 packed.append(x)
-            packed = as_sdpa_sees_them(graph, sdpa, packed)
+            packed = as_sdpa_sees_them(graph, attention.out, packed, attention.args)
             both = graph.call_function(VARLEN_ATTENTION, (*packed, lengths, scale, bool(causal)))
             out = graph.call_function(operator.getitem, (both, 0))
             if match.merged:
