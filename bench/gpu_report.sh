@@ -138,7 +138,7 @@ if wanted hf; then
         --autocast bf16 >> "$WORK/hf_speed.log" 2>&1
     echo "exit $?" >> "$WORK/hf_speed.log"
     # Attention in eager ops that is plain (GPT-J; Llama set to eager) runs as one varlen call per
-    # layer and direction: at 4 x 1024 on the CPU 3.0x fxtrain's re-padded step.
+    # layer and direction: at 4 x 1024 on the CPU 3.6-4.1x eager, 1.4x before (docs/benchmarks.md).
     timeout "${HF_S:-120}" $PY bench/hf_families.py --speed GPTJ,Llama --attention eager --shape 4x1024 --device cuda \
         --autocast bf16 >> "$WORK/hf_speed.log" 2>&1
     echo "exit $?" >> "$WORK/hf_speed.log"

@@ -249,11 +249,12 @@ def speed(family: str, device: str = "cpu", autocast: Optional[str] = None, atte
     info = tm.capture_info()
     why = info.optimizations.get("padding_elimination", "")
     fell = f"; fell back to eager: {info.fallback_reason}" if info.fallback_reason else ""
-    attention = "; attention " + why.split("attention on real tokens, ")[1][:80] if "sequence by sequence" in why else ""
+    attention_note = "; attention " + why.split("attention on real tokens, ")[1][:80] if "sequence by sequence" in why \
+        else ""
     return f"{family}{' (' + attention + ' attention)' if attention else ''}" \
         f"{' under ' + autocast + ' autocast' if autocast else ''}: eager {e * 1e3:.1f} ms, " \
         f"fxtrain {f * 1e3:.1f} ms, {e / f:.2f}x; first step {first_mine:.1f} s (eager {first_eager:.1f} s), " \
-        f"{info.graphs} graph(s); padding_elimination {why[:70]}{attention}{fell}"
+        f"{info.graphs} graph(s); padding_elimination {why[:70]}{attention_note}{fell}"
 
 
 def main() -> None:
