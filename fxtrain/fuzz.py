@@ -85,11 +85,14 @@ EXTRA_MODELS: Dict[str, Tuple[Callable[[], torch.nn.Module], str, int]] = {
     "gptoss-clm": (lambda: _hf_clm("GptOss", num_local_experts=4, num_experts_per_tok=2), "clm", 0),
     # A plain eager block is the SDPA it computes and runs on the real tokens sequence by sequence.
     "llama-eager-clm": (lambda: _hf_clm("Llama", attn_implementation="eager"), "clm", 0),
+    # Heads 3 * dim features apart in one fused projection, a partial rotary embedding (GPT-NeoX).
+    "gptneox-clm": (lambda: _hf_clm("GPTNeoX", rotary_pct=0.5), "clm", 0),
 }
 IMAGE_LABELS = 5
 # Models the passes are checked to fire on (on the capturing batch).
 FIRES = (*(name for name, (_, kind, _) in MODELS.items() if kind != "image"), "llama-clm", "qwen3-clm", "phi3-clm",
-         "mistral-clm", "glm4-clm", "mixtral-clm", "gemma2-clm", "llama-eager-clm", "gptoss-clm")
+         "mistral-clm", "glm4-clm", "mixtral-clm", "gemma2-clm", "llama-eager-clm", "gptneox-clm",
+         "gptoss-clm")
 LOSSES = ("model", "custom")   # the model's own loss from `labels`, or one given to ModuleWithLoss
 PASSES_FIRING = {"mlm": ("label_sparsity", "padding_elimination"), "clm": ("label_sparsity", "padding_elimination"),
                  "cls": ("upstream_slicing", "padding_elimination"), "image": ()}

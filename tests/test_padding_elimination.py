@@ -313,6 +313,20 @@ def test_experts_whose_pairs_depend_on_other_tokens_keep_the_padding(capacity):
         assert _why(tm).startswith("off: padding rows reach "), _why(tm)
 
 
+def test_gpt_neox_attention_from_its_per_head_fused_projection_runs_sequence_by_sequence():
+    """GPT-NeoX (Pythia) views its fused q/k/v projection as ``[batch, seq, heads, 3 * dim]`` and
+    chunks the last dim, so head ``h``'s query is features ``3 * dim * h ..`` of each token, not a
+    contiguous block of q's: the varlen rewrite takes heads ``3 * dim`` features apart (its partial
+    rotary embedding between). Before, attention stayed re-padded ("its query does not split each
+    token's features into heads")."""
+    torch.manual_seed(0)
+    model = _hf_causal_lm("GPTNeoX", rotary_pct=0.5, hidden_dropout=0.0)
+    tm, ref = wrap_pair(model)
+    _train_from_eager_weights(tm, ref, _batches("clm", 0, 2))
+    _fired(tm)
+    assert "sequence by sequence: 2 of 2" in _why(tm) and "re-padded" not in _why(tm), _why(tm)
+
+
 # Attention written out in eager ops (transformers' eager_attention_forward): Gemma 2, whose logit
 # softcapping transformers runs in eager ops only, gpt-oss (a sink logit per head as an extra softmax
 # column; its experts add their biases in place and split gate and up as ``x[..., ::2]``), a Llama

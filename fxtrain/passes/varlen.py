@@ -294,9 +294,9 @@ class Attention:
 
 class _Match:
     def __init__(self) -> None:
-        # q, k, v: (packed rows, their feature dims, first feature, row width, per-position chain,
-        # heads, repeats of each head)
-        self.inputs: List[Tuple[Node, int, int, int, Optional[_Chain], int, int]] = []
+        # q, k, v: (packed rows, their feature dims, first feature, features from one head's first
+        # to the next's, row width, per-position chain, heads, repeats of each head)
+        self.inputs: List[Tuple[Node, int, int, int, int, Optional[_Chain], int, int]] = []
         self.heads = 0
         self.dim = 0
         self.merged = True   # the gathered output is [tokens, heads * dim], not [tokens, heads, dim]
@@ -598,17 +598,21 @@ class _Evaluator:
         self._random.clear()
 
 
-def _splits_features(out: torch.Tensor, rows: torch.Tensor, first: int, heads: int, dim: int) -> bool:
+def _splits_features(out: torch.Tensor, rows: torch.Tensor, first: int, heads: int, dim: int,
+                     stride: int) -> bool:
     """Whether ``out`` (``[batch, heads, seq, dim]``, made from ``rows``, ``[batch, seq, features]``,
-    whose values number each element) holds each token's features ``first .. first + heads * dim``
-    head after head. One comparison on the graph's device, against a view of ``rows``: the probes
-    are as large as the capturing batch's activations (BERT-base at 32 x 512: 12.6 M values per
-    q, k and v of each layer), so copying them to the host and decoding each value's row and
-    feature there took seconds of the first step."""
-    if not 0 <= first <= rows.shape[2] - heads * dim:
+    whose values number each element) holds, for head ``h``, each token's ``dim`` features from
+    ``first + h * stride``: heads one after another (``stride == dim``), or each head's q, k and v
+    side by side in one block of ``stride`` features (GPT-NeoX's fused projection viewed as
+    ``[batch, seq, heads, 3 * dim]`` and chunked). One comparison on the graph's device, against
+    ``rows``: the probes are as large as the capturing batch's activations (BERT-base at 32 x 512:
+    12.6 M values per q, k and v of each layer), so copying them to the host and decoding each
+    value's row and feature there took seconds of the first step."""
+    if first < 0 or stride < dim or first % stride + dim > stride \
+            or first - first % stride + heads * stride > rows.shape[2]:
         return False
-    want = rows[:, :, first:first + heads * dim].unflatten(2, (heads, dim))   # [batch, seq, heads, dim]
-    return torch.equal(out.transpose(1, 2), want)
+    at = first + torch.arange(heads, device=rows.device)[:, None] * stride + torch.arange(dim, device=rows.device)
+    return torch.equal(out.transpose(1, 2), rows[:, :, at])   # [batch, seq, heads, dim]
 
 
 def _match(gm: torch.fx.GraphModule, attention: Attention, index: Node, tokens: torch.Tensor,
@@ -659,14 +663,16 @@ def _match(gm: torch.fx.GraphModule, attention: Attention, index: Node, tokens: 
         heads, dim = out.shape[1], out.shape[3]
         corner = float(out[0, 0, 0, 0])       # token 0's first feature in the heads
         first = int(corner) if corner.is_integer() else -1
-        if not _splits_features(out, probe.view(b, s, f), first, heads, dim):
+        after = float(out[0, 1, 0, 0]) if heads > 1 else corner + dim   # ... and in the second head
+        stride = int(after) - first if after.is_integer() else -1
+        if not _splits_features(out, probe.view(b, s, f), first, heads, dim, stride):
             return None, f"its {name} does not split each token's features into heads"
         if match.heads and (heads * rep, dim) != (match.heads, match.dim):
             return None, "q, k and v differ in heads or head size"
         match.heads, match.dim = heads * rep, dim
         if chain is not None and not _chain_exact(chain, ev, tokens, heads, dim):
             return None, f"its {name}'s per-position ops differ when run on the packed real tokens"
-        match.inputs.append((put.args[3], len(features), first, f, chain, heads, rep))
+        match.inputs.append((put.args[3], len(features), first, stride, f, chain, heads, rep))
         match.dead += repeat + path + [put, zeros]
         if chain is not None:
             match.dead += chain.post + chain.nodes[::-1]
@@ -821,12 +827,15 @@ def attention_on_real_tokens(gm: torch.fx.GraphModule, plans: Plans, kinds: Dict
         scale = float(scale) if scale is not None else match.dim ** -0.5
         with graph.inserting_before(attention.out):
             packed = []
-            for rows, feature_dims, first, width, chain, heads, rep in match.inputs:
+            for rows, feature_dims, first, stride, width, chain, heads, rep in match.inputs:
                 if feature_dims > 1:
                     rows = graph.call_method("flatten", (rows, 1))
-                if first or width != heads * match.dim:   # q, k or v is a part of each row (GPT-2's fused c_attn)
-                    rows = graph.call_method("narrow", (rows, 1, first, heads * match.dim))
-                x = graph.call_method("unflatten", (rows, 1, (heads, match.dim)))
+                base = first - first % stride   # where head 0's block of ``stride`` features starts
+                if base or width != heads * stride:   # q, k or v is a part of each row (GPT-2's fused c_attn)
+                    rows = graph.call_method("narrow", (rows, 1, base, heads * stride))
+                x = graph.call_method("unflatten", (rows, 1, (heads, stride)))
+                if stride != match.dim:   # each head's q, k and v side by side (GPT-NeoX)
+                    x = graph.call_method("narrow", (x, 2, first - base, match.dim))
                 if chain is not None:
                     x = _chain_on_rows(graph, chain, x, side_rows)
                 if rep > 1:   # grouped-query attention: each key/value head serves rep query heads
