@@ -15,8 +15,9 @@ What makes it exact, and what is checked before relying on it:
   document mask, a sliding window) runs the dense graph instead;
 - the layout ops between the packed rows and attention only split the features into heads
   (``[tokens, features]`` -> ``[batch, heads, seq, dim]`` with each head a contiguous block of
-  features) and the output ops only merge them back: checked by running those ops on a probe whose
-  values name their own position;
+  features, the heads a fixed number of features apart: one after another, or GPT-NeoX's q, k and
+  v of a head side by side) and the output ops only merge them back: checked by running those ops
+  on a probe whose values name their own position;
 - between that head split and attention, q and k may pass through ops that act on each position
   alone (rotary position embeddings: ``q * cos + rotate_half(q) * sin``; a per-head RMSNorm, also
   before the head transpose, as HF Qwen3's; ``per_position_op`` lists what qualifies, with shape
