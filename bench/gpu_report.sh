@@ -131,10 +131,10 @@ fi
 #    the GPU keeps any of it. Then plain attention in eager ops at 4 x 1024.
 if wanted hf; then
     section "HF families, bench/hf_families.py --speed --device cuda (float32, then --autocast bf16)"
-    timeout "${HF_S:-120}" $PY bench/hf_families.py --speed "${HF_FAMILIES:-Qwen3,Mixtral,Gemma4,Gemma2,GptOss}" --device cuda \
+    timeout "${HF_S:-120}" $PY bench/hf_families.py --speed "${HF_FAMILIES:-Qwen3,Mixtral,Gemma4,Gemma2,GptOss,GPTNeoX}" --device cuda \
         > "$WORK/hf_speed.log" 2>&1
     echo "exit $?" >> "$WORK/hf_speed.log"
-    timeout "${HF_S:-120}" $PY bench/hf_families.py --speed "${HF_FAMILIES:-Qwen3,Mixtral,Gemma4,Gemma2,GptOss}" --device cuda \
+    timeout "${HF_S:-120}" $PY bench/hf_families.py --speed "${HF_FAMILIES:-Qwen3,Mixtral,Gemma4,Gemma2,GptOss,GPTNeoX}" --device cuda \
         --autocast bf16 >> "$WORK/hf_speed.log" 2>&1
     echo "exit $?" >> "$WORK/hf_speed.log"
     # Attention in eager ops that is plain (GPT-J; Llama set to eager) runs as one varlen call per
