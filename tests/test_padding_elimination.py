@@ -367,6 +367,27 @@ def test_hf_attention_in_eager_ops_runs_on_real_tokens_as_the_sdpa_it_computes_o
         assert why_not in _why(tm), _why(tm)
 
 
+def test_gptj_in_bfloat16_gets_its_float32_queries_and_keys_cast_as_its_values_for_attention_on_real_tokens():
+    """GPT-J casts q and k to float32 for its scores; in a bfloat16 model (no autocast) v and the
+    output stay bfloat16. Attention on real tokens takes all three in v's dtype, the dtype eager's
+    output has (``varlen.as_sdpa_sees_them``); the kernels take no mix."""
+    import transformers
+    torch.manual_seed(0)
+    model = transformers.GPTJForCausalLM(transformers.GPTJConfig(
+        vocab_size=1000, n_embd=32, n_layer=2, n_head=2, rotary_dim=8, n_positions=64, pad_token_id=0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)).to(torch.bfloat16)
+    tm, ref = wrap_pair(model, fallback="raise")
+    for batch in _batches("clm", 0, 2):
+        out, ref_out = tm(**batch), ref(**batch)
+        assert out.logits.dtype == ref_out.logits.dtype == torch.bfloat16
+        torch.testing.assert_close(out.loss, ref_out.loss, atol=2e-2, rtol=2e-2)
+        out.loss.backward(); ref_out.loss.backward()
+        assert_grads_equal(tm.module, ref, atol=2e-2, rtol=2e-2)
+        tm.zero_grad(); ref.zero_grad()
+    _fired(tm)
+    assert "sequence by sequence: 2 of 2" in _why(tm), _why(tm)
+
+
 def _softcapped_attention(cap_after_mask):
     """Gemma 2's eager attention written out, with its softcap before the mask (as Gemma 2) or after
     it: then a padding key's score is capped to ``-1`` instead of staying at the mask's lowest
