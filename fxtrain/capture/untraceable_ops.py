@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Set
 
 import torch
 import torch.fx
@@ -40,7 +40,7 @@ _OWN_NAMESPACES = frozenset({"aten", "prims", "fxtrain"})
 
 
 _reasons: Dict[str, str] = {}   # qualified op name -> why its backward cannot be traced (a fact of the op)
-_raised: set = set()            # the texts of the errors the backend raised to make dynamo trace again
+_raised: Set[str] = set()       # the texts of the errors the backend raised to make dynamo trace again
 
 
 class UntraceableOps:
