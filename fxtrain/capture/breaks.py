@@ -136,14 +136,12 @@ def call_breaks(filed: _TALLY, sites: Sequence[Tuple[str, str]], graphs_made: in
     Three witnesses, each of which can miss a break the others see: the messages filed in the
     counters (a break before any op makes no graph), the graphs that end at a break (a message filed
     elsewhere), and the number of graphs (k graphs in one call are k-1 breaks). The call has as many
-    breaks as the largest of them says, not counting the backend's deliberate failure at a custom op
-    whose backward cannot be traced (``untraceable_ops.is_retry``). Messages count once each: dynamo
-    files a break inside an inlined function once for every frame it tries (the entry function, then
-    the model's forward).
+    breaks as the largest of them says. Messages count once each: dynamo files a break inside an
+    inlined function once for every frame it tries (the entry function, then the model's forward).
     A message and a site are paired when they are the same text or, failing that, in order, so that
     a reason says where the break is whenever dynamo did.
     """
-    messages = [m for m in filed if not untraceable_ops.is_retry(m)]   # a try that never ran
+    messages = list(filed)
     count = max(len(messages), len(sites), graphs_made - 1, 0)
     sites = list(sites)
     reasons: List[str] = []

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Dict, Iterator, List, Optional, Set
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 import torch.fx
@@ -40,7 +40,6 @@ _OWN_NAMESPACES = frozenset({"aten", "prims", "fxtrain"})
 
 
 _reasons: Dict[str, str] = {}   # qualified op name -> why its backward cannot be traced (a fact of the op)
-_raised: Set[str] = set()       # the texts of the errors the backend raised to make dynamo trace again
 
 
 class UntraceableOps:
@@ -100,8 +99,6 @@ class UntraceableOps:
             if op not in self._ops:
                 self._ops.append(op)
             self._install(op)
-            if str(error).strip():
-                _raised.add(str(error).strip())
             raise error
 
 
@@ -115,14 +112,6 @@ def explain(message: str) -> Optional[str]:
         if name in message or (f".{namespace}." in message and f".{op}" in message):
             return why
     return None
-
-
-def is_retry(message: str) -> bool:
-    """Whether dynamo's break ``message`` files the error the backend raised for a learnt op: that
-    try's graph never ran, and dynamo traced the frame again, so it is no break of the graphs that
-    run. Recognised by the error's own text inside dynamo's "Backend compiler ..." entry (torch
-    2.11 to 2.14 write ``failed with {error}``); wording it does not recognise counts as a break."""
-    return "Backend compiler" in message and any(text in message for text in list(_raised))
 
 
 def _example(value: Any) -> Any:
